@@ -1,0 +1,68 @@
+"""Core's own implementations, registered through the same hooks as any third-party plugin."""
+
+from __future__ import annotations
+
+import torch
+
+from jackfield.contracts.attention import AttentionCapabilities
+from jackfield.hookspecs import hookimpl
+from jackfield.specs import AttentionBackendSpec, ModelSpec, SamplerSpec
+
+JACKFIELD_API = ">=1.0,<2"
+
+TORCH_REF_CAPABILITIES = AttentionCapabilities(
+    kinds=("mla", "mha"),
+    activation_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    kv_cache_dtypes=("auto", "bfloat16", "fp8_e4m3"),
+    head_sizes=None,
+    block_size_multiple=1,
+    devices=("cpu", "cuda"),
+    sliding_window=True,
+    sinks=True,
+    sparse_topk=True,
+    non_causal=True,
+    dcp=True,
+    max_decode_query_len=1 << 16,
+    cuda_graph="never",
+)
+
+
+@hookimpl
+def register_attention_backends() -> list[AttentionBackendSpec]:
+    return [
+        AttentionBackendSpec(
+            name="torch_ref",
+            factory="jackfield.attention.torch_ref:TorchRefBackend",
+            capabilities=TORCH_REF_CAPABILITIES,
+            priority=0,  # the fallback: any faster backend that validates wins `auto`
+            description="plain PyTorch reference (the oracle); runs anywhere, float32 accumulation",
+        )
+    ]
+
+
+@hookimpl
+def register_samplers() -> list[SamplerSpec]:
+    return [
+        SamplerSpec(
+            name="murmur3",
+            factory="jackfield.sampling.samplers:Murmur3Sampler",
+            description="seeded Gumbel-max with Murmur3 noise; same tokens on every device and batch",
+        ),
+        SamplerSpec(
+            name="torch_ref",
+            factory="jackfield.sampling.samplers:TorchRefSampler",
+            description="reference sampler: softmax + torch.multinomial with a per-request generator",
+        ),
+    ]
+
+
+@hookimpl
+def register_models() -> list[ModelSpec]:
+    return [
+        ModelSpec(
+            name=arch,
+            factory="jackfield.models.deepseek:DeepseekForCausalLM",
+            description="DeepSeek MLA + MoE (V2/V3)",
+        )
+        for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+    ]

@@ -1,0 +1,45 @@
+"""The contracts between the engine and its backends: data records and small ABCs only."""
+
+from jackfield.contracts.attention import (
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionImpl,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionOutput,
+    AttentionRequirements,
+    Availability,
+)
+from jackfield.contracts.drafter import Drafter, DraftProposal, combined_lookahead, exportable_tokens
+from jackfield.contracts.kv_connector import (
+    ConnectorMetadata,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVCoverageSpec,
+)
+from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionCapabilities",
+    "AttentionImpl",
+    "AttentionLayerSpec",
+    "AttentionMetadata",
+    "AttentionMetadataBuilder",
+    "AttentionOutput",
+    "AttentionRequirements",
+    "Availability",
+    "ConnectorMetadata",
+    "DraftProposal",
+    "Drafter",
+    "KVConnectorScheduler",
+    "KVConnectorWorker",
+    "KVCoverageSpec",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingParams",
+    "combined_lookahead",
+    "exportable_tokens",
+]

@@ -1,0 +1,1 @@
+"""Conformance kit for backend authors (a pytest plugin registered as `jackfield`)."""
