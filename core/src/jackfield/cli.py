@@ -1,0 +1,52 @@
+"""`jackfield` command: subcommands live in jackfield.commands, one module each.
+
+User errors (bad config, unavailable backend) print a message and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from jackfield import __version__
+
+SUBCOMMANDS = ("plugins", "doctor")
+USER_ERROR_EXIT = 2
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as a message with exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jackfield", description="Plugin-based LLM inference.")
+    parser.add_argument("--version", action="version", version=f"jackfield {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log selection details to stderr")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"jackfield.commands.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    from jackfield.config import ConfigError
+    from jackfield.plugins import PluginConflictError
+    from jackfield.selection import SelectionError
+
+    try:
+        return int(args.handler(args))
+    except (UserError, ConfigError, SelectionError, PluginConflictError, FileNotFoundError) as exc:
+        print(f"jackfield {args.command}: error: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

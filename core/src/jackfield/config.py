@@ -1,0 +1,203 @@
+"""jackfield.toml -> frozen dataclasses. Unknown keys and wrong types are errors naming the file,
+the key and the closest valid key. CLI flags arrive as dotted overrides ("engine.block_size")."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDTypeName = Literal["auto", "bfloat16", "fp8_e4m3"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # a local Hugging Face directory; None: the embedded default model
+    dtype: DTypeName = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    backend: str = "auto"  # the target model's backend, every role unless named below
+    prefill_backend: str | None = None
+    decode_backend: str | None = None
+    drafter_backend: str | None = None
+    kv_cache_dtype: KVCacheDTypeName = "auto"
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    name: str = "murmur3"
+    seed: int = 0  # seeds the engine generator that gives seeds to requests without one
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str | None = None  # a registered drafter name
+    num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KVConnectorConfig:
+    name: str | None = None  # a registered KV connector name
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dcp_size: int = 1  # decode context parallel world size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    gpu_memory_fraction: float = 0.85  # of the free device memory, for the KV cache
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class JackfieldConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, one per line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _closest(name: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(name, valid, n=1)
+    return f" (did you mean {match[0]!r}?)" if match else f" (valid: {', '.join(valid)})"
+
+
+def _check_type(value: object, annotation: object) -> str | None:
+    """None when `value` fits `annotation`, else the expected type in words."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        return None if value in choices else "one of " + ", ".join(repr(c) for c in choices)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        failures = [_check_type(value, option) for option in options]
+        return None if any(f is None for f in failures) else " or ".join(str(f) for f in failures)
+    if annotation is type(None):
+        return None if value is None else "null"
+    if origin is not None and issubclass(origin, Mapping) or annotation is Mapping:
+        return None if isinstance(value, Mapping) else "a table"
+    if annotation is bool:
+        return None if isinstance(value, bool) else "a boolean"
+    if annotation is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if annotation is float:
+        return None if isinstance(value, int | float) and not isinstance(value, bool) else "a number"
+    if annotation is str:
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
+def _range_problems(config: JackfieldConfig) -> list[str]:
+    e, s = config.engine, config.speculative
+    checks = [
+        (e.block_size > 0, f"engine.block_size must be > 0, got {e.block_size}"),
+        (e.max_num_seqs > 0, f"engine.max_num_seqs must be > 0, got {e.max_num_seqs}"),
+        (e.max_num_batched_tokens > 0, f"engine.max_num_batched_tokens must be > 0, got {e.max_num_batched_tokens}"),
+        (e.max_model_len is None or e.max_model_len > 0, f"engine.max_model_len must be > 0, got {e.max_model_len}"),
+        (0.0 < e.gpu_memory_fraction <= 1.0, f"engine.gpu_memory_fraction must be in (0, 1], got {e.gpu_memory_fraction}"),
+        (e.cpu_kv_cache_gib > 0, f"engine.cpu_kv_cache_gib must be > 0, got {e.cpu_kv_cache_gib}"),
+        (s.num_speculative_tokens >= 0, f"speculative.num_speculative_tokens must be >= 0, got {s.num_speculative_tokens}"),
+        (s.method is None or s.num_speculative_tokens > 0,
+         "speculative.num_speculative_tokens must be > 0 when speculative.method is set"),
+        (config.parallel.dcp_size >= 1, f"parallel.dcp_size must be >= 1, got {config.parallel.dcp_size}"),
+        (config.sampler.seed >= 0, f"sampler.seed must be >= 0, got {config.sampler.seed}"),
+    ]
+    return [message for ok, message in checks if not ok]
+
+
+def _nest(overrides: Mapping[str, object]) -> dict[str, dict[str, object]]:
+    nested: dict[str, dict[str, object]] = {}
+    for dotted, value in overrides.items():
+        section, sep, key = dotted.partition(".")
+        if not sep:
+            raise ConfigError([f"override {dotted!r} must be 'section.key'"])
+        nested.setdefault(section, {})[key] = value
+    return nested
+
+
+def build_config(data: Mapping[str, object], source: str = "<config>") -> JackfieldConfig:
+    """Validate a parsed TOML document (every problem reported at once) into a config."""
+    problems: list[str] = []
+    sections: dict[str, object] = {}
+    section_fields = {f.name: f for f in dataclasses.fields(JackfieldConfig)}
+    for name, table in data.items():
+        if name not in section_fields:
+            problems.append(f"{source}: unknown section [{name}]{_closest(name, list(section_fields))}")
+            continue
+        if not isinstance(table, Mapping):
+            problems.append(f"{source}: [{name}] must be a table, got {type(table).__name__}")
+            continue
+        cls = typing.get_type_hints(JackfieldConfig)[name]
+        hints = typing.get_type_hints(cls)
+        values: dict[str, object] = {}
+        for key, value in table.items():
+            if key not in hints:
+                problems.append(f"{source}: unknown key {name}.{key}{_closest(key, list(hints))}")
+                continue
+            expected = _check_type(value, hints[key])
+            if expected is not None:
+                problems.append(f"{source}: {name}.{key} must be {expected}, got {value!r}")
+                continue
+            values[key] = float(value) if hints[key] is float else value
+        sections[name] = cls(**values)
+    if problems:
+        raise ConfigError(problems)
+    config = JackfieldConfig(**sections)  # type: ignore[arg-type]
+    problems = [f"{source}: {p}" for p in _range_problems(config)]
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, object] | None = None) -> JackfieldConfig:
+    """Read `path` (TOML; None: defaults), then apply dotted `overrides` (CLI flags win)."""
+    data: dict[str, dict[str, object]] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError([f"{source}: no such config file"]) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+    for section, values in _nest(overrides or {}).items():
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError([f"{source}: [{section}] must be a table"])
+        table.update(values)
+    return build_config(data, source)

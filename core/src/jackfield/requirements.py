@@ -1,0 +1,69 @@
+"""What a model needs from its attention backend, read from its Hugging Face config.json alone
+(no weights), so `jackfield doctor` and the engine agree before anything loads."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from jackfield.config import JackfieldConfig
+from jackfield.contracts.attention import AttentionRequirements
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(config: JackfieldConfig) -> str:
+    device = config.engine.device
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"engine.device is {device!r} but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(config: JackfieldConfig, device: str) -> torch.dtype:
+    if config.model.dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return _DTYPES[config.model.dtype]
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, object]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+    return json.loads(path.read_text())
+
+
+def attention_requirements(hf_config: Mapping[str, object], config: JackfieldConfig) -> AttentionRequirements:
+    """MLA for DeepSeek-style configs (kv_lora_rank set), MHA/GQA otherwise."""
+    device = resolve_device(config)
+    num_spec = config.speculative.num_speculative_tokens
+    common = dict(
+        dtype=resolve_dtype(config, device),
+        block_size=config.engine.block_size,
+        device=device.split(":")[0],
+        kv_cache_dtype=config.attention.kv_cache_dtype,
+        dcp=config.parallel.dcp_size > 1,
+        max_decode_query_len=1 + num_spec,
+    )
+    kv_lora_rank = hf_config.get("kv_lora_rank")
+    if kv_lora_rank:
+        return AttentionRequirements(
+            kind="mla",
+            head_size=int(kv_lora_rank) + int(hf_config.get("qk_rope_head_dim", 64)),  # type: ignore[arg-type]
+            sparse_topk=bool(hf_config.get("index_topk")),
+            **common,  # type: ignore[arg-type]
+        )
+    heads = int(hf_config["num_attention_heads"])  # type: ignore[arg-type]
+    head_dim = hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads  # type: ignore[arg-type]
+    return AttentionRequirements(
+        kind="mha",
+        head_size=int(head_dim),  # type: ignore[arg-type]
+        sliding_window=bool(hf_config.get("sliding_window")),
+        sinks=bool(hf_config.get("attention_sinks") or hf_config.get("use_sinks")),
+        non_causal=hf_config.get("is_causal") is False,
+        **common,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,40 @@
+"""Fixtures for core tests: throwaway installed distributions with real entry points."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from jackfield.plugins import reset_registry
+
+MakeDist = Callable[..., Path]
+
+
+@pytest.fixture
+def make_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MakeDist]:
+    """Write `module_name.py` and a dist-info with an entry point in group "jackfield" onto
+    sys.path, exactly as `pip install` leaves a distribution, so discovery is the real one."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    modules: list[str] = []
+
+    def make(dist_name: str, module_name: str, source: str, ep_name: str | None = None, version: str = "1.0") -> Path:
+        modules.append(module_name)
+        sys.modules.pop(module_name, None)  # an earlier test's module of the same name
+        (site / f"{module_name}.py").write_text(textwrap.dedent(source))
+        info = site / f"{dist_name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(f"[jackfield]\n{ep_name or module_name} = {module_name}\n")
+        return site
+
+    reset_registry()
+    yield make
+    reset_registry()
+    for name in modules:
+        sys.modules.pop(name, None)

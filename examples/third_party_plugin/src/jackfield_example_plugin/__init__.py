@@ -1,0 +1,33 @@
+"""A third-party Jackfield plugin: a greedy sampler named `example_greedy`.
+
+Install it (`pip install -e examples/third_party_plugin`), then `jackfield plugins` lists it and
+`[sampler] name = "example_greedy"` selects it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import jackfield
+from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata
+from jackfield.specs import SamplerSpec
+
+JACKFIELD_API = ">=1.0,<2"  # the core plugin-API versions this plugin was written for
+
+
+class GreedySampler(Sampler):
+    """Always the most likely token (lowest id on ties); ignores temperature and seeds."""
+
+    name = "example_greedy"
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+        finite = torch.isfinite(logits)
+        masked = torch.where(finite, logits.float(), torch.finfo(torch.float32).min)
+        return SamplerOutput(token_ids=masked.argmax(dim=-1), invalid_rows=~finite.any(dim=-1))
+
+
+@jackfield.hookimpl
+def register_samplers() -> list[SamplerSpec]:
+    return [SamplerSpec(name="example_greedy", factory=GreedySampler, description="example: argmax")]
