@@ -1,0 +1,40 @@
+"""Entry-point validation shared by the kernels: every bad input gets a clear error."""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_cache(kv_cache: torch.Tensor) -> None:
+    require(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, width], got shape {tuple(kv_cache.shape)}")
+    require(kv_cache.dtype in CACHE_DTYPES, f"kv_cache dtype {kv_cache.dtype} not in {CACHE_DTYPES}")
+    require(kv_cache.stride(-1) == 1, f"kv_cache rows must be contiguous (last stride 1), got strides {kv_cache.stride()}")
+    require(
+        kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1),
+        f"kv_cache blocks must be dense (stride(0) == block_size * stride(1)), got strides {kv_cache.stride()}",
+    )
+
+
+def check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> float:
+    """The per-tensor fp8 scale as a Python float (1.0 for non-fp8 caches); fp8 without one fails."""
+    if kv_cache.dtype != FP8:
+        return 1.0
+    require(kv_scale is not None, "fp8 (float8_e4m3fn) kv_cache needs kv_scale (a per-tensor scale); none was given")
+    assert kv_scale is not None
+    require(kv_scale.numel() == 1, f"kv_scale must hold one per-tensor value, got shape {tuple(kv_scale.shape)}")
+    value = float(kv_scale.reshape(()).item())
+    require(value > 0.0 and value != float("inf"), f"kv_scale must be finite and > 0, got {value}")
+    return value
+
+
+def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    require(tensor.device == device, f"{name} is on {tensor.device}, expected {device} (where kv_cache lives)")

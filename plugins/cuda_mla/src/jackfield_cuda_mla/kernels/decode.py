@@ -1,0 +1,153 @@
+"""Absorbed MLA decode over the paged latent cache: validation, split planning, launch.
+
+`mla_decode` serves dense decode (q_len >= 1 per request, causal or not) and sparse top-k decode
+(per query token a list of request-local key positions). It returns the output and the per-head
+natural-log LSE, so partial results from decode context parallel ranks can be merged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from jackfield_cuda_mla.kernels.checks import FP8, check_cache, check_device, check_scale, require
+from jackfield_cuda_mla.kernels.decode_kernels import mla_decode_stage1, mla_decode_stage2
+
+LOG2E = 1.4426950408889634
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile shape and launch width of stage 1."""
+
+    block_m: int  # rows (query token x head pairs) per program
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+def default_config(rows_per_group: int, on_gpu: bool) -> DecodeConfig:
+    # Many rows (H=128): a 64-row tile keeps the 64 x 512 fp32 accumulator at 128 registers a thread
+    # over 8 warps. Few rows (H=16, memory-bound): one program covers every head of a request, so
+    # each KV tile is read once.
+    block_m = max(16, min(64, triton.next_power_of_2(rows_per_group)))
+    if not on_gpu:
+        return DecodeConfig(block_m, 16, 4, 1)
+    if block_m >= 64:
+        return DecodeConfig(block_m, 32, 8, 2)
+    return DecodeConfig(block_m, 64, 4, 2)
+
+
+def plan_splits(programs: int, max_keys: int, block_n: int, num_sms: int, waves: int = 4) -> int:
+    """KV splits so that programs x splits fills `waves` waves of the GPU, each split >= 4 tiles."""
+    wanted = triton.cdiv(waves * num_sms, max(programs, 1))
+    useful = max(1, triton.cdiv(max_keys, 4 * block_n))
+    return max(1, min(wanted, useful, 64))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _check_int(name: str, t: torch.Tensor, dims: int, device: torch.device) -> None:
+    require(t.dim() == dims, f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    require(t.dtype == torch.int32, f"{name} dtype {t.dtype} must be int32")
+    require(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    check_device(name, t, device)
+
+
+def mla_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    sm_scale: float,
+    kv_lora_rank: int,
+    causal: bool = True,
+    kv_scale: torch.Tensor | None = None,
+    topk_indices: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention: query [T, H, R + P] over kv_cache [blocks, page, R + P] -> out [T, H, R], lse [T, H].
+
+    Query rows of request b are query_start_loc[b]:query_start_loc[b + 1]; row i sits at position
+    seq_lens[b] - q_len + i. `topk_indices` [T, K] int32 (-1 = unused) switches to sparse decode.
+    Rows that see no key get output 0 and LSE -inf.
+    """
+    check_cache(kv_cache)
+    device = kv_cache.device
+    require(query.dim() == 3, f"query must be [T, H, D], got shape {tuple(query.shape)}")
+    tokens, heads, width = query.shape
+    require(width == kv_cache.shape[2], f"query width {width} != cache record width {kv_cache.shape[2]}")
+    require(0 < kv_lora_rank < width, f"kv_lora_rank {kv_lora_rank} must lie in (0, {width})")
+    require(query.dtype in ACTIVATION_DTYPES, f"query dtype {query.dtype} must be bf16, fp16 or fp32")
+    require(kv_cache.dtype in (query.dtype, FP8), f"kv_cache dtype {kv_cache.dtype} must match query {query.dtype} or be fp8")
+    require(query.stride(-1) == 1, f"query must be contiguous in its last dimension, got strides {query.stride()}")
+    check_device("query", query, device)
+    _check_int("block_table", block_table, 2, device)
+    _check_int("seq_lens", seq_lens, 1, device)
+    _check_int("query_start_loc", query_start_loc, 1, device)
+    num_reqs = seq_lens.numel()
+    require(query_start_loc.numel() == num_reqs + 1, f"query_start_loc must be [{num_reqs + 1}], got {query_start_loc.numel()}")
+    require(block_table.shape[0] == num_reqs, f"block_table has {block_table.shape[0]} rows for {num_reqs} requests")
+    page = kv_cache.shape[1]
+    require(max_seq_len <= block_table.shape[1] * page, f"max_seq_len {max_seq_len} exceeds the block table's {block_table.shape[1]} x {page} slots")
+    scale = check_scale(kv_cache, kv_scale)
+    sparse = topk_indices is not None
+    if sparse:
+        _check_int("topk_indices", topk_indices, 2, device)
+        require(topk_indices.shape[0] == tokens, f"topk_indices has {topk_indices.shape[0]} rows for {tokens} query tokens")
+
+    out = torch.empty(tokens, heads, kv_lora_rank, dtype=query.dtype, device=device)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
+    if tokens == 0:
+        return out, lse
+    groups = tokens if sparse else num_reqs
+    rows_per_group = heads if sparse else max_query_len * heads
+    cfg = config or default_config(rows_per_group, device.type == "cuda")
+    row_blocks = triton.cdiv(rows_per_group, cfg.block_m)
+    max_keys = topk_indices.shape[1] if sparse else max_seq_len
+    splits = num_splits or plan_splits(groups * row_blocks, max_keys, cfg.block_n, _num_sms(device))
+    if splits == 1:
+        part_out, part_lse = out, lse
+        stride_os = stride_ls = 0
+    else:
+        part_out = torch.empty(tokens, heads, splits, kv_lora_rank, dtype=torch.float32, device=device)
+        part_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
+        stride_os, stride_ls = part_out.stride(2), part_lse.stride(2)
+    if sparse:
+        counts = query_start_loc[1:] - query_start_loc[:-1]
+        token_req = torch.repeat_interleave(torch.arange(num_reqs, device=device, dtype=torch.int32), counts, output_size=tokens)
+    else:
+        token_req = seq_lens  # unused by the dense kernel
+    rope = width - kv_lora_rank
+    mla_decode_stage1[(groups, row_blocks, splits)](
+        query, kv_cache, block_table, seq_lens, query_start_loc, token_req,
+        topk_indices if sparse else seq_lens, part_out, part_lse,
+        sm_scale * scale * LOG2E, scale, heads, topk_indices.shape[1] if sparse else 0,
+        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        topk_indices.stride(0) if sparse else 0,
+        part_out.stride(0), part_out.stride(1), stride_os, part_lse.stride(0), part_lse.stride(1), stride_ls,
+        RANK=kv_lora_rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(kv_lora_rank), BLOCK_P=triton.next_power_of_2(rope),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page, SPLITS=splits, SPARSE=sparse, CAUSAL=causal and not sparse,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        mla_decode_stage2[(tokens, heads)](
+            part_out, part_lse, out, lse,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            RANK=kv_lora_rank, BLOCK_R=triton.next_power_of_2(kv_lora_rank), SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out, lse
