@@ -1,0 +1,107 @@
+"""Entry-point checks shared by every impl: fail closed with a message that names the problem."""
+
+from __future__ import annotations
+
+import torch
+
+from jackfield.attention.kv_cache import ACTIVATION_DTYPES, FP8_DTYPE, is_mla
+from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
+
+
+def check_kv_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
+    """An fp8 cache needs a float32 per-tensor scale on the cache's device."""
+    if kv_cache.dtype != FP8_DTYPE:
+        return
+    if kv_scale is None:
+        raise ValueError("fp8_e4m3 KV cache needs kv_scale (a float32 per-tensor scale), got None")
+    if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1:
+        raise ValueError(f"kv_scale must be a 1-element float32 tensor, got {kv_scale.dtype} {tuple(kv_scale.shape)}")
+    if kv_scale.device != kv_cache.device:
+        raise ValueError(f"kv_scale is on {kv_scale.device}, the cache on {kv_cache.device}")
+
+
+def check_cache(layer: AttentionLayerSpec, kv_cache: torch.Tensor) -> None:
+    """Shape (the record width derived from the last dim), dtype and layout of a layer's cache."""
+    if kv_cache.dtype not in (*ACTIVATION_DTYPES, FP8_DTYPE):
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not a float or fp8_e4m3 dtype")
+    if layer.kv_cache_dtype == "fp8_e4m3" and kv_cache.dtype != FP8_DTYPE:
+        raise ValueError(f"layer is configured fp8_e4m3 but the cache holds {kv_cache.dtype}")
+    if layer.kv_cache_dtype == "bfloat16" and kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"layer is configured bfloat16 but the cache holds {kv_cache.dtype}")
+    if is_mla(layer):
+        width = layer.kv_lora_rank + layer.qk_rope_head_dim
+        if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+            raise ValueError(
+                f"MLA cache must be [num_blocks, block_size, {width}] (kv_lora_rank + rope dim), "
+                f"got {tuple(kv_cache.shape)}"
+            )
+    else:
+        want = (layer.num_kv_heads, layer.head_size)
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != want:
+            raise ValueError(
+                f"MHA cache must be [2, num_blocks, block_size, {want[0]}, {want[1]}], got {tuple(kv_cache.shape)}"
+            )
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int) -> None:
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
+        raise ValueError(
+            f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    if num_tokens and int(slot_mapping.max()) >= num_slots:
+        raise ValueError(f"slot {int(slot_mapping.max())} is out of range: the cache has {num_slots} slots")
+
+
+def check_attend_inputs(
+    layer: AttentionLayerSpec,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_scale: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    topk_indices: torch.Tensor | None,
+) -> None:
+    """Everything `attend` relies on, checked before any work."""
+    check_cache(layer, kv_cache)
+    check_kv_scale(kv_cache, kv_scale)
+    width = layer.kv_lora_rank + layer.qk_rope_head_dim if is_mla(layer) else layer.head_size
+    if query.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} is not one of float32, bfloat16, float16")
+    if query.dim() != 3 or query.shape[1:] != (layer.num_heads, width):
+        raise ValueError(f"query must be [T, {layer.num_heads}, {width}], got {tuple(query.shape)}")
+    if query.device != kv_cache.device:
+        raise ValueError(f"query is on {query.device}, the cache on {kv_cache.device}")
+    num_tokens = query.shape[0]
+    qsl = metadata.query_start_loc_cpu
+    if qsl.numel() != metadata.num_reqs + 1 or int(qsl[0]) != 0 or int(qsl[-1]) != num_tokens:
+        raise ValueError(
+            f"query_start_loc {qsl.tolist()} does not describe {num_tokens} query rows of "
+            f"{metadata.num_reqs} requests"
+        )
+    q_lens = qsl.diff()
+    if bool((q_lens < 0).any()) or bool((q_lens > metadata.seq_lens_cpu).any()):
+        raise ValueError(f"query lengths {q_lens.tolist()} must be in [0, seq_lens {metadata.seq_lens_cpu.tolist()}]")
+    if metadata.block_table.dim() != 2 or metadata.block_table.shape[0] != metadata.num_reqs:
+        raise ValueError(
+            f"block_table must be [{metadata.num_reqs}, max_blocks], got {tuple(metadata.block_table.shape)}"
+        )
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (layer.num_heads,)):
+        raise ValueError(f"sinks must be float32 [{layer.num_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
+    if topk_indices is not None and (
+        topk_indices.dtype != torch.int32 or topk_indices.dim() != 2 or topk_indices.shape[0] != num_tokens
+    ):
+        raise ValueError(
+            f"topk_indices must be int32 [{num_tokens}, K], got {topk_indices.dtype} {tuple(topk_indices.shape)}"
+        )
+
+
+def check_written_rows(name: str, rows: torch.Tensor, shape: tuple[int, ...], kv_cache: torch.Tensor) -> None:
+    """A key/value tensor handed to write_kv: float, the expected shape, the cache's device."""
+    if rows.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"{name} dtype {rows.dtype} is not one of float32, bfloat16, float16")
+    if tuple(rows.shape) != shape:
+        raise ValueError(f"{name} must be {list(shape)}, got {list(rows.shape)}")
+    if rows.device != kv_cache.device:
+        raise ValueError(f"{name} is on {rows.device}, the cache on {kv_cache.device}")

@@ -1,0 +1,84 @@
+"""Paged KV-cache layouts, allocation, and the plain-PyTorch read/write paths.
+
+MLA cache [num_blocks, block_size, kv_lora_rank + rope_dim] (latent ‖ rope key, one record per token).
+MHA cache [2, num_blocks, block_size, H_kv, D] (key, value).
+fp8 caches hold float8_e4m3fn values clamp(x / scale, -448, 448) with a per-tensor float32 scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_mla(layer: AttentionLayerSpec) -> bool:
+    return layer.kv_lora_rank > 0
+
+
+def cache_dtype(kv_cache_dtype: KVCacheDType, activation_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype a cache holds for a configured kv_cache_dtype."""
+    if kv_cache_dtype == "auto":
+        return activation_dtype
+    if kv_cache_dtype == "bfloat16":
+        return torch.bfloat16
+    if kv_cache_dtype == "fp8_e4m3":
+        return FP8_DTYPE
+    raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected auto, bfloat16 or fp8_e4m3")
+
+
+def cache_shape(layer: AttentionLayerSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    if is_mla(layer):
+        width = layer.kv_lora_rank + layer.qk_rope_head_dim
+        if layer.head_size != width:
+            raise ValueError(f"MLA head_size {layer.head_size} != kv_lora_rank + rope dim = {width}")
+        return (num_blocks, block_size, width)
+    return (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+
+
+def allocate_kv_cache(
+    layer: AttentionLayerSpec,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """A zeroed cache for `layer`; `dtype` is the activation dtype (used when kv_cache_dtype is auto)."""
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+    shape = cache_shape(layer, num_blocks, block_size)
+    return torch.zeros(shape, dtype=cache_dtype(layer.kv_cache_dtype, dtype), device=device)
+
+
+def quantize(x: torch.Tensor, cache_dtype_: torch.dtype, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """Values as stored in a cache of `cache_dtype_`."""
+    if cache_dtype_ != FP8_DTYPE:
+        return x.to(cache_dtype_)
+    assert kv_scale is not None  # check_kv_scale ran at the entry
+    return (x.float() / kv_scale.reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize(x: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache values as float32."""
+    if x.dtype != FP8_DTYPE:
+        return x.float()
+    assert kv_scale is not None
+    return x.float() * kv_scale.reshape(())
+
+
+def request_slots(block_table_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Physical slots of a request's positions 0..seq_len-1, through its block table."""
+    pos = torch.arange(seq_len, device=block_table_row.device)
+    return block_table_row[pos // block_size].long() * block_size + pos % block_size
+
+
+def write_slots(flat_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """flat_cache[slot] = rows[i] for every slot_mapping[i] >= 0 (negative slots are padding)."""
+    keep = slot_mapping >= 0
+    if flat_cache.dtype == FP8_DTYPE:  # CPU index_copy_ has no fp8 kernel; bytes copy the same
+        flat_cache, rows = flat_cache.view(torch.uint8), rows.view(torch.uint8)
+    flat_cache.index_copy_(0, slot_mapping[keep], rows[keep])

@@ -1,0 +1,159 @@
+"""Multi-head latent attention (DeepSeek V2/V3): the base every MLA backend subclasses.
+
+Shapes: H heads, L = kv_lora_rank, N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim.
+The cache holds one latent record per token, kv_c [L] ‖ k_pe [R]. Two equivalent forms:
+  absorbed (decode, sparse): q_lat = q_nope·W_UK ‖ q_pe attends over the records as keys and their
+    kv_c as values (one shared kv "head"), then o = o_lat·W_UV. Cheap when queries are few.
+  expanded (prefill): k = kv_c·W_UK^T ‖ k_pe, v = kv_c·W_UV per head, ordinary attention.
+Subclasses implement `attend` (the absorbed kernel) and may override `prefill` / `write_kv`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jackfield.attention.checks import check_cache, check_kv_scale, check_slot_mapping, check_written_rows
+from jackfield.attention.kv_cache import dequantize, quantize, request_slots, write_slots
+from jackfield.attention.metadata import split_decode_prefill
+from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata
+from jackfield.ops.reference import varlen_attention
+
+
+class MLAImpl(AttentionImpl):
+    kind = "mla"
+
+    def __init__(self, layer: AttentionLayerSpec) -> None:
+        super().__init__(layer)
+        dims = (layer.num_heads, layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim)
+        if min(dims) <= 0:
+            raise ValueError(f"MLA layer needs positive num_heads, kv_lora_rank, nope, rope, v dims; got {dims}")
+        if layer.head_size != layer.kv_lora_rank + layer.qk_rope_head_dim:
+            raise ValueError(
+                f"MLA head_size {layer.head_size} must be kv_lora_rank + rope dim = "
+                f"{layer.kv_lora_rank + layer.qk_rope_head_dim}"
+            )
+        self.W_UK: torch.Tensor | None = None  # [H, N, L] float32: q_nope -> latent query
+        self.W_UV: torch.Tensor | None = None  # [H, L, V] float32: latent output -> v space
+
+    def process_weights_after_loading(self, weights: dict[str, torch.Tensor]) -> None:
+        """Split HF `kv_b_proj.weight` [H*(N+V), L] once into W_UK and W_UV."""
+        if "kv_b_proj" not in weights:
+            raise KeyError(f"MLA needs weights['kv_b_proj']; got keys {sorted(weights)}")
+        lay = self.layer
+        h, n, v, lat = lay.num_heads, lay.qk_nope_head_dim, lay.v_head_dim, lay.kv_lora_rank
+        w = weights["kv_b_proj"]
+        if tuple(w.shape) != (h * (n + v), lat):
+            raise ValueError(f"kv_b_proj must be [{h * (n + v)}, {lat}] (H*(N+V), L), got {list(w.shape)}")
+        w = w.detach().float().reshape(h, n + v, lat)
+        self.W_UK = w[:, :n].contiguous()
+        self.W_UV = w[:, n:].transpose(1, 2).contiguous()
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.W_UK is None or self.W_UV is None:
+            raise RuntimeError("MLA weights are not loaded: call process_weights_after_loading first")
+        return self.W_UK, self.W_UV
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        kv_scale: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, N+R], kv_c [T, L], k_pe [T, R] -> [T, H, V] in q's dtype."""
+        lay = self.layer
+        want = (q.shape[0], lay.num_heads, lay.qk_nope_head_dim + lay.qk_rope_head_dim)
+        if q.dim() != 3 or tuple(q.shape[1:]) != want[1:]:
+            raise ValueError(f"q must be [T, {want[1]}, {want[2]}] (H, N+R), got {list(q.shape)}")
+        self.write_kv(kv_cache, metadata.slot_mapping, kv_c, k_pe, kv_scale)
+        if topk_indices is not None:  # sparse MLA always runs absorbed
+            return self._absorbed(q, kv_cache, metadata, kv_scale, topk_indices)
+        decode, prefill = split_decode_prefill(metadata)
+        nd = metadata.num_decode_tokens
+        out = q.new_empty(q.shape[0], lay.num_heads, lay.v_head_dim)
+        if decode is not None:
+            out[:nd] = self._absorbed(q[:nd], kv_cache, decode, kv_scale, None)
+        if prefill is not None:
+            out[nd:] = self.prefill(q[nd:], kv_cache, prefill, kv_scale=kv_scale)
+        return out
+
+    def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
+        """[t, H, N+R] -> latent query [t, H, L+R] in q's dtype."""
+        w_uk, _ = self._weights()
+        n = self.layer.qk_nope_head_dim
+        q_nope_lat = torch.einsum("thn,hnl->thl", q[..., :n].float(), w_uk)
+        return torch.cat([q_nope_lat, q[..., n:].float()], dim=-1).to(q.dtype)
+
+    def _absorbed(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_scale: torch.Tensor | None,
+        topk_indices: torch.Tensor | None,
+    ) -> torch.Tensor:
+        _, w_uv = self._weights()
+        o_lat = self.attend(
+            self.absorb_query(q), kv_cache, metadata, kv_scale=kv_scale, topk_indices=topk_indices
+        ).out
+        return torch.einsum("thl,hlv->thv", o_lat.float(), w_uv).to(q.dtype)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        kv_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Expanded-form attention of prefill rows over each request's whole latent context."""
+        w_uk, w_uv = self._weights()
+        lay = self.layer
+        check_cache(lay, kv_cache)
+        check_kv_scale(kv_cache, kv_scale)
+        block_size = kv_cache.shape[1]
+        flat = kv_cache.flatten(0, 1)
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        slots = [request_slots(metadata.block_table[b], s, block_size) for b, s in enumerate(seq_lens)]
+        context = dequantize(flat[torch.cat(slots)], kv_scale)  # [sum(seq_lens), L+R]
+        kv_c, k_pe = context[:, : lay.kv_lora_rank], context[:, lay.kv_lora_rank :]
+        k_nope = torch.einsum("sl,hnl->shn", kv_c, w_uk)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, lay.num_heads, -1)], dim=-1)
+        v = torch.einsum("sl,hlv->shv", kv_c, w_uv)
+        cu_k = [0]
+        for s in seq_lens:
+            cu_k.append(cu_k[-1] + s)
+        out, _ = varlen_attention(
+            q,
+            k,
+            v,
+            metadata.query_start_loc_cpu.tolist(),
+            cu_k,
+            lay.scale,
+            causal=metadata.causal,
+            sliding_window=lay.sliding_window,
+        )
+        return out.to(q.dtype)
+
+    def write_kv(
+        self,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_scale: torch.Tensor | None = None,
+    ) -> None:
+        """key = kv_c [T, L], value = k_pe [T, R]; stored as one record kv_c ‖ k_pe per slot."""
+        lay = self.layer
+        check_cache(lay, kv_cache)
+        check_kv_scale(kv_cache, kv_scale)
+        num_tokens = key.shape[0] if key.dim() else 0
+        check_written_rows("kv_c", key, (num_tokens, lay.kv_lora_rank), kv_cache)
+        check_written_rows("k_pe", value, (num_tokens, lay.qk_rope_head_dim), kv_cache)
+        check_slot_mapping(slot_mapping, num_tokens, kv_cache.shape[0] * kv_cache.shape[1])
+        record = quantize(torch.cat([key.float(), value.float()], dim=-1), kv_cache.dtype, kv_scale)
+        write_slots(kv_cache.flatten(0, 1), slot_mapping, record)

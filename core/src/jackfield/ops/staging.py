@@ -1,0 +1,48 @@
+"""Host-to-device staging: the one utility the engine uses to move step inputs to the device.
+
+Pinned host memory makes `non_blocking` copies truly asynchronous; it only exists with CUDA, so on
+a CPU-only machine buffers are plain and the "device" side may alias the host side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _can_pin(pin_memory: bool) -> bool:
+    return pin_memory and torch.cuda.is_available()
+
+
+def async_tensor_h2d(
+    data: list | torch.Tensor, dtype: torch.dtype, device: torch.device | str, pin_memory: bool
+) -> torch.Tensor:
+    """`data` as a `dtype` tensor on `device`, copied without blocking the host when pinned."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            raise ValueError(f"async_tensor_h2d stages host data, got a tensor on {data.device}")
+        host = data.to(dtype)
+        if _can_pin(pin_memory) and not host.is_pinned():
+            host = host.pin_memory()
+    else:
+        host = torch.tensor(data, dtype=dtype, device="cpu", pin_memory=_can_pin(pin_memory))
+    return host.to(device, non_blocking=True)
+
+
+class CpuGpuBuffer:
+    """A host tensor and a device tensor of one shape; fill `.cpu`, then `copy_to_device(n)`."""
+
+    def __init__(
+        self, *size: int, dtype: torch.dtype, device: torch.device | str, pin_memory: bool = True
+    ) -> None:
+        self.device = torch.device(device)
+        self.cpu = torch.zeros(size, dtype=dtype, device="cpu", pin_memory=_can_pin(pin_memory))
+        self.gpu = self.cpu if self.device.type == "cpu" else torch.zeros(size, dtype=dtype, device=self.device)
+
+    def copy_to_device(self, n: int | None = None) -> torch.Tensor:
+        """Copy the first `n` rows (all when None) and return that device view."""
+        rows = self.cpu.shape[0] if n is None else n
+        if not 0 <= rows <= self.cpu.shape[0]:
+            raise ValueError(f"cannot copy {rows} rows of a buffer with {self.cpu.shape[0]}")
+        if self.gpu is not self.cpu:
+            self.gpu[:rows].copy_(self.cpu[:rows], non_blocking=True)
+        return self.gpu[:rows]
