@@ -176,3 +176,46 @@ def test_cli_lists_a_third_party_plugin_in_a_fresh_process(make_dist) -> None:  
     names = {b["name"]: b for b in data["attention_backends"]}
     assert names["acme"]["provider"] == "acme-attn" and names["acme"]["available"] is True
     assert any(p["name"] == "acme_attn" and p["status"] == "active" for p in data["plugins"])
+
+
+ALL_HOOKS_PLUGIN = '''
+import jackfield
+from jackfield.builtins import TORCH_REF_CAPABILITIES
+from jackfield.specs import AttentionBackendSpec, DrafterSpec, KVConnectorSpec, ModelSpec, SamplerSpec
+JACKFIELD_API = ">=1.0,<2"
+
+@jackfield.hookimpl
+def register_attention_backends():
+    return [AttentionBackendSpec(name="every_attn", factory="jackfield.attention.torch_ref:TorchRefBackend",
+                                 capabilities=TORCH_REF_CAPABILITIES)]
+
+@jackfield.hookimpl
+def register_samplers():
+    return [SamplerSpec(name="every_sampler", factory="jackfield.contracts.sampler:Sampler")]
+
+@jackfield.hookimpl
+def register_drafters():
+    return [DrafterSpec(name="every_drafter", factory="jackfield.contracts.drafter:Drafter")]
+
+@jackfield.hookimpl
+def register_kv_connectors():
+    return [KVConnectorSpec(name="every_connector", factory="jackfield.contracts.kv_connector:KVConnectorWorker")]
+
+@jackfield.hookimpl
+def register_models():
+    return [ModelSpec(name="EveryForCausalLM", factory="jackfield.contracts.attention:AttentionBackend")]
+'''
+
+
+def test_every_hook_registers_through_an_entry_point(make_dist) -> None:  # type: ignore[no-untyped-def]
+    make_dist("every-hook", "every_hook", ALL_HOOKS_PLUGIN)
+    registry = get_registry()
+    info = plugin_named(registry, "every_hook")
+    assert sorted(info.registers) == [
+        "attention:every_attn", "drafter:every_drafter", "kv_connector:every_connector",
+        "model:EveryForCausalLM", "sampler:every_sampler",
+    ]
+    for kind, name in (r.split(":") for r in info.registers):
+        entry = registry.lookup(kind, name)
+        assert entry.distribution == "every-hook"
+        assert isinstance(resolve_factory(entry.spec.factory), type)
