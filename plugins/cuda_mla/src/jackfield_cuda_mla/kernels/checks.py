@@ -24,16 +24,19 @@ def check_cache(kv_cache: torch.Tensor) -> None:
     )
 
 
-def check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> float:
-    """The per-tensor fp8 scale as a Python float (1.0 for non-fp8 caches); fp8 without one fails."""
+def check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """The per-tensor fp8 scale tensor the kernels read (no host sync); fp8 without one fails.
+
+    Non-fp8 caches get the kernels' unused dummy (the cache itself, never dereferenced).
+    """
     if kv_cache.dtype != FP8:
-        return 1.0
+        return kv_cache
     require(kv_scale is not None, "fp8 (float8_e4m3fn) kv_cache needs kv_scale (a per-tensor scale); none was given")
     assert kv_scale is not None
     require(kv_scale.numel() == 1, f"kv_scale must hold one per-tensor value, got shape {tuple(kv_scale.shape)}")
-    value = float(kv_scale.reshape(()).item())
-    require(value > 0.0 and value != float("inf"), f"kv_scale must be finite and > 0, got {value}")
-    return value
+    require(kv_scale.dtype == torch.float32, f"kv_scale dtype {kv_scale.dtype} must be float32")
+    check_device("kv_scale", kv_scale, kv_cache.device)
+    return kv_scale
 
 
 def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:

@@ -77,12 +77,15 @@ def mla_decode(
     topk_indices: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention: query [T, H, R + P] over kv_cache [blocks, page, R + P] -> out [T, H, R], lse [T, H].
 
     Query rows of request b are query_start_loc[b]:query_start_loc[b + 1]; row i sits at position
     seq_lens[b] - q_len + i. `topk_indices` [T, K] int32 (-1 = unused) switches to sparse decode.
-    Rows that see no key get output 0 and LSE -inf.
+    Rows that see no key get output 0 and LSE -inf. `out` / `lse` may be given (preallocated,
+    contiguous rows); otherwise they are allocated.
     """
     check_cache(kv_cache)
     device = kv_cache.device
@@ -108,8 +111,16 @@ def mla_decode(
         _check_int("topk_indices", topk_indices, 2, device)
         require(topk_indices.shape[0] == tokens, f"topk_indices has {topk_indices.shape[0]} rows for {tokens} query tokens")
 
-    out = torch.empty(tokens, heads, kv_lora_rank, dtype=query.dtype, device=device)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
+    if out is None:
+        out = torch.empty(tokens, heads, kv_lora_rank, dtype=query.dtype, device=device)
+    if lse is None:
+        lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
+    want = (tokens, heads, kv_lora_rank)
+    require(tuple(out.shape) == want and out.dtype == query.dtype, f"out must be {query.dtype} {list(want)}, got {out.dtype} {list(out.shape)}")
+    require(tuple(lse.shape) == want[:2] and lse.dtype == torch.float32, f"lse must be float32 {list(want[:2])}, got {lse.dtype} {list(lse.shape)}")
+    require(out.stride(-1) == 1 and lse.stride(-1) == 1, "out and lse must be contiguous in their last dimension")
+    check_device("out", out, device)
+    check_device("lse", lse, device)
     if tokens == 0:
         return out, lse
     groups = tokens if sparse else num_reqs
@@ -134,12 +145,12 @@ def mla_decode(
     mla_decode_stage1[(groups, row_blocks, splits)](
         query, kv_cache, block_table, seq_lens, query_start_loc, token_req,
         topk_indices if sparse else seq_lens, part_out, part_lse,
-        sm_scale * scale * LOG2E, scale, heads, topk_indices.shape[1] if sparse else 0,
+        scale, sm_scale * LOG2E, heads, topk_indices.shape[1] if sparse else 0,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         topk_indices.stride(0) if sparse else 0,
         part_out.stride(0), part_out.stride(1), stride_os, part_lse.stride(0), part_lse.stride(1), stride_ls,
         RANK=kv_lora_rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(kv_lora_rank), BLOCK_P=triton.next_power_of_2(rope),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page, SPLITS=splits, SPARSE=sparse, CAUSAL=causal and not sparse,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page, SPLITS=splits, SPARSE=sparse, CAUSAL=causal and not sparse, FP8=kv_cache.dtype == FP8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -19,12 +19,12 @@ LN2: tl.constexpr = 0.6931471805599453
 @triton.jit
 def mla_decode_stage1(
     q, cache, block_table, seq_lens, query_start_loc, token_req, topk, out, lse,
-    score_scale_log2, value_scale, num_heads, topk_len,
+    kv_scale, sm_scale_log2, num_heads, topk_len,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_kt,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
-    SPARSE: tl.constexpr, CAUSAL: tl.constexpr,
+    SPARSE: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr,
 ):
     group = tl.program_id(0)
     split = tl.program_id(2)
@@ -38,6 +38,8 @@ def mla_decode_stage1(
         q_len = tl.load(query_start_loc + req + 1) - first_tok
     seq_len = tl.load(seq_lens + req)
     n_keys = topk_len if SPARSE else seq_len
+    value_scale = tl.load(kv_scale) if FP8 else 1.0  # fp8 dequantization, folded into scores and output
+    score_scale_log2 = sm_scale_log2 * value_scale
 
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     tok_in_req = rows // num_heads

@@ -17,7 +17,7 @@ BLOCK_T = 16
 
 @triton.jit
 def _kv_insert_kernel(
-    kv_c, k_pe, cache, slots, num_tokens, inv_scale,
+    kv_c, k_pe, cache, slots, num_tokens, kv_scale,
     stride_c, stride_p, stride_slot,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_T: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -33,8 +33,9 @@ def _kv_insert_kernel(
     c = tl.load(kv_c + tok[:, None] * stride_c + r[None, :], mask=mask_r).to(tl.float32)
     e = tl.load(k_pe + tok[:, None] * stride_p + p[None, :], mask=mask_p).to(tl.float32)
     if QUANT:  # fp8: divide by the per-tensor scale and saturate to the finite range
-        c = tl.clamp(c * inv_scale, -FP8_MAX, FP8_MAX)
-        e = tl.clamp(e * inv_scale, -FP8_MAX, FP8_MAX)
+        scale = tl.load(kv_scale)
+        c = tl.clamp(c / scale, -FP8_MAX, FP8_MAX)
+        e = tl.clamp(e / scale, -FP8_MAX, FP8_MAX)
     out_ty = cache.dtype.element_ty
     tl.store(base[:, None] + r[None, :], c.to(out_ty), mask=mask_r)
     tl.store(base[:, None] + RANK + p[None, :], e.to(out_ty), mask=mask_p)
@@ -74,7 +75,7 @@ def mla_kv_insert(
     top = int(slot_mapping.max().item())
     require(top < capacity, f"slot_mapping holds slot {top}, but the cache has {capacity} slots ({num_blocks} x {block_size})")
     _kv_insert_kernel[(triton.cdiv(tokens, BLOCK_T),)](
-        kv_c, k_pe, kv_cache, slot_mapping, tokens, 1.0 / scale,
+        kv_c, k_pe, kv_cache, slot_mapping, tokens, scale,
         kv_c.stride(0), k_pe.stride(0), kv_cache.stride(1),
         RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
         BLOCK_T=BLOCK_T, QUANT=kv_cache.dtype == FP8, FP8_MAX=FP8_MAX,

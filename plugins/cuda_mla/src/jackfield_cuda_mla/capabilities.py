@@ -1,0 +1,39 @@
+"""What cuda_mla supports and whether this machine can run it. Imports no kernels."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from jackfield.contracts.attention import AttentionCapabilities, Availability
+
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+CUDA_MLA_CAPABILITIES = AttentionCapabilities(
+    kinds=("mla",),
+    activation_dtypes=(torch.bfloat16, torch.float16),
+    kv_cache_dtypes=("auto", "bfloat16", "fp8_e4m3"),
+    head_sizes=None,  # any kv_lora_rank + rope_dim (DeepSeek: 512 + 64 = 576)
+    block_size_multiple=16,
+    devices=("cuda",),
+    sparse_topk=True,
+    non_causal=True,
+    dcp=True,
+    max_decode_query_len=8,
+    cuda_graph="never",
+    preferred_block_size=64,
+)
+
+
+def cuda_mla_availability() -> Availability:
+    """A CUDA device of compute capability >= 8.0 and an importable Triton; otherwise the reason."""
+    if importlib.util.find_spec("triton") is None:
+        return Availability.no("triton is not installed (pip install triton)")
+    if not torch.cuda.is_available():
+        return Availability.no("no CUDA device is visible to PyTorch")
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < MIN_COMPUTE_CAPABILITY:
+        name = torch.cuda.get_device_name()
+        return Availability.no(f"{name} has compute capability {major}.{minor}; cuda_mla needs >= 8.0")
+    return Availability.yes(f"{torch.cuda.get_device_name()} (sm_{major}{minor}) with Triton")
