@@ -1,0 +1,107 @@
+"""`jackfield plugins` and `jackfield doctor`: exit codes, every problem, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jackfield.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+}
+
+
+def model_dir(tmp_path: Path, **changes: object) -> Path:
+    path = tmp_path / "model"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**DEEPSEEK_V3, **changes}))
+    return path
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "jackfield.toml"
+    path.write_text(text)
+    return path
+
+
+def test_plugins_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plugins", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {
+        "schema", "core", "plugins", "attention_backends", "samplers", "drafters", "kv_connectors", "models", "replaced",
+    }
+    assert data["schema"] == 1
+    ref = next(b for b in data["attention_backends"] if b["name"] == "torch_ref")
+    assert ref["available"] is True and ref["provider"] == "jackfield"
+    assert ref["capabilities"]["kinds"] == ["mla", "mha"]
+    assert "float32" in ref["capabilities"]["activation_dtypes"]
+
+
+def test_plugins_text_lists_builtins(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "builtins" in out and "torch_ref" in out and "murmur3" in out and "DeepseekV3ForCausalLM" in out
+
+
+def test_doctor_accepts_a_good_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path, f'[model]\npath = "{model_dir(tmp_path)}"\n[attention]\nbackend = "torch_ref"\n')
+    assert main(["doctor", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "attention[decode]: torch_ref" in out and "DeepseekV3ForCausalLM" in out
+
+
+def test_doctor_lists_every_problem_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = model_dir(tmp_path, architectures=["MysteryForCausalLM"])
+    config = write_config(
+        tmp_path,
+        f'[model]\npath = "{model}"\n[attention]\nbackend = "no_such_backend"\ndrafter_backend = "torch_ref"\n'
+        '[sampler]\nname = "no_such_sampler"\n[kv_connector]\nname = "no_such_connector"\n',
+    )
+    assert main(["doctor", "--config", str(config)]) == 2
+    out = capsys.readouterr().out
+    for fragment in (
+        "no sampler named 'no_such_sampler'",
+        "no kv_connector named 'no_such_connector'",
+        "drafter_backend is set but speculative.method is not",
+        "MysteryForCausalLM",
+        "'no_such_backend'",
+    ):
+        assert fragment in out, fragment
+    assert "Traceback" not in out
+
+
+def test_doctor_bad_toml_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path, "[engine]\nblok_size = 3\n")
+    assert main(["doctor", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'block_size'" in err and "Traceback" not in err
+
+
+def test_doctor_missing_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "no config.json" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.toml")), ids=lambda p: p.name)
+def test_doctor_accepts_every_example(example: Path, tmp_path: Path) -> None:
+    assert main(["doctor", "--config", str(example), "--model", str(model_dir(tmp_path))]) == 0
+
+
+def test_console_script_runs_without_traceback(tmp_path: Path) -> None:
+    config = write_config(tmp_path, "[engine]\nmax_num_seqs = -1\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "jackfield.cli", "doctor", "--config", str(config)], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "engine.max_num_seqs must be > 0" in result.stderr and "Traceback" not in result.stderr
