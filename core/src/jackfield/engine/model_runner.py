@@ -1,0 +1,119 @@
+"""One engine step on the device: stage inputs, build attention metadata once, forward, sample.
+
+Logits are computed only for rows that sample (the last row of each chunk that reaches the end
+of its request's known tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from jackfield.attention.metadata import split_decode_prefill
+from jackfield.contracts.attention import AttentionMetadata
+from jackfield.contracts.sampler import Sampler, SamplingMetadata
+from jackfield.engine.scheduler import ScheduledChunk
+from jackfield.models.attention import AttentionBackends, StepContext
+from jackfield.ops.staging import async_tensor_h2d
+
+
+@dataclass(frozen=True)
+class StepResult:
+    token_ids: list[int]  # one per sampling chunk, in chunk order
+    logprobs: list[dict[int, float] | None]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, backends: AttentionBackends, sampler: Sampler,
+                 kv_caches: list[torch.Tensor], block_size: int, device: torch.device) -> None:
+        self.model, self.backends, self.sampler = model, backends, sampler
+        self.kv_caches, self.block_size, self.device = kv_caches, block_size, device
+        self.decode_builder = backends.decode.metadata_builder()
+        self.prefill_builder = backends.prefill.metadata_builder() if backends.split else self.decode_builder
+
+    def _h2d(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return async_tensor_h2d(data, dtype, self.device, pin_memory=True)
+
+    def _metadata(self, chunks: list[ScheduledChunk]) -> tuple[AttentionMetadata, list[int], list[int]]:
+        """(common metadata, input ids, positions) for the step's flat batch."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        bs = self.block_size
+        for chunk in chunks:
+            seq, start = chunk.seq, chunk.seq.num_computed
+            end = start + chunk.num_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start.append(query_start[-1] + chunk.num_tokens)
+            seq_lens.append(end)
+        width = max(len(c.seq.block_table) for c in chunks)
+        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in chunks]
+        num_decodes = sum(1 for c in chunks if c.num_tokens == 1)  # the scheduler put them first
+        qsl_cpu = torch.tensor(query_start, dtype=torch.int32)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        common = AttentionMetadata(
+            query_start_loc=self._h2d(qsl_cpu, torch.int32),
+            seq_lens=self._h2d(seq_lens_cpu, torch.int32),
+            block_table=self._h2d(tables, torch.int32),
+            slot_mapping=self._h2d(slots, torch.int64),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            max_query_len=max(c.num_tokens for c in chunks),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+        )
+        return common, input_ids, positions
+
+    def _step_context(self, common: AttentionMetadata) -> StepContext:
+        if not self.backends.split:
+            return StepContext(self.kv_caches, metadata=self.decode_builder.build(common))
+        decode, prefill = split_decode_prefill(common)
+        return StepContext(
+            self.kv_caches,
+            decode=self.decode_builder.build(decode) if decode is not None else None,
+            prefill=self.prefill_builder.build(prefill) if prefill is not None else None,
+            num_decode_tokens=common.num_decode_tokens,
+        )
+
+    def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
+        params = [c.seq.params for c in sampling]
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperature=self._h2d([p.temperature for p in params], torch.float32),
+            top_k=self._h2d([max(p.top_k, 0) for p in params], torch.int64),
+            top_p=self._h2d([p.top_p for p in params], torch.float32),
+            min_p=self._h2d([p.min_p for p in params], torch.float32),
+            seeds=self._h2d([c.seq.seed for c in sampling], torch.int64),
+            positions=self._h2d([c.seq.num_tokens for c in sampling], torch.int64),
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+    @torch.inference_mode()
+    def step(self, chunks: list[ScheduledChunk]) -> StepResult:
+        common, input_ids, positions = self._metadata(chunks)
+        context = self._step_context(common)
+        hidden = self.model(self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64), context)
+        sampling = [c for c in chunks if c.samples]
+        if not sampling:
+            return StepResult([], [])
+        ends = common.query_start_loc_cpu[1:].tolist()
+        rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
+        logits = self.model.compute_logits(hidden[self._h2d(rows, torch.int64)])
+        out = self.sampler.sample(logits, self._sampling_metadata(sampling))
+        token_ids = out.token_ids.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(sampling)
+        if out.logprobs is not None and out.logprob_token_ids is not None:
+            ids, values = out.logprob_token_ids.tolist(), out.logprobs.tolist()
+            for i, chunk in enumerate(sampling):
+                k = chunk.seq.params.logprobs
+                if k is not None:
+                    logprobs[i] = dict(zip(ids[i][:k], values[i][:k]))
+        return StepResult(token_ids, logprobs)

@@ -1,0 +1,95 @@
+"""Continuous batching: a per-step token budget, chunked prefill, FCFS, preemption by recompute.
+
+Each step first continues the running requests in admission order (decodes and unfinished
+prefill chunks), then admits waiting requests while the budget, `max_num_seqs` and the block
+pool allow. When a running request needs a block and none is free, the newest running request
+is preempted: its blocks are released and it goes back to the front of the queue, to be
+recomputed (prompt and generated tokens) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from jackfield.engine.block_manager import BlockManager
+from jackfield.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # query rows this step, from seq.num_computed on
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so the step samples the next one."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """This step's chunks, single-token chunks (decodes) first."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            count = min(seq.num_uncomputed, budget)
+            while not self.blocks.can_grow(seq, seq.num_computed + count):
+                self._preempt(self.running[-1])
+                preempted = True
+                if index >= len(self.running) or self.running[index] is not seq:
+                    break  # seq itself was the newest: it waits now
+            else:
+                self.blocks.grow(seq, seq.num_computed + count)
+                chunks.append(ScheduledChunk(seq, count))
+                budget -= count
+                index += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            hits = self.blocks.match_prefix(seq)
+            count = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
+            if not self.blocks.can_admit(seq, count, hits):
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.blocks.admit(seq, hits)
+            self.blocks.grow(seq, seq.num_computed + count)
+            if seq.num_preemptions == 0:
+                seq.num_cached_prefix = seq.num_computed
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, count))
+            budget -= count
+        chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first, FCFS within each kind
+        return chunks
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

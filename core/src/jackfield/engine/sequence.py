@@ -1,0 +1,49 @@
+"""A request as the engine tracks it: tokens, progress, blocks, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from jackfield.contracts.sampler import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity: the scheduler's lists hold each request once
+class Sequence:
+    """`token_ids` is prompt + generated so far. `num_computed` tokens have their KV in the cache
+    (after a preemption it drops to 0 and everything is recomputed, generated tokens included)."""
+
+    request_id: int
+    prompt_len: int
+    token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_cached_prefix: int = 0  # tokens served by the prefix cache on the first admission
+    num_preemptions: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed

@@ -1,0 +1,31 @@
+"""Model families, looked up by the checkpoint's `architectures` entry in the plugin registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from jackfield.contracts.attention import KVCacheDType
+from jackfield.models.attention import AttentionBackends
+from jackfield.models.hf_config import architecture_of, read_hf_config
+from jackfield.plugins import get_registry
+from jackfield.specs import resolve_factory
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The registered class for an HF architecture name (a miss lists what is registered)."""
+    entry = get_registry().lookup("model", architecture)
+    cls = resolve_factory(entry.spec.factory)
+    if not (isinstance(cls, type) and hasattr(cls, "from_pretrained")):
+        raise TypeError(f"model {architecture!r} factory {entry.spec.factory!r} is not a model class")
+    return cls
+
+
+def load_model(model_dir: str | Path, backends: AttentionBackends, dtype: torch.dtype, device: torch.device | str,
+               kv_cache_dtype: KVCacheDType = "auto") -> nn.Module:
+    """Build the registered family for `model_dir`'s architecture and load its weights."""
+    hf_config = read_hf_config(model_dir)
+    cls = model_class(architecture_of(hf_config))
+    return cls.from_pretrained(model_dir, hf_config, backends, dtype, device, kv_cache_dtype)  # type: ignore[attr-defined]

@@ -1,0 +1,167 @@
+"""DeepSeek-V2/V3: multi-head latent attention + mixture of experts, on the paged KV cache.
+
+Parameter names follow the Hugging Face checkpoint except where weights are fused (gate ‖ up)
+or stacked (experts); DEEPSEEK_WEIGHTS says how. kv_b_proj is loaded, handed to the attention
+impl (which splits it into W_UK / W_UV), then dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
+from jackfield.models.attention import AttentionBackends, RoleImpls, StepContext
+from jackfield.models.hf_config import DeepseekArch, deepseek_arch, rope_inv_freq
+from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from jackfield.models.moe import DeepseekMoE
+from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
+
+_MLP = r"(?P<mlp>model\.layers\.\d+\.mlp(?:\.shared_experts)?)"
+_EXPERT = r"(?P<moe>model\.layers\.\d+\.mlp)\.experts\.(?P<e>\d+)"
+
+DEEPSEEK_WEIGHTS = WeightMapper(
+    rules=(
+        Rule(_MLP + r"\.gate_proj\.weight", "{mlp}.gate_up_proj.weight", shard=(0, 2)),
+        Rule(_MLP + r"\.up_proj\.weight", "{mlp}.gate_up_proj.weight", shard=(1, 2)),
+        Rule(_EXPERT + r"\.gate_proj\.weight", "{moe}.experts.w13", shard=(0, 2), expert="e"),
+        Rule(_EXPERT + r"\.up_proj\.weight", "{moe}.experts.w13", shard=(1, 2), expert="e"),
+        Rule(_EXPERT + r"\.down_proj\.weight", "{moe}.experts.w2", expert="e"),
+        Rule(r"(?P<name>.+)", "{name}"),
+    ),
+    ignore=(r".*\.rotary_emb\.inv_freq",),
+)
+
+
+def deepseek_weight_mapper(arch: DeepseekArch) -> WeightMapper:
+    """DEEPSEEK_WEIGHTS, also skipping the multi-token-prediction layers (stored after the main
+    ones; not run) and a tied lm_head."""
+    ignore = list(DEEPSEEK_WEIGHTS.ignore)
+    mtp = "|".join(str(arch.num_layers + i) for i in range(arch.num_mtp_layers))
+    if mtp:
+        ignore.append(rf"model\.layers\.(?:{mtp})\..*")
+    if arch.tie_word_embeddings:
+        ignore.append(r"lm_head\.weight")
+    return WeightMapper(DEEPSEEK_WEIGHTS.rules, tuple(ignore))
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, arch: DeepseekArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch, self.index = arch, index
+        qk_head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim
+        d, h = arch.hidden_size, arch.num_heads
+        if arch.q_lora_rank is None:
+            self.q_proj = Linear(d, h * qk_head_dim, dtype)
+        else:
+            self.q_a_proj = Linear(d, arch.q_lora_rank, dtype)
+            self.q_a_layernorm = RMSNorm(arch.q_lora_rank, 1e-6, dtype)
+            self.q_b_proj = Linear(arch.q_lora_rank, h * qk_head_dim, dtype)
+        self.kv_a_proj_with_mqa = Linear(d, arch.kv_lora_rank + arch.qk_rope_head_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, 1e-6, dtype)
+        self.kv_b_proj: Linear | None = Linear(arch.kv_lora_rank, h * (arch.qk_nope_head_dim + arch.v_head_dim), dtype)
+        self.o_proj = Linear(h * arch.v_head_dim, d, dtype)
+        self.attn = RoleImpls(backends, spec)
+
+    def finish_loading(self) -> None:
+        assert self.kv_b_proj is not None, "finish_loading runs once"
+        self.attn.process_weights_after_loading({"kv_b_proj": self.kv_b_proj.weight.data})
+        self.kv_b_proj = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext) -> torch.Tensor:
+        a, t = self.arch, x.shape[0]
+        if a.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim)
+        q = torch.cat((q[..., : a.qk_nope_head_dim], rope(q[..., a.qk_nope_head_dim :], positions)), dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        k_pe = rope(k_pe.unsqueeze(1), positions).squeeze(1)
+        out = self.attn.run(step, self.index, q, kv_c, k_pe)  # [T, H, V]
+        return self.o_proj(out.reshape(t, a.num_heads * a.v_head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: DeepseekArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = MLAAttention(arch, index, spec, backends, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp: nn.Module = (
+            DeepseekMoE(arch, dtype) if arch.is_moe_layer(index) else GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekForCausalLM(nn.Module):
+    """Built from the transformers config; `from_pretrained` loads a local checkpoint directory."""
+
+    def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
+                 kv_cache_dtype: KVCacheDType = "auto") -> None:
+        super().__init__()
+        arch = deepseek_arch(hf_config)
+        self.arch, self.dtype = arch, dtype
+        self.attention_spec = AttentionLayerSpec(
+            num_heads=arch.num_heads,
+            head_size=arch.kv_lora_rank + arch.qk_rope_head_dim,
+            scale=arch.softmax_scale,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_lora_rank=arch.kv_lora_rank,
+            qk_nope_head_dim=arch.qk_nope_head_dim,
+            qk_rope_head_dim=arch.qk_rope_head_dim,
+            v_head_dim=arch.v_head_dim,
+        )
+        inv_freq, rope_scaling = rope_inv_freq(hf_config, arch.qk_rope_head_dim)
+        self.rope = RotaryEmbedding(inv_freq, rope_scaling, arch.max_position_embeddings, arch.rope_interleave)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Module()
+        self.model.embed_tokens.weight = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), False)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(arch, i, self.attention_spec, backends, dtype) for i in range(arch.num_layers)
+        )
+        self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        if not arch.tie_word_embeddings:
+            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype)
+
+    @property
+    def kv_cache_layers(self) -> list[AttentionLayerSpec]:
+        """One attention layer spec per KV cache the model writes (the engine allocates them)."""
+        return [self.attention_spec] * self.arch.num_layers
+
+    @property
+    def max_model_len(self) -> int:
+        return self.arch.max_position_embeddings
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, hf_config: PretrainedConfig, backends: AttentionBackends,
+                        dtype: torch.dtype, device: torch.device | str,
+                        kv_cache_dtype: KVCacheDType = "auto") -> DeepseekForCausalLM:
+        with torch.device(device):
+            model = cls(hf_config, backends, dtype, kv_cache_dtype)
+        params = dict(model.named_parameters())
+        load_weights(params, iter_checkpoint(model_dir), deepseek_weight_mapper(model.arch))
+        for layer in model.model.layers:
+            layer.self_attn.finish_loading()
+        return model.eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, D] (normed)."""
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.rope, step)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()

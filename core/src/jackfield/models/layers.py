@@ -1,0 +1,75 @@
+"""Building blocks shared by model families: linear, RMSNorm, RoPE, gated MLP.
+
+Parameters are created empty (the checkpoint loader writes every one of them and checks it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T, with W [out, in] (the Hugging Face layout), no bias, no init."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Normalizes in float32, scales in the activation dtype (as the DeepSeek reference does)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate ‖ up fused into one [2I, D] weight."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [max_positions, rotary_dim / 2] (float32), scaled by the RoPE type's factor.
+
+    interleaved: the rotated pairs are (x0, x1), (x2, x3), ...; else (x_i, x_{i + d/2}).
+    Either way the output is in the half-split layout [rotated firsts ‖ rotated seconds]: q and
+    k share it, so their dot products are those of the checkpoint's layout.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, interleaved: bool) -> None:
+        super().__init__()
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+        self.register_buffer("cos", angles.cos() * scaling, persistent=False)
+        self.register_buffer("sin", angles.sin() * scaling, persistent=False)
+        self.interleaved = interleaved
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, H, R], positions [T] -> rotated x (same dtype)."""
+        if self.interleaved:
+            x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half].float(), x[..., half:].float()
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,98 @@
+"""DeepSeek mixture of experts: grouped top-k routing, routed experts, shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jackfield.models.hf_config import DeepseekArch
+from jackfield.models.layers import GatedMLP
+
+
+def route(logits: torch.Tensor, arch: DeepseekArch, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k]).
+
+    V3 (sigmoid, noaux_tc): groups ranked by the sum of their top-2 biased scores, the
+    top `topk_group` groups kept, top-k experts by biased score, weights from unbiased scores.
+    V2 (softmax): plain top-k, or group_limited_greedy (groups ranked by their best score).
+    """
+    num_tokens, num_experts = logits.shape
+    k, groups = arch.num_experts_per_tok, arch.n_group
+    if arch.moe_scoring == "sigmoid":
+        scores = logits.sigmoid()
+        choice = scores + bias if bias is not None else scores
+        group_scores = choice.view(num_tokens, groups, -1).topk(2, dim=-1).values.sum(-1)
+        masked_fill = float("-inf")
+    else:
+        scores = logits.softmax(dim=-1)
+        choice = scores
+        group_scores = scores.view(num_tokens, groups, -1).max(dim=-1).values
+        masked_fill = 0.0
+    if arch.topk_method != "greedy":
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(arch.topk_group, dim=-1).indices, True)
+        keep = keep.unsqueeze(-1).expand(num_tokens, groups, num_experts // groups).reshape(num_tokens, -1)
+        choice = choice.masked_fill(~keep, masked_fill)
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if arch.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * arch.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    """E gated MLPs stacked: w13 [E, 2I, D] (gate ‖ up), w2 [E, D, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by expert, one matmul pair per expert that has tokens."""
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort()
+        token_of_row = order // k
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()  # one sync per layer
+        rows = x[token_of_row]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            segment = rows[start : start + count]
+            gate, up = F.linear(segment, self.w13[expert]).chunk(2, dim=-1)
+            out[start : start + count] = F.linear(F.silu(gate) * up, self.w2[expert])
+            start += count
+        scaled = (out.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of_row, scaled)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, arch: DeepseekArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        num_experts = int(arch.n_routed_experts or 0)
+        if num_experts % arch.n_group:
+            raise ValueError(f"n_routed_experts {num_experts} is not divisible by n_group {arch.n_group}")
+        self.arch = arch
+        # The router runs in float32 whatever the activation dtype (as the reference does).
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(num_experts, arch.hidden_size, dtype=torch.float32), False)
+        if arch.moe_scoring == "sigmoid":
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), False)
+        self.experts = Experts(num_experts, arch.hidden_size, arch.moe_intermediate_size, dtype)
+        self.shared_experts = (
+            GatedMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts, dtype)
+            if arch.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight)
+        weights, ids = route(logits, self.arch, getattr(self.gate, "e_score_correction_bias", None))
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

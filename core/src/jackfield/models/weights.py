@@ -1,0 +1,114 @@
+"""Declarative checkpoint-name mapping and safetensors loading.
+
+A family declares a `WeightMapper`: rules from Hugging Face tensor names (regexes with named
+groups) to the model's parameter names, optionally into one shard of a fused parameter (dim 0
+split into equal parts) or one expert of a stacked parameter. Loading checks that every
+parameter is written exactly once and that every checkpoint tensor has a home; both failures
+name the tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`hf` (full-match regex) -> `param` (str.format over the regex groups).
+
+    shard=(i, n): the tensor is part i of n of `param` along dim 0 (gate ‖ up fusions).
+    expert: the group naming the expert index, for parameters stacked over experts on dim 0.
+    """
+
+    hf: str
+    param: str
+    shard: tuple[int, int] | None = None
+    expert: str | None = None
+
+
+@dataclass(frozen=True)
+class WeightMapper:
+    rules: tuple[Rule, ...]
+    ignore: tuple[str, ...] = ()  # regexes of checkpoint tensors that are deliberately unused
+
+    def target(self, hf_name: str) -> tuple[str, int | None, tuple[int, int] | None] | None:
+        """(param name, expert index, shard) for a checkpoint name; None when ignored."""
+        for pattern in self.ignore:
+            if re.fullmatch(pattern, hf_name):
+                return None
+        for rule in self.rules:
+            match = re.fullmatch(rule.hf, hf_name)
+            if match:
+                groups = match.groupdict()
+                expert = int(groups[rule.expert]) if rule.expert else None
+                return rule.param.format(**groups), expert, rule.shard
+        raise KeyError(hf_name)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    return files
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_weights(
+    params: dict[str, torch.Tensor],
+    weights: Iterator[tuple[str, torch.Tensor]],
+    mapper: WeightMapper,
+) -> None:
+    """Copy checkpoint tensors into `params` (converting dtype); fail naming what is off."""
+    written: dict[str, int] = {name: 0 for name in params}
+    unexpected: list[str] = []
+    bad_shapes: list[str] = []
+    with torch.no_grad():
+        for hf_name, tensor in weights:
+            try:
+                target = mapper.target(hf_name)
+            except KeyError:
+                unexpected.append(hf_name)
+                continue
+            if target is None:
+                continue
+            name, expert, shard = target
+            if name not in params:
+                unexpected.append(f"{hf_name} (-> {name})")
+                continue
+            dest = params[name]
+            if expert is not None:
+                if not 0 <= expert < dest.shape[0]:
+                    unexpected.append(f"{hf_name} (expert {expert} of {dest.shape[0]})")
+                    continue
+                dest = dest[expert]
+            if shard is not None:
+                index, parts = shard
+                size = dest.shape[0] // parts
+                dest = dest[index * size : (index + 1) * size]
+            if dest.shape != tensor.shape:
+                bad_shapes.append(f"{hf_name}: checkpoint {tuple(tensor.shape)}, model {tuple(dest.shape)}")
+                continue
+            dest.copy_(tensor)
+            written[name] += dest.numel()
+    missing = [f"{n} ({w} of {params[n].numel()} elements)" for n, w in written.items() if w != params[n].numel()]
+    problems = []
+    if unexpected:
+        problems.append("unexpected checkpoint tensors: " + ", ".join(sorted(unexpected)))
+    if bad_shapes:
+        problems.append("shape mismatches: " + "; ".join(bad_shapes))
+    if missing:
+        problems.append("parameters not written exactly once: " + ", ".join(sorted(missing)))
+    if problems:
+        raise ValueError("checkpoint does not match the model:\n  " + "\n  ".join(problems))
