@@ -1,0 +1,53 @@
+"""Absorbed MLA over the paged latent cache, one request group at a time, in plain PyTorch ops.
+
+The two matrix products are batched bmm calls that oneDNN runs on the AMX tile units for
+bfloat16 (on AVX-512 for float32). Per group: gather the group's cache blocks into a reused
+buffer (it stays in the CPU caches for both products), scores = q·Kᵀ, float32 softmax with the
+plan's bias, out = p·V, LSE from the same float32 scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jackfield_cpu_amx.plan import RequestGroup, Scratch
+
+
+def gather_group_cache(
+    kv_cache: torch.Tensor, group: RequestGroup, compute_dtype: torch.dtype, scratch: Scratch
+) -> torch.Tensor:
+    """The group's cache records as [num_reqs, blocks * block_size, L+R] in `compute_dtype`."""
+    num_blocks, block_size, width = kv_cache.shape
+    block_ids = group.block_ids(block_size)
+    rows = kv_cache.view(num_blocks, block_size * width)
+    gathered = scratch.get(kv_cache.dtype, block_ids.numel() * rows.shape[1]).view(-1, rows.shape[1])
+    torch.index_select(rows, 0, block_ids, out=gathered)
+    if kv_cache.dtype != compute_dtype:
+        converted = scratch.get(compute_dtype, gathered.numel()).view_as(gathered)
+        gathered = converted.copy_(gathered)
+    return gathered.view(group.num_reqs, -1, width)
+
+
+def attend_group(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    group: RequestGroup,
+    kv_lora_rank: int,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """query [g * q_len, H, L+R] over keys [g, >= num_keys, L+R]; writes out [g * q_len, H, L], lse [g * q_len, H].
+
+    Heads and query rows of a request fold into one M = q_len * H row block against its keys.
+    """
+    g, q_len, num_keys = group.num_reqs, group.q_len, group.num_keys
+    num_heads = query.shape[1]
+    keys = keys[:, :num_keys]
+    q = query.to(keys.dtype).reshape(g, q_len * num_heads, -1)
+    scores = torch.bmm(q, keys.transpose(1, 2)).view(g, q_len, num_heads, num_keys)
+    logits = torch.add(group.key_bias, scores, alpha=scale)  # float32: bias is float32
+    group_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    probs = logits.sub_(group_lse).exp_().to(keys.dtype).view(g, q_len * num_heads, num_keys)
+    out.copy_(torch.bmm(probs, keys[:, :, :kv_lora_rank]).view(g * q_len, num_heads, kv_lora_rank))
+    lse.copy_(group_lse.view(g * q_len, num_heads))

@@ -1,0 +1,158 @@
+"""The per-step plan: everything every layer of a step shares, computed once in build().
+
+Requests are cut into groups. A group is a run of consecutive requests with the same query
+length (decode and prefill requests never share one), small enough that its gathered latent
+cache stays in the CPU caches while both matrix products read it. Each group's query rows are
+contiguous, so its queries fold into one [g, q_len * H, D] batch: every product has
+q_len * H >= 16 rows (one AMX tile height) whenever H >= 16, or several tokens of H >= 8 heads.
+The block size is a property of the cache, not of the metadata, so block gather indices are
+resolved for it once per step, on the first layer, and reused by the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
+
+PLANS_KEY = "cpu_amx_plans"
+PlanKey = tuple[int, int, int]  # (num_reqs, num_tokens, num_decodes) of the metadata a plan serves
+
+
+def plan_key(metadata: AttentionMetadata) -> PlanKey:
+    return (metadata.num_reqs, metadata.num_tokens, metadata.num_decodes)
+
+
+@dataclass
+class Scratch:
+    """Gather buffers reused across layers and steps (the run-time builder's own)."""
+
+    buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            self.buffers[dtype] = buf
+        return buf[:numel]
+
+
+@dataclass(frozen=True)
+class RequestGroup:
+    req_start: int  # first request, relative to the metadata the plan serves
+    num_reqs: int
+    token_start: int
+    q_len: int
+    num_keys: int  # keys read per request: the longest seq_len in the group
+    key_bias: torch.Tensor  # [num_reqs, q_len, 1, num_keys] float32: 0 visible, -inf hidden
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32 rows of this group
+    seq_lens: torch.Tensor  # [num_reqs] int64
+    _block_ids: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def block_ids(self, block_size: int) -> torch.Tensor:
+        """[num_reqs * ceil(num_keys / block_size)] int64 physical blocks to gather, memoized per block size.
+
+        Columns past a request's own blocks repeat its first block: they are read, then masked.
+        """
+        ids = self._block_ids.get(block_size)
+        if ids is None:
+            num_blocks = -(-self.num_keys // block_size)
+            if num_blocks > self.block_table.shape[1]:
+                raise ValueError(
+                    f"block_table has {self.block_table.shape[1]} columns, seq_len {self.num_keys} "
+                    f"needs {num_blocks} blocks of {block_size}"
+                )
+            table = self.block_table[:, :num_blocks].long()
+            owned = torch.arange(num_blocks) < (-(-self.seq_lens // block_size))[:, None]
+            ids = torch.where(owned, table, table[:, :1]).reshape(-1)
+            self._block_ids[block_size] = ids
+        return ids
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    groups: tuple[RequestGroup, ...]
+    num_reqs: int
+    num_tokens: int
+
+
+def _key_bias(seq_lens: torch.Tensor, q_len: int, num_keys: int, causal: bool) -> torch.Tensor:
+    """Query row i of a request with seq_len n sits at n - q_len + i; it sees keys < n (non-causal)
+    or keys <= its own position (causal)."""
+    keys = torch.arange(num_keys)
+    last_row_offset = torch.arange(q_len) - (q_len - 1)  # row i is (q_len - 1 - i) before the last
+    visible_end = seq_lens[:, None] + (last_row_offset if causal else torch.zeros_like(last_row_offset))
+    visible = keys[None, None, :] < visible_end[:, :, None]
+    bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
+    return bias.unsqueeze(2)
+
+
+class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
+    """Builds the step's plans: for the whole batch and for its decode and prefill halves
+    (MLAImpl.forward hands `attend` one half; the conformance kit hands it the whole)."""
+
+    def __init__(self, group_keys: int = 16384) -> None:
+        self.group_keys = group_keys  # keys gathered per group: bounds the working set
+        self.scratch = Scratch()
+
+    def build(self, common: AttentionMetadata, for_capture: bool = False) -> AttentionMetadata:
+        qsl = common.query_start_loc_cpu.long()
+        q_lens = qsl.diff()
+        seq_lens = common.seq_lens_cpu.long()
+        block_table = common.block_table.cpu()
+        groups = self._groups(q_lens.tolist(), seq_lens.tolist(), common.num_decodes)
+        full = [
+            RequestGroup(
+                req_start=r0,
+                num_reqs=r1 - r0,
+                token_start=int(qsl[r0]),
+                q_len=int(q_lens[r0]),
+                num_keys=int(seq_lens[r0:r1].max()),
+                key_bias=_key_bias(seq_lens[r0:r1], int(q_lens[r0]), int(seq_lens[r0:r1].max()), common.causal),
+                block_table=block_table[r0:r1],
+                seq_lens=seq_lens[r0:r1],
+            )
+            for r0, r1 in groups
+        ]
+        nd, ndt = common.num_decodes, common.num_decode_tokens
+        plans: dict[PlanKey, StepPlan] = {plan_key(common): StepPlan(tuple(full), common.num_reqs, common.num_tokens)}
+        if 0 < nd < common.num_reqs:
+            decode = tuple(g for g in full if g.req_start < nd)
+            prefill = tuple(_shifted(g, nd, ndt) for g in full if g.req_start >= nd)
+            plans[(nd, ndt, nd)] = StepPlan(decode, nd, ndt)
+            plans[(common.num_reqs - nd, common.num_tokens - ndt, 0)] = StepPlan(
+                prefill, common.num_reqs - nd, common.num_tokens - ndt
+            )
+        scratch = Scratch() if for_capture else self.scratch
+        return common.replace(extra={**common.extra, PLANS_KEY: plans, "cpu_amx_scratch": scratch})
+
+    def _groups(self, q_lens: list[int], seq_lens: list[int], num_decodes: int) -> list[tuple[int, int]]:
+        """[start, end) request ranges: equal q_len, one side of the decode boundary, within budget."""
+        groups: list[tuple[int, int]] = []
+        start, longest = 0, 0
+        for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+            if r > start and (
+                q_len != q_lens[start] or r == num_decodes or max(longest, seq_len) * (r - start + 1) > self.group_keys
+            ):
+                groups.append((start, r))
+                start, longest = r, 0
+            longest = max(longest, seq_len)
+        if start < len(q_lens):
+            groups.append((start, len(q_lens)))
+        return [(r0, r1) for r0, r1 in groups if q_lens[r0] > 0]
+
+
+def _shifted(group: RequestGroup, req_offset: int, token_offset: int) -> RequestGroup:
+    return RequestGroup(
+        req_start=group.req_start - req_offset,
+        num_reqs=group.num_reqs,
+        token_start=group.token_start - token_offset,
+        q_len=group.q_len,
+        num_keys=group.num_keys,
+        key_bias=group.key_bias,
+        block_table=group.block_table,
+        seq_lens=group.seq_lens,
+        _block_ids=group._block_ids,
+    )

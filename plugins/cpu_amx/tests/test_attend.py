@@ -1,0 +1,66 @@
+"""cpu_amx attend against an independent float64 reference, on both compute paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cpu_amx_problems import Problem, make_layer, make_problem, reference_attend
+
+from jackfield.contracts.attention import AttentionOutput
+
+from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMLAImpl
+from jackfield_cpu_amx.plan import CpuAmxMetadataBuilder
+
+# (path, dtype, atol on out, atol on lse): float32 path exact to float32 rounding; the bf16 path
+# rounds scores and probabilities to bfloat16 before the products, as AMX does.
+PATHS = [
+    ("avx512_fp32", torch.float32, 2e-5, 2e-5),
+    ("avx512_fp32", torch.bfloat16, 2e-2, 2e-5),
+    ("amx_bf16", torch.bfloat16, 3e-2, 3e-2),
+]
+
+
+def run_attend(path: str, problem: Problem, group_keys: int | None = None) -> AttentionOutput:
+    builder = CpuAmxBackend.metadata_builder() if group_keys is None else CpuAmxMetadataBuilder(group_keys)
+    impl = CpuAmxMLAImpl(problem.layer, path=path)
+    return impl.attend(problem.query, problem.kv_cache, builder.build(problem.metadata), return_lse=True)
+
+
+@pytest.mark.parametrize("path,dtype,atol,lse_atol", PATHS)
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,block_size,causal",
+    [
+        ([1, 1, 1, 1], [37, 5, 64, 1], 16, True),  # ragged decode, a one-token context
+        ([2, 2, 3, 4], [9, 40, 17, 33], 8, True),  # multi-token (speculative) decode
+        ([1, 1, 5, 12], [20, 31, 5, 50], 5, True),  # decodes then prefills, odd block size
+        ([3, 3, 6], [10, 7, 6], 4, False),  # non-causal
+    ],
+)
+def test_attend_matches_float64(path, dtype, atol, lse_atol, q_lens, seq_lens, block_size, causal) -> None:
+    problem = make_problem(make_layer(num_heads=8), q_lens, seq_lens, block_size, dtype, causal=causal, seed=len(q_lens))
+    result = run_attend(path, problem)
+    ref_out, ref_lse = reference_attend(problem)
+    assert result.out.dtype == dtype and result.out.shape == ref_out.shape
+    assert not result.out.isnan().any() and not result.lse.isnan().any()  # every row written
+    torch.testing.assert_close(result.out.double(), ref_out, atol=atol, rtol=atol)
+    torch.testing.assert_close(result.lse.double(), ref_lse, atol=lse_atol, rtol=0)
+
+
+@pytest.mark.parametrize("group_keys", [1, 40, 1 << 20])
+def test_grouping_does_not_change_results(group_keys: int) -> None:
+    """One request per group, a few per group, and all in one group give the float64 answer."""
+    problem = make_problem(make_layer(num_heads=4), [1] * 6, [12, 30, 7, 19, 25, 3], 4, torch.float32, seed=3)
+    result = run_attend("avx512_fp32", problem, group_keys=group_keys)
+    ref_out, ref_lse = reference_attend(problem)
+    torch.testing.assert_close(result.out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(result.lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+def test_bf16_path_error_at_benchmark_width() -> None:
+    """kv_lora_rank 512 / rope 64, H=16, S=1024: bf16 rounding stays within bf16 tolerance."""
+    layer = make_layer(num_heads=16, kv_lora_rank=512, rope=64, nope=128, v=128)
+    problem = make_problem(layer, [1, 1], [1024, 700], 64, torch.bfloat16, seed=7)
+    result = run_attend("amx_bf16", problem)
+    ref_out, ref_lse = reference_attend(problem)
+    torch.testing.assert_close(result.out.double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(result.lse.double(), ref_lse, atol=5e-2, rtol=0)
