@@ -97,10 +97,16 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def step(self, chunks: list[ScheduledChunk]) -> StepResult:
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Final hidden states [T, D] of every query row (writing their KV), and the step's metadata."""
         common, input_ids, positions = self._metadata(chunks)
         context = self._step_context(common)
         hidden = self.model(self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64), context)
+        return hidden, common
+
+    @torch.inference_mode()
+    def step(self, chunks: list[ScheduledChunk]) -> StepResult:
+        hidden, common = self.forward(chunks)
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return StepResult([], [])
@@ -108,6 +114,8 @@ class ModelRunner:
         rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
         logits = self.model.compute_logits(hidden[self._h2d(rows, torch.int64)])
         out = self.sampler.sample(logits, self._sampling_metadata(sampling))
+        if out.invalid_rows is not None and bool(out.invalid_rows.any()):
+            raise FloatingPointError("the model produced no finite logit for a request (NaN/inf activations)")
         token_ids = out.token_ids.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(sampling)
         if out.logprobs is not None and out.logprob_token_ids is not None:

@@ -74,6 +74,15 @@ def save_byte_tokenizer(directory: Path) -> None:
     fast.save_pretrained(str(directory))
 
 
+def default_hf_config() -> dict[str, object]:
+    """The default model's config.json contents, without creating the model (for `doctor`)."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(**TINY_CONFIG)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    return config.to_dict()
+
+
 def build_default_model(directory: Path) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 

@@ -1,0 +1,87 @@
+"""`jackfield run`: generate for each --prompt and print the backends chosen, the texts and a summary.
+
+Progress bars (model creation, loading, generation) go to stderr; --json prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+
+from tqdm import tqdm
+
+DEFAULT_PROMPTS = ("The quick brown fox", "Jackfield is")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("run", help="generate text (the embedded tiny model by default)")
+    parser.add_argument("--config", help="a jackfield TOML file (default: built-in defaults)")
+    parser.add_argument("--model", help="a local Hugging Face model directory (overrides [model].path)")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, help="sampling seed for every prompt (default: drawn per request)")
+    parser.add_argument("--attention-backend", help="overrides [attention].backend")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.set_defaults(handler=main)
+
+
+def _stage_bar() -> tuple[Callable[[str], None], Callable[[], None]]:
+    """A stderr bar for the setup stages (shown only when setup takes over a second)."""
+    bar = tqdm(total=0, bar_format="{desc} [{elapsed}]", file=sys.stderr, delay=1.0, leave=False)
+    return bar.set_description_str, bar.close
+
+
+def main(args: argparse.Namespace) -> int:
+    from jackfield.contracts.sampler import SamplingParams
+    from jackfield.engine.llm import LLM
+
+    overrides: dict[str, object] = {}
+    if args.attention_backend:
+        overrides["attention.backend"] = args.attention_backend
+    say, close = _stage_bar()
+    try:
+        llm = LLM(args.model, args.config, progress=say, **overrides)
+    finally:
+        close()
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    bar = tqdm(total=len(prompts), desc="generating", unit="req", file=sys.stderr, delay=1.0, leave=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, progress=lambda done, _: bar.update(done - bar.n))
+    elapsed = time.perf_counter() - start
+    bar.close()
+    backends = {role: {"name": c.name, "reason": c.reason} for role, c in llm.backend_choices.items()}
+    generated = sum(len(o.token_ids) for o in outputs)
+    first = min(o.timings.time_to_first_token_s for o in outputs)
+    decode_time = elapsed - first
+    summary = {
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+        "generated_tokens": generated,
+        "time_to_first_token_s": round(first, 4),
+        "decode_tokens_per_s": round((generated - len(outputs)) / decode_time, 1) if decode_time > 0 else None,
+        "total_s": round(elapsed, 4),
+    }
+    if args.json:
+        results = [
+            {"prompt": p if isinstance(p, str) else None, "text": o.text, "token_ids": o.token_ids,
+             "finish_reason": o.finish_reason, "seed": o.seed}
+            for p, o in zip(prompts, outputs)
+        ]
+        print(json.dumps({"model": str(llm.model_dir), "device": str(llm.device), "dtype": str(llm.dtype),
+                          "backends": backends, "outputs": results, "summary": summary}, indent=2))
+        return 0
+    print(f"model: {llm.model_dir} ({llm.device}, {str(llm.dtype).removeprefix('torch.')})")
+    for role, choice in backends.items():
+        print(f"{role} attention: {choice['name']} ({choice['reason']})")
+    for prompt, out in zip(prompts, outputs):
+        print(f"\n--- {prompt!r} ({out.finish_reason})")
+        print(out.text if out.text is not None else out.token_ids)
+    print(
+        f"\nprompt tokens {summary['prompt_tokens']}, generated tokens {generated}, "
+        f"time to first token {first * 1000:.1f} ms, decode {summary['decode_tokens_per_s']} tokens/s"
+    )
+    return 0

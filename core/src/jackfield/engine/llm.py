@@ -1,0 +1,242 @@
+"""`jackfield.LLM`: config -> backends -> model -> KV cache -> generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from jackfield.attention.kv_cache import allocate_kv_cache, cache_dtype, cache_shape
+from jackfield.config import ConfigError, JackfieldConfig, load_config
+from jackfield.contracts.sampler import Sampler, SamplingParams
+from jackfield.engine.block_manager import BlockManager
+from jackfield.engine.model_runner import ModelRunner
+from jackfield.engine.outputs import RequestOutput, RequestTimings
+from jackfield.engine.scheduler import Scheduler
+from jackfield.engine.sequence import Sequence
+from jackfield.engine.tokenizer import load_tokenizer
+from jackfield.models import load_model
+from jackfield.models.attention import AttentionBackends
+from jackfield.models.default_model import default_model_dir
+from jackfield.plugins import get_registry
+from jackfield.requirements import attention_requirements, read_hf_config, resolve_device, resolve_dtype
+from jackfield.selection import BackendChoice, resolve_attention
+from jackfield.specs import resolve_factory
+
+Prompt = str | Seq[int]
+
+
+def _dotted(overrides: dict[str, object]) -> dict[str, object]:
+    """`block_size=64` -> {"engine.block_size": 64}: a plain key must name one config field."""
+    defaults = JackfieldConfig()
+    fields = {s.name: {f.name for f in dataclasses.fields(getattr(defaults, s.name))}
+              for s in dataclasses.fields(defaults)}
+    dotted: dict[str, object] = {}
+    for key, value in overrides.items():
+        if "." in key:
+            dotted[key] = value
+            continue
+        owners = [section for section, names in fields.items() if key in names]
+        if len(owners) != 1:
+            where = "several sections: " + ", ".join(owners) if owners else "no config section"
+            raise ConfigError([f"override {key!r} matches {where}; use 'section.{key}'"])
+        dotted[f"{owners[0]}.{key}"] = value
+    return dotted
+
+
+def _unsupported(config: JackfieldConfig) -> list[str]:
+    """Config features this engine does not run yet: fail before anything loads."""
+    problems = []
+    if config.speculative.method is not None:
+        problems.append("speculative decoding (speculative.method) is not run by this engine yet")
+    if config.kv_connector.name is not None:
+        problems.append("KV connectors (kv_connector.name) are not run by this engine yet")
+    if config.parallel.dcp_size != 1:
+        problems.append("decode context parallel (parallel.dcp_size > 1) is not run by this engine yet")
+    return problems
+
+
+class LLM:
+    """LLM(model=None, config=None, **overrides). `model`: a local HF directory (None: the config's
+    model.path, else the embedded default). `config`: a JackfieldConfig or a TOML path. Overrides
+    are dotted ("engine.block_size") or plain field names (block_size) and win over the config."""
+
+    def __init__(self, model: str | Path | None = None, config: JackfieldConfig | str | Path | None = None,
+                 *, progress: Callable[[str], None] | None = None, **overrides: object) -> None:
+        dotted = _dotted(overrides)
+        if model is not None:
+            dotted["model.path"] = str(model)
+        if isinstance(config, JackfieldConfig):
+            base = {f"{s.name}.{k}": v for s in dataclasses.fields(config)
+                    for k, v in dataclasses.asdict(getattr(config, s.name)).items()}
+            config = load_config(None, {**base, **dotted}) if dotted else config
+        else:
+            config = load_config(config, dotted)
+        problems = _unsupported(config)
+        if problems:
+            raise ConfigError(problems)
+        self.config = config
+        say = progress or (lambda _: None)
+        self.device = torch.device(resolve_device(config))
+        self.dtype = resolve_dtype(config, self.device.type)
+        if config.model.path is None:
+            say("creating the embedded default model")
+        self.model_dir = Path(config.model.path) if config.model.path else default_model_dir()
+        requirements = attention_requirements(read_hf_config(self.model_dir), config)
+        self.backend_choices: dict[str, BackendChoice] = resolve_attention(config, requirements)
+        backends = AttentionBackends(prefill=self.backend_choices["prefill"].backend,
+                                     decode=self.backend_choices["decode"].backend)
+        say(f"loading {self.model_dir}")
+        self.model = load_model(self.model_dir, backends, self.dtype, self.device, config.attention.kv_cache_dtype)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = self._eos_ids()
+        engine = config.engine
+        self.max_model_len = min(engine.max_model_len or self.model.max_model_len, self.model.max_model_len)
+        self.num_blocks = self._num_blocks()
+        layers = self.model.kv_cache_layers
+        kv_caches = [allocate_kv_cache(layer, self.num_blocks, engine.block_size, self.dtype, self.device)
+                     for layer in layers]
+        self.block_manager = BlockManager(self.num_blocks, engine.block_size, engine.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, backends, self._sampler(), kv_caches, engine.block_size, self.device)
+        self._seeds = random.Random(config.sampler.seed)
+        self._next_id = 0
+
+    def _sampler(self) -> Sampler:
+        entry = get_registry().lookup("sampler", self.config.sampler.name)
+        return resolve_factory(entry.spec.factory)()  # type: ignore[operator,return-value]
+
+    def _eos_ids(self) -> set[int]:
+        hf = read_hf_config(self.model_dir)
+        eos = hf.get("eos_token_id")
+        ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return {int(i) for i in ids}
+
+    def _num_blocks(self) -> int:
+        """Blocks the budget pays for, capped at what max_num_seqs full-length requests can use."""
+        engine = self.config.engine
+        per_block = sum(
+            torch.Size(cache_shape(layer, 1, engine.block_size)).numel()
+            * cache_dtype(layer.kv_cache_dtype, self.dtype).itemsize
+            for layer in self.model.kv_cache_layers
+        )
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * engine.gpu_memory_fraction
+            where = f"{engine.gpu_memory_fraction} of the free GPU memory"
+        else:
+            budget = engine.cpu_kv_cache_gib * 2**30
+            where = f"engine.cpu_kv_cache_gib = {engine.cpu_kv_cache_gib}"
+        useful = engine.max_num_seqs * -(-self.max_model_len // engine.block_size)
+        num_blocks = min(int(budget // per_block), useful)
+        if num_blocks < 1:
+            raise ConfigError([f"the KV cache budget ({where}) does not fit one block of {per_block} bytes"])
+        return num_blocks
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer: give prompts as lists of token ids")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = [int(t) for t in prompt]
+        vocab = self.model.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        ids = self._encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_model_len {self.max_model_len}")
+        needed = self.block_manager.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
+        if needed > self.num_blocks:
+            raise ValueError(f"a request of {len(ids)} + {params.max_tokens} tokens needs {needed} KV blocks; "
+                             f"the cache has {self.num_blocks} (raise the KV budget)")
+        seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
+        seq = Sequence(self._next_id, len(ids), ids, params, seed)
+        self._next_id += 1
+        return seq
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching); outputs come back in prompt order.
+        `progress(done, total)` is called as requests finish."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        seqs = [self._request(p, sp) for p, sp in zip(prompts, params)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        done = 0
+        while self.scheduler.has_work():
+            done += self._step()
+            if progress:
+                progress(done, len(seqs))
+        return [self._output(seq) for seq in seqs]
+
+    def _step(self) -> int:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            raise RuntimeError("scheduler made no progress (a request cannot fit the KV cache)")
+        result = self.runner.step(chunks)
+        now = time.perf_counter()
+        finished = 0
+        sampled = iter(zip(result.token_ids, result.logprobs))
+        for chunk in chunks:
+            seq = chunk.seq
+            samples = chunk.samples
+            seq.num_computed += chunk.num_tokens
+            self.block_manager.commit(seq)
+            if not samples:
+                continue
+            token, logprobs = next(sampled)
+            seq.token_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                seq.finish_time = now
+                self.scheduler.finish(seq, reason)
+                finished += 1
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        assert seq.first_token_time is not None and seq.finish_time is not None and seq.finish_reason
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else None
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.prompt_len],
+            token_ids=seq.output_ids,
+            text=text,
+            finish_reason=seq.finish_reason,
+            seed=seq.seed,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            timings=RequestTimings(seq.first_token_time - seq.arrival_time, seq.finish_time - seq.arrival_time),
+            num_cached_tokens=seq.num_cached_prefix,
+            num_preemptions=seq.num_preemptions,
+        )
