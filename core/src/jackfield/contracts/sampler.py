@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those filters.
     seed None: the engine draws one from its seeded generator and reports it in the output.
     logprobs k: the top-k logprobs of each generated token's distribution are returned.
+    logit_bias {token id: bias} is added to the logits; allowed_token_ids restricts sampling to
+    those tokens (both before temperature, filters and greedy argmax).
     """
 
     temperature: float = 1.0
@@ -26,6 +29,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -43,9 +48,21 @@ class SamplingParams:
             errors.append(f"logprobs must be >= 0, got {self.logprobs}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             errors.append(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.logit_bias is not None:
+            if any(int(t) < 0 for t in self.logit_bias):
+                errors.append("logit_bias token ids must be >= 0")
+            if not all(math.isfinite(float(b)) for b in self.logit_bias.values()):
+                errors.append("logit_bias values must be finite")
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                errors.append("allowed_token_ids must name at least one token (None: all allowed)")
+            if any(int(t) < 0 for t in self.allowed_token_ids):
+                errors.append("allowed_token_ids must be >= 0")
         if errors:
             raise ValueError("invalid SamplingParams: " + "; ".join(errors))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,8 @@ class SamplingMetadata:
     seeds int64 [R]; positions int64 [R] (the position of the token being sampled);
     drafting bool: True when a drafter samples (uses a disjoint noise stream).
     max_num_logprobs: largest k asked by any row (None: no logprobs).
+    logit_bias float32 [R, V]: added to the logits (None: no row has a bias).
+    allowed_token_mask bool [R, V]: False tokens are never sampled (None: all allowed).
     """
 
     temperature: torch.Tensor
@@ -66,6 +85,8 @@ class SamplingMetadata:
     positions: torch.Tensor
     drafting: bool = False
     max_num_logprobs: int | None = None
+    logit_bias: torch.Tensor | None = None
+    allowed_token_mask: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:

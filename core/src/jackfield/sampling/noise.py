@@ -79,24 +79,33 @@ def murmur3_hash32(
     return h ^ (h >> 16)
 
 
-def murmur3_uniform32(seed: torch.Tensor, pos: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+def uniform32_from_hash(r: torch.Tensor) -> torch.Tensor:
     """float32 in (0, 1]: (r >> 16) * 2^-16 + ((r & 0xFFFF) + 0.5) * 2^-32, both terms exact.
 
     The 32-bit word is never converted to float32 whole (backends round that differently).
     """
-    r = murmur3_hash32(seed, pos, token)
     high = (r >> 16).to(torch.float32) * 2.0**-16
     low = ((r & 0xFFFF).to(torch.float32) + 0.5) * 2.0**-32
     return high + low
 
 
-def murmur3_uniform64(seed: torch.Tensor, pos: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """float64 in (0, 1): 53 bits from two hashes (domains 0 and 0x9E3779B9)."""
-    lo = murmur3_hash32(seed, pos, token, domain=0)
-    hi = murmur3_hash32(seed, pos, token, domain=UNIFORM64_HI_DOMAIN)
+def murmur3_uniform32(seed: torch.Tensor, pos: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """float32 in (0, 1] from murmur3_hash32 (see uniform32_from_hash)."""
+    return uniform32_from_hash(murmur3_hash32(seed, pos, token))
+
+
+def uniform64_from_hashes(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """float64 in (0, 1): bits = ((hi << 32) | lo) >> 11, u = (bits + 0.5) * 2^-53, never 1.0."""
     bits = (hi << 21) | (lo >> 11)  # ((hi << 32) | lo) >> 11 without leaving 63 bits
     u = (bits.to(torch.float64) + 0.5) * 2.0**-53
     return torch.where(u >= 1.0, torch.full_like(u, 1.0 - 2.0**-53), u)
+
+
+def murmur3_uniform64(seed: torch.Tensor, pos: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """float64 in (0, 1) from two hashes (domains 0 and 0x9E3779B9)."""
+    lo = murmur3_hash32(seed, pos, token, domain=0)
+    hi = murmur3_hash32(seed, pos, token, domain=UNIFORM64_HI_DOMAIN)
+    return uniform64_from_hashes(lo, hi)
 
 
 def log_f32(x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +147,10 @@ def gumbel_noise(seed: torch.Tensor, pos: torch.Tensor, token: torch.Tensor, fp6
     if fp64:
         u64 = murmur3_uniform64(seed, pos, token)
         return -torch.log(-torch.log(u64))
-    u = murmur3_uniform32(seed, pos, token)
+    return gumbel_from_uniform32(murmur3_uniform32(seed, pos, token))
+
+
+def gumbel_from_uniform32(u: torch.Tensor) -> torch.Tensor:
+    """float32 Gumbel noise -log(-log1p_neg_stable(u)) for u in (0, 1]."""
     return -log_f32(-log1p_neg_stable(u))
 
