@@ -1,0 +1,88 @@
+"""Assertions and probes the conformance kit uses; messages say what differed and where."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jackfield.contracts.attention import AttentionBackend
+from jackfield.plugins import get_registry
+from jackfield.specs import resolve_factory
+
+
+def resolve_backend(name: str | None, cls: type[AttentionBackend] | None) -> type[AttentionBackend]:
+    """`cls` if given, else the registry's backend `name` (its record must match the class)."""
+    if cls is not None:
+        return cls
+    if name is None:
+        pytest.fail("set `backend_name` (a registered backend) or `backend_cls` on the conformance class")
+    entry = get_registry().lookup("attention", name)
+    backend = resolve_factory(entry.spec.factory)
+    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+        pytest.fail(f"factory {entry.spec.factory!r} of {name!r} is not an AttentionBackend subclass")
+    if backend.capabilities != entry.spec.capabilities:
+        pytest.fail(f"{name!r}: the registered capabilities differ from {backend.__name__}.capabilities")
+    if backend.name != name:
+        pytest.fail(f"registered as {name!r} but {backend.__name__}.name is {backend.name!r}")
+    return backend
+
+
+def poison_allocator(device: str) -> None:
+    """Fill freed CUDA allocator memory with NaN bytes so outputs a kernel never writes read as NaN."""
+    if torch.device(device).type != "cuda":
+        return
+    chunks = [torch.empty(size, dtype=torch.uint8, device=device) for size in [64 << 20] + [512 << 10] * 16]
+    for chunk in chunks:
+        chunk.fill_(0xFF)  # 0xFF.. is NaN in fp32, fp16 and bf16
+    del chunks
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor, message: str) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, message
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), message
+
+
+def assert_output_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    """Same shape/dtype, every element written (finite), error within tol of the output's scale."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, expected {want.dtype}"
+    bad = ~torch.isfinite(got)
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {got.numel()} elements not finite (unwritten or NaN)"
+    scale = float(want.float().abs().max()) if want.numel() else 1.0
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * max(scale, 1e-6), rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_lse_close(got: torch.Tensor | None, want: torch.Tensor | None, tol: float, what: str) -> None:
+    """float32 [T, H]; -inf exactly where the reference saw no key, finite and close elsewhere."""
+    assert want is not None
+    assert got is not None, f"{what}: return_lse=True gave no LSE (the backend claims dcp)"
+    assert got.dtype == torch.float32 and got.shape == want.shape, (
+        f"{what}: got {got.dtype} {tuple(got.shape)}, expected float32 {tuple(want.shape)}"
+    )
+    empty = want == float("-inf")
+    assert torch.equal(got == float("-inf"), empty), f"{what}: -inf rows differ from rows that saw no key"
+    assert torch.isfinite(got[~empty]).all(), f"{what}: NaN or +inf where keys were seen"
+    torch.testing.assert_close(got[~empty], want[~empty], atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_rejects(call, what: str) -> None:
+    """`call()` must fail at the entry with ValueError/TypeError (not deep inside a kernel)."""
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert str(info.value), f"{what}: raised {type(info.value).__name__} with an empty message"
+
+
+def assert_cache_close(got: torch.Tensor, want: torch.Tensor, kv_scale: torch.Tensor | None, what: str) -> None:
+    """Caches written by two impls: untouched (NaN-poisoned) slots agree; float caches bit-exact,
+    fp8 caches within one e4m3 step (rounding of x / scale may differ by one ulp)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: cache shape/dtype changed"
+    if got.dtype != torch.float8_e4m3fn:
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+            f"{what}: {int((got != want).sum())} cache elements differ from torch_ref's write"
+        )
+        return
+    assert kv_scale is not None
+    g, w = got.float() * kv_scale, want.float() * kv_scale
+    assert torch.equal(g.isnan(), w.isnan()), f"{what}: written slots differ from torch_ref's (NaN = untouched)"
+    keep = ~w.isnan()
+    torch.testing.assert_close(g[keep], w[keep], rtol=0.13, atol=float(kv_scale) * 2**-9, msg=lambda m: f"{what}: {m}")
