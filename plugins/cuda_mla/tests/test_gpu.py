@@ -1,0 +1,80 @@
+"""Full DeepSeek shapes (kv_lora_rank 512, rope 64) in bf16 and fp8 on a real GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mla_reference import decode_reference
+
+from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+RANK, ROPE, PAGE, HEADS = 512, 64, 64, 16
+FP8 = torch.float8_e4m3fn
+
+
+def full_batch(seq_lens: list[int], q_lens: list[int], heads: int = HEADS, fp8: bool = False) -> dict:
+    blocks = max(seq_lens) // PAGE + 1
+    num_blocks = len(seq_lens) * blocks
+    cache = torch.randn(num_blocks, PAGE, RANK + ROPE, device="cuda")
+    scale = torch.tensor([0.02], device="cuda") if fp8 else None
+    cache = (cache / scale).clamp(-448, 448).to(FP8) if fp8 else cache.bfloat16()
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return dict(
+        query=torch.randn(int(qsl[-1]), heads, RANK + ROPE, device="cuda", dtype=torch.bfloat16),
+        kv_cache=cache, kv_scale=scale, query_start_loc=qsl,
+        block_table=torch.randperm(num_blocks, device="cuda", dtype=torch.int32).reshape(len(seq_lens), blocks),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+    )
+
+
+def check(batch: dict, causal: bool = True, topk: torch.Tensor | None = None) -> None:
+    out, lse = mla_decode(
+        batch["query"], batch["kv_cache"], batch["block_table"], batch["seq_lens"], batch["query_start_loc"],
+        max_query_len=int(batch["query_start_loc"].diff().max()), max_seq_len=int(batch["seq_lens"].max()),
+        sm_scale=(RANK + ROPE) ** -0.5, kv_lora_rank=RANK, causal=causal, kv_scale=batch["kv_scale"], topk_indices=topk,
+        out=torch.full((batch["query"].shape[0], batch["query"].shape[1], RANK), float("nan"), device="cuda", dtype=torch.bfloat16),
+    )
+    cpu = {k: None if v is None else v.cpu() for k, v in batch.items()}
+    scale = 1.0 if cpu["kv_scale"] is None else float(cpu["kv_scale"])
+    ref_out, ref_lse = decode_reference(cpu["query"], cpu["kv_cache"], cpu["block_table"], cpu["seq_lens"],
+                                        cpu["query_start_loc"], (RANK + ROPE) ** -0.5, RANK, causal=causal,
+                                        kv_scale=scale, topk_indices=None if topk is None else topk.cpu())
+    assert not out.isnan().any()
+    assert (out.cpu().double() - ref_out).abs().max().item() < 2e-2 * max(1.0, ref_out.abs().max().item())
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.cpu().isfinite(), finite)
+    assert (lse.cpu().double()[finite] - ref_lse[finite]).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_full_shape_bf16_decode_with_mtp(causal: bool) -> None:
+    check(full_batch([1000, 4097, 64, 300], [1, 8, 2, 3]), causal)
+
+
+def test_full_shape_many_heads() -> None:
+    check(full_batch([2000, 513], [2, 1], heads=128))
+
+
+def test_full_shape_fp8_cache() -> None:
+    check(full_batch([3000, 700], [1, 2], fp8=True))
+
+
+def test_full_shape_sparse_top2048() -> None:
+    batch = full_batch([5000, 2500], [2, 1], heads=128)
+    topk = torch.stack([torch.randperm(s)[:2048] for s in (5000, 5000, 2500)]).int()
+    topk[2, 1500:] = -1
+    check(batch, topk=topk.cuda())
+
+
+def test_insert_65536_tokens_bf16_and_fp8() -> None:
+    tokens = 65536
+    kv_c = torch.randn(tokens, RANK, device="cuda", dtype=torch.bfloat16)
+    k_pe = torch.randn(tokens, ROPE, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(2 * tokens, device="cuda")[:tokens]
+    for dtype, scale in ((torch.bfloat16, None), (FP8, torch.tensor([0.01], device="cuda"))):
+        cache = torch.full((2 * tokens // PAGE, PAGE, RANK + ROPE), float("nan"), device="cuda").to(dtype)
+        mla_kv_insert(kv_c, k_pe, cache, slots, scale)
+        rows = torch.cat([kv_c, k_pe], 1).float()
+        want = rows.to(dtype) if scale is None else (rows / scale).clamp(-448, 448).to(FP8)
+        assert torch.equal(cache.view(-1, RANK + ROPE)[slots].float(), want.float())
