@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,3 +78,12 @@ def test_plugin_registers_cpu_amx_with_its_path_in_the_reason() -> None:
     assert info.status == "active" and "attention:cpu_amx" in info.registers
     reason = entry.spec.availability().reason
     assert reason.startswith(capabilities.detected_amx_status().path)
+
+
+@pytest.mark.skipif(not capabilities.is_amx_bmm_enabled(), reason="needs a CPU with AMX-BF16 (the GPU machine's Xeon)")
+def test_bf16_bmm_runs_on_onednn_amx_kernels() -> None:
+    """On an AMX host the bf16 products this backend issues reach oneDNN's AMX kernels."""
+    script = "import torch; a = torch.randn(4, 64, 576).bfloat16(); torch.bmm(a, a.transpose(1, 2))"
+    env = {**os.environ, "ONEDNN_VERBOSE": "1"}
+    log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert "amx" in log, log[-2000:]

@@ -49,5 +49,8 @@ def attend_group(
     logits = torch.add(group.key_bias, scores, alpha=scale)  # float32: bias is float32
     group_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     probs = logits.sub_(group_lse).exp_().to(keys.dtype).view(g, q_len * num_heads, num_keys)
-    out.copy_(torch.bmm(probs, keys[:, :, :kv_lora_rank]).view(g * q_len, num_heads, kv_lora_rank))
+    # The product over whole contiguous records (rope columns included, then dropped) runs ~3x
+    # faster in oneDNN than over the strided latent slice, for 12% more arithmetic.
+    latent = torch.bmm(probs, keys)[:, :, :kv_lora_rank]
+    out.copy_(latent.reshape(g * q_len, num_heads, kv_lora_rank))
     lse.copy_(group_lse.view(g * q_len, num_heads))

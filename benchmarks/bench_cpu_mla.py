@@ -1,0 +1,124 @@
+"""MLA decode on the CPU: cpu_amx vs torch_ref, against the host memory copy bandwidth of this run.
+
+One decode step of one layer: B requests, one new token each, S cached tokens, H heads,
+kv_lora_rank 512 + rope 64 latent records in a bfloat16 paged cache. Effective bandwidth is the
+cache bytes a decode must read (B * S * 576 * 2) over the step time.
+
+    .venv/bin/python benchmarks/bench_cpu_mla.py [--heads 16 128] [--append benchmarks/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from jackfield.attention.torch_ref import TorchRefBackend
+from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
+from jackfield_cpu_amx.backend import CpuAmxMLAImpl
+from jackfield_cpu_amx.capabilities import ComputePath, detected_amx_status
+from jackfield_cpu_amx.plan import CpuAmxMetadataBuilder
+
+KV_LORA_RANK, ROPE = 512, 64
+
+
+def timed(fn: Callable[[], object], iters: int) -> float:
+    """Median seconds of `iters` calls after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Host memory bandwidth in bytes/s: a large tensor copy, counting the read and the write."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), 5)
+
+
+def decode_problem(batch: int, heads: int, seq: int, block_size: int) -> tuple[AttentionLayerSpec, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    layer = AttentionLayerSpec(
+        num_heads=heads, head_size=KV_LORA_RANK + ROPE, scale=192**-0.5, kv_lora_rank=KV_LORA_RANK,
+        qk_nope_head_dim=128, qk_rope_head_dim=ROPE, v_head_dim=128,
+    )
+    blocks = seq // block_size
+    num_blocks = batch * blocks + 16
+    kv_cache = torch.randn(num_blocks, block_size, KV_LORA_RANK + ROPE).to(torch.bfloat16)
+    table = torch.randperm(num_blocks)[: batch * blocks].view(batch, blocks).int()  # scattered blocks
+    query = torch.randn(batch, heads, KV_LORA_RANK + ROPE).to(torch.bfloat16)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    seq_lens = torch.full((batch,), seq, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        query_start_loc=qsl, seq_lens=seq_lens, block_table=table,
+        slot_mapping=(table[:, -1].long() * block_size + block_size - 1), query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens, max_query_len=1, max_seq_len=seq, num_decodes=batch, num_decode_tokens=batch,
+    )
+    return layer, query, kv_cache, metadata
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--group-keys", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--paths", nargs="+", default=None, help="compute paths (default: the detected one)")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--ref-iters", type=int, default=2)
+    parser.add_argument("--append", default=None, help="append the table to this markdown file")
+    args = parser.parse_args()
+
+    status = detected_amx_status()
+    paths: list[ComputePath] = args.paths or [status.path]
+    bandwidth = copy_bandwidth()
+    cpu = platform.processor() or platform.machine()
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    header = (
+        f"CPU: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; detected path: "
+        f"{status.path} ({status.reason})\nhost copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s; "
+        f"B={args.batch}, S={args.seq}, block {args.block_size}, kv_lora_rank {KV_LORA_RANK} + rope {ROPE}, bf16 cache"
+    )
+    rows = ["| H | backend | group keys | step ms | tokens/s | eff. GB/s | % of copy BW | x torch_ref |",
+            "|---|---|---|---|---|---|---|---|"]
+    print(header)
+    for heads in args.heads:
+        layer, query, kv_cache, metadata = decode_problem(args.batch, heads, args.seq, args.block_size)
+        cache_bytes = args.batch * args.seq * (KV_LORA_RANK + ROPE) * kv_cache.element_size()
+
+        def row(name: str, keys: str, seconds: float, ref_seconds: float) -> str:
+            eff = cache_bytes / seconds
+            return (f"| {heads} | {name} | {keys} | {seconds * 1e3:.2f} | {args.batch / seconds:,.0f} | "
+                    f"{eff / 1e9:.1f} | {100 * eff / bandwidth:.0f}% | {ref_seconds / seconds:.1f} |")
+
+        ref_impl = TorchRefBackend.make_impl(layer)
+        ref_s = timed(lambda: ref_impl.attend(query, kv_cache, metadata, return_lse=True), args.ref_iters)
+        rows.append(row("torch_ref", "-", ref_s, ref_s))
+        print(rows[-1], flush=True)
+        for path in paths:
+            impl = CpuAmxMLAImpl(layer, path=path)
+            for group_keys in args.group_keys:
+                built = CpuAmxMetadataBuilder(group_keys).build(metadata)
+                s = timed(lambda: impl.attend(query, kv_cache, built, return_lse=True), args.iters)
+                rows.append(row(f"cpu_amx {path}", str(group_keys), s, ref_s))
+                print(rows[-1], flush=True)
+    if args.append:
+        command = "python benchmarks/bench_cpu_mla.py " + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items() if v is not None and k != "append"
+        )
+        with open(args.append, "a") as f:
+            f.write(f"\n### cpu_amx MLA decode, 2026-11-29\n\n{header}\n\nCommand: `{command}`\n\n" + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
