@@ -87,6 +87,13 @@ def check_attend_inputs(
         raise ValueError(
             f"block_table must be [{metadata.num_reqs}, max_blocks], got {tuple(metadata.block_table.shape)}"
         )
+    block_size = kv_cache.shape[1] if is_mla(layer) else kv_cache.shape[2]
+    longest = int(metadata.seq_lens_cpu.max()) if metadata.num_reqs else 0
+    if metadata.block_table.shape[1] * block_size < longest:
+        raise ValueError(
+            f"block_table has {metadata.block_table.shape[1]} blocks of {block_size} per request, "
+            f"too few for seq_len {longest}"
+        )
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (layer.num_heads,)):
         raise ValueError(f"sinks must be float32 [{layer.num_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
     if topk_indices is not None and (
