@@ -1,0 +1,341 @@
+"""Llama, Granite, Granite SWA and the Granite MoE variants: one GQA decoder, one code path.
+
+The families differ only in data read by `granite_arch`: Granite's four multipliers (Llama: 1,
+and the usual head_dim**-0.5 attention scale), per-layer sliding windows and attention sinks
+(SWA variants), per-layer RoPE bases (0 = no positional embedding), and a dense MLP or a top-k
+MoE with an optional shared expert. Parameter names follow the checkpoint except where weights
+are fused (gate ‖ up) or stacked (experts); GRANITE_WEIGHTS maps both the older GraniteMoe names
+(input_linear / output_linear / router.layer) and the newer ones (experts.gate_up_proj / ...).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
+from jackfield.models.attention import AttentionBackends, RoleImpls, StepContext
+from jackfield.models.hf_config import architecture_of, rope_inv_freq, rope_parameters
+from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from jackfield.models.moe import Experts
+from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
+
+SINK_MODEL_TYPES = ("granite_swa", "granitemoe_swa")  # sinks are part of these architectures (no flag)
+GRANITE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "GraniteForCausalLM",
+    "GraniteSWAForCausalLM",
+    "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
+    "GraniteMoeSWAForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Per-layer attention pattern: sliding windows (tokens a query sees, itself included; None =
+    full attention) and whether the layers carry per-head sink logits."""
+
+    windows: tuple[int | None, ...]
+    sinks: bool
+
+    @property
+    def sliding_window(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+
+def layer_attention(cfg: Mapping[str, object]) -> LayerAttention:
+    """Windows and sinks from a config.json dict (or `PretrainedConfig.to_dict()`).
+
+    `layer_types` ("full_attention" / "sliding_attention") and `sliding_window` decide the windows.
+    Without `layer_types`: the Granite SWA default (layer i is full when i % 4 == 0) for the SWA
+    families, every layer sliding when only `sliding_window` is set (Mistral), else every layer
+    full, so Llama and Granite configs are unchanged.
+    """
+    model_type = cfg.get("model_type")
+    num_layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        if model_type in SINK_MODEL_TYPES:
+            types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(num_layers)]
+        else:
+            types = ["sliding_attention" if window else "full_attention"] * num_layers
+    types = list(types)  # type: ignore[call-overload]
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        raise ValueError(f"sliding_attention layers need a positive integer sliding_window, got {window!r}")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)  # type: ignore[misc]
+    return LayerAttention(windows=windows, sinks=model_type in SINK_MODEL_TYPES)
+
+
+@dataclass(frozen=True)
+class GraniteArch:
+    """A Llama / Granite (SWA, MoE) config, translated. Llama is Granite with unit multipliers."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's, or each routed expert's
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_scale: float
+    embedding_multiplier: float
+    residual_multiplier: float
+    logits_scaling: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    windows: tuple[int | None, ...]
+    sinks: bool
+    rope_thetas: tuple[float, ...]  # per layer; 0 = no positional embedding
+    num_experts: int  # 0: dense MLP
+    num_experts_per_tok: int
+    shared_intermediate_size: int  # 0: no shared expert
+
+
+def granite_arch(hf_config: PretrainedConfig) -> GraniteArch:
+    arch = architecture_of(hf_config)
+    if arch not in GRANITE_ARCHITECTURES:
+        raise ValueError(f"{arch} is not one of {', '.join(GRANITE_ARCHITECTURES)}")
+    c = hf_config
+    problems = []
+    if getattr(c, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {c.hidden_act!r} (only 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(c, flag, False):
+            problems.append(f"{flag}=True")
+    if getattr(c, "quantization_config", None):
+        problems.append("quantized checkpoints (quantization_config)")
+    if problems:
+        raise ValueError(f"{arch}: unsupported settings: " + "; ".join(problems))
+    pattern = layer_attention(c.to_dict())
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    granite = arch != "LlamaForCausalLM"
+    theta = float(rope_parameters(c)["rope_theta"])  # type: ignore[arg-type]
+    thetas = getattr(c, "layer_rope_theta", None) or [theta] * c.num_hidden_layers
+    moe = "Moe" in arch
+    return GraniteArch(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=int(c.num_key_value_heads or c.num_attention_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(c.rms_norm_eps),
+        attention_scale=float(c.attention_multiplier) if granite else head_dim**-0.5,
+        embedding_multiplier=float(c.embedding_multiplier) if granite else 1.0,
+        residual_multiplier=float(c.residual_multiplier) if granite else 1.0,
+        logits_scaling=float(c.logits_scaling) if granite else 1.0,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        max_position_embeddings=int(c.max_position_embeddings),
+        windows=pattern.windows,
+        sinks=pattern.sinks,
+        rope_thetas=tuple(float(t) for t in thetas),
+        num_experts=int(c.num_local_experts) if moe else 0,
+        num_experts_per_tok=int(c.num_experts_per_tok) if moe else 0,
+        shared_intermediate_size=int(getattr(c, "shared_intermediate_size", 0) or 0) if moe else 0,
+    )
+
+
+_LAYER = r"(?P<layer>model\.layers\.\d+)"
+_MOE = _LAYER + r"\.block_sparse_moe"
+
+GRANITE_WEIGHTS = WeightMapper(
+    rules=(
+        Rule(_LAYER + r"\.mlp\.gate_proj\.weight", "{layer}.mlp.gate_up_proj.weight", shard=(0, 2)),
+        Rule(_LAYER + r"\.mlp\.up_proj\.weight", "{layer}.mlp.gate_up_proj.weight", shard=(1, 2)),
+        Rule(_LAYER + r"\.shared_mlp\.input_linear\.weight", "{layer}.shared_mlp.gate_up_proj.weight"),
+        Rule(_LAYER + r"\.shared_mlp\.output_linear\.weight", "{layer}.shared_mlp.down_proj.weight"),
+        # newer names (transformers >= 5)
+        Rule(_MOE + r"\.experts\.gate_up_proj", "{layer}.block_sparse_moe.experts.w13"),
+        Rule(_MOE + r"\.experts\.down_proj", "{layer}.block_sparse_moe.experts.w2"),
+        # older names (the published GraniteMoe checkpoints)
+        Rule(_MOE + r"\.input_linear\.weight", "{layer}.block_sparse_moe.experts.w13"),
+        Rule(_MOE + r"\.output_linear\.weight", "{layer}.block_sparse_moe.experts.w2"),
+        Rule(_MOE + r"\.router\.layer\.weight", "{layer}.block_sparse_moe.router.weight"),
+        Rule(r"(?P<name>.+)", "{name}"),
+    ),
+    ignore=(r".*\.rotary_embs?(?:\.\d+)?\.inv_freq",),
+)
+
+
+def granite_weight_mapper(arch: GraniteArch) -> WeightMapper:
+    """GRANITE_WEIGHTS, also skipping a tied lm_head (some checkpoints store it anyway)."""
+    if not arch.tie_word_embeddings:
+        return GRANITE_WEIGHTS
+    return WeightMapper(GRANITE_WEIGHTS.rules, (*GRANITE_WEIGHTS.ignore, r"lm_head\.weight"))
+
+
+class SinkRoleImpls(RoleImpls):
+    """RoleImpls whose `run` also passes keyword arguments (the sinks) to each impl's forward."""
+
+    def run(self, step: StepContext, layer_index: int, *rows: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        cache = step.kv_caches[layer_index]
+        if step.metadata is not None:
+            return self.decode_impl.forward(*rows, cache, step.metadata, **kwargs)  # type: ignore[attr-defined]
+        nd = step.num_decode_tokens
+        parts = []
+        if step.decode is not None:
+            parts.append(self.decode_impl.forward(*(r[:nd] for r in rows), cache, step.decode, **kwargs))  # type: ignore[attr-defined]
+        if step.prefill is not None:
+            parts.append(self.prefill_impl.forward(*(r[nd:] for r in rows), cache, step.prefill, **kwargs))  # type: ignore[attr-defined]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class GQAAttention(nn.Module):
+    def __init__(self, arch: GraniteArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch, self.index = arch, index
+        h, kv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_proj = Linear(arch.hidden_size, h * hd, dtype)
+        self.k_proj = Linear(arch.hidden_size, kv * hd, dtype)
+        self.v_proj = Linear(arch.hidden_size, kv * hd, dtype)
+        self.o_proj = Linear(h * hd, arch.hidden_size, dtype)
+        # Per-head logits that join the softmax denominator only (gpt-oss style sinks).
+        self.sinks = nn.Parameter(torch.empty(h, dtype=dtype), False) if arch.sinks else None
+        self.attn = SinkRoleImpls(backends, spec)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
+                step: StepContext) -> torch.Tensor:
+        a, t = self.arch, x.shape[0]
+        q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
+        k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(t, a.num_kv_heads, a.head_dim)
+        if rope is not None:  # None: a NoPE layer
+            q, k = rope(q, positions), rope(k, positions)
+        sinks = {} if self.sinks is None else {"sinks": self.sinks.float()}
+        out = self.attn.run(step, self.index, q, k, v, **sinks)
+        return self.o_proj(out.reshape(t, a.num_heads * a.head_dim))
+
+
+class GraniteMoE(nn.Module):
+    """Top-k routing with the softmax taken over the k chosen logits only."""
+
+    def __init__(self, arch: GraniteArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k = arch.num_experts_per_tok
+        self.router = nn.Module()
+        self.router.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, dtype=dtype), False)
+        self.experts = Experts(arch.num_experts, arch.hidden_size, arch.intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.router.weight).float()
+        top_logits, ids = logits.topk(self.top_k, dim=-1)
+        return self.experts(x, top_logits.softmax(dim=-1).to(x.dtype), ids)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: GraniteArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.residual_multiplier = arch.residual_multiplier
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = GQAAttention(arch, index, spec, backends, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        if arch.num_experts:
+            self.block_sparse_moe = GraniteMoE(arch, dtype)
+            self.shared_mlp = (
+                GatedMLP(arch.hidden_size, arch.shared_intermediate_size, dtype) if arch.shared_intermediate_size else None
+            )
+        else:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "block_sparse_moe"):
+            return self.mlp(x)
+        out = self.block_sparse_moe(x)
+        return out if self.shared_mlp is None else out + self.shared_mlp(x)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
+                step: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, step) * self.residual_multiplier
+        return x + self._mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+
+
+class GraniteForCausalLM(nn.Module):
+    """Serves every architecture `granite_arch` accepts; `from_pretrained` loads a local checkpoint."""
+
+    def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
+                 kv_cache_dtype: KVCacheDType = "auto") -> None:
+        super().__init__()
+        arch = granite_arch(hf_config)
+        self.arch, self.dtype = arch, dtype
+        self.layer_specs = [
+            AttentionLayerSpec(
+                num_heads=arch.num_heads,
+                head_size=arch.head_dim,
+                scale=arch.attention_scale,
+                num_kv_heads=arch.num_kv_heads,
+                kv_cache_dtype=kv_cache_dtype,
+                sliding_window=window,
+            )
+            for window in arch.windows
+        ]
+        thetas = sorted({t for t in arch.rope_thetas if t})
+        self.ropes = nn.ModuleList()  # one table per distinct RoPE base
+        for theta in thetas:
+            inv_freq, scaling = rope_inv_freq(_with_rope_theta(hf_config, theta), arch.head_dim)
+            self.ropes.append(RotaryEmbedding(inv_freq, scaling, arch.max_position_embeddings, interleaved=False))
+        self.rope_of_layer = [thetas.index(t) if t else None for t in arch.rope_thetas]  # None: NoPE
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Module()
+        self.model.embed_tokens.weight = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), False)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(arch, i, spec, backends, dtype) for i, spec in enumerate(self.layer_specs)
+        )
+        self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        if not arch.tie_word_embeddings:
+            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype)
+
+    @property
+    def kv_cache_layers(self) -> list[AttentionLayerSpec]:
+        """One attention layer spec per KV cache the model writes (the engine allocates them)."""
+        return list(self.layer_specs)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.arch.max_position_embeddings
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, hf_config: PretrainedConfig, backends: AttentionBackends,
+                        dtype: torch.dtype, device: torch.device | str,
+                        kv_cache_dtype: KVCacheDType = "auto") -> GraniteForCausalLM:
+        with torch.device(device):
+            model = cls(hf_config, backends, dtype, kv_cache_dtype)
+        load_weights(dict(model.named_parameters()), iter_checkpoint(model_dir), granite_weight_mapper(model.arch))
+        return model.eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, D] (normed)."""
+        x = F.embedding(input_ids, self.model.embed_tokens.weight) * self.arch.embedding_multiplier
+        for layer, rope in zip(self.model.layers, self.rope_of_layer, strict=True):
+            x = layer(x, positions, None if rope is None else self.ropes[rope], step)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float() / self.arch.logits_scaling
+
+
+def _with_rope_theta(hf_config: PretrainedConfig, theta: float) -> PretrainedConfig:
+    """A copy of the config whose RoPE base is `theta` (for per-layer bases)."""
+    if float(theta) == float(hf_config.rope_parameters["rope_theta"]):
+        return hf_config
+    config = copy.deepcopy(hf_config)
+    config.rope_parameters = {**hf_config.rope_parameters, "rope_theta": theta}
+    return config
