@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -65,11 +67,16 @@ def assert_lse_close(got: torch.Tensor | None, want: torch.Tensor | None, tol: f
     torch.testing.assert_close(got[~empty], want[~empty], atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
 
 
-def assert_rejects(call, what: str) -> None:
+def assert_rejects(call: Callable[[], object], what: str) -> None:
     """`call()` must fail at the entry with ValueError/TypeError (not deep inside a kernel)."""
-    with pytest.raises((ValueError, TypeError)) as info:
+    try:
         call()
-    assert str(info.value), f"{what}: raised {type(info.value).__name__} with an empty message"
+    except (ValueError, TypeError) as exc:
+        assert str(exc), f"{what}: raised {type(exc).__name__} with an empty message"
+        return
+    except Exception as exc:  # noqa: BLE001 - any other error means no entry check caught it
+        pytest.fail(f"{what}: raised {type(exc).__name__} ({exc}) instead of a ValueError at the entry")
+    pytest.fail(f"{what}: accepted")
 
 
 def assert_cache_close(got: torch.Tensor, want: torch.Tensor, kv_scale: torch.Tensor | None, what: str) -> None:
