@@ -24,7 +24,7 @@ def test_gpu_marked_tests_skip_without_cuda(tmp_path: Path) -> None:
 
 def test_plugin_module_imports_nothing_beyond_the_package() -> None:
     code = (
-        "import sys, jackfield; before = set(sys.modules); import jackfield.testing.pytest_plugin; "
+        "import sys, jackfield, pytest; before = set(sys.modules); import jackfield.testing.pytest_plugin; "
         "print(sorted(m for m in set(sys.modules) - before if not m.startswith('jackfield.testing')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
