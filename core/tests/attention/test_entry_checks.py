@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-
 from jackfield.attention import allocate_kv_cache, cache_shape, split_decode_prefill
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
 
-MLA = AttentionLayerSpec(num_heads=2, head_size=12, scale=0.5, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+MLA = AttentionLayerSpec(
+    num_heads=2, head_size=12, scale=0.5, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4
+)
 MHA = AttentionLayerSpec(num_heads=4, head_size=8, scale=0.5, num_kv_heads=2)
 
 
@@ -39,10 +40,20 @@ def test_impl_constructors_reject_inconsistent_layers() -> None:
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         TorchRefBackend.make_impl(AttentionLayerSpec(num_heads=3, head_size=8, scale=1.0, num_kv_heads=2))
     with pytest.raises(ValueError, match="positive"):
-        TorchRefBackend.make_impl(AttentionLayerSpec(num_heads=2, head_size=12, scale=1.0, kv_lora_rank=8, qk_rope_head_dim=4))
+        TorchRefBackend.make_impl(
+            AttentionLayerSpec(num_heads=2, head_size=12, scale=1.0, kv_lora_rank=8, qk_rope_head_dim=4)
+        )
     with pytest.raises(ValueError, match="must be kv_lora_rank"):
         TorchRefBackend.make_impl(
-            AttentionLayerSpec(num_heads=2, head_size=10, scale=1.0, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+            AttentionLayerSpec(
+                num_heads=2,
+                head_size=10,
+                scale=1.0,
+                kv_lora_rank=8,
+                qk_nope_head_dim=4,
+                qk_rope_head_dim=4,
+                v_head_dim=4,
+            )
         )
 
 
@@ -135,7 +146,9 @@ def test_split_decode_prefill() -> None:
     assert decode.query_start_loc_cpu.tolist() == [0, 1, 3] and decode.num_decode_tokens == 3
     assert decode.slot_mapping.tolist() == [0, 1, 2] and decode.max_seq_len == 5
     assert prefill.query_start_loc.tolist() == [0, 3] and prefill.slot_mapping.tolist() == [3, 4, 5]
-    assert prefill.block_table.tolist() == [[4, 5]] and prefill.num_decodes == 0 and prefill.max_query_len == 3
+    assert (
+        prefill.block_table.tolist() == [[4, 5]] and prefill.num_decodes == 0 and prefill.max_query_len == 3
+    )
     assert split_decode_prefill(md.replace(num_decodes=0, num_decode_tokens=0))[0] is None
     assert split_decode_prefill(md.replace(num_decodes=3, num_decode_tokens=6))[1] is None
     with pytest.raises(ValueError, match="disagree"):

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-
 from jackfield.attention import allocate_kv_cache
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
@@ -22,7 +21,11 @@ def _metadata(causal: bool = True, num_decodes: int = 0) -> AttentionMetadata:
     qsl = torch.tensor([0, 1, 3, 8], dtype=torch.int32)
     seq = torch.tensor(SEQ_LENS, dtype=torch.int32)
     table = torch.tensor([row + [6] * (3 - len(row)) for row in TABLE], dtype=torch.int32)
-    slots = [TABLE[b][p // BLOCK] * BLOCK + p % BLOCK for b in range(3) for p in range(SEQ_LENS[b] - Q_LENS[b], SEQ_LENS[b])]
+    slots = [
+        TABLE[b][p // BLOCK] * BLOCK + p % BLOCK
+        for b in range(3)
+        for p in range(SEQ_LENS[b] - Q_LENS[b], SEQ_LENS[b])
+    ]
     return AttentionMetadata(
         qsl, seq, table, torch.tensor(slots), qsl, seq, 5, 9,
         num_decodes=num_decodes, num_decode_tokens=int(qsl[num_decodes]), causal=causal,
@@ -36,15 +39,17 @@ def _expected(q, keys, values, scale, visible, sinks=None):
     out = torch.zeros(q.shape[0], num_heads, dv, dtype=torch.float64)
     lse = torch.full((q.shape[0], num_heads), float("-inf"), dtype=torch.float64)
     row = 0
-    for b, (q_len, seq_len) in enumerate(zip(Q_LENS, SEQ_LENS)):
+    for b, (q_len, seq_len) in enumerate(zip(Q_LENS, SEQ_LENS, strict=True)):
         for i in range(q_len):
             for h in range(num_heads):
                 js = [j for j in range(seq_len) if visible(b, i, j)]
                 if not js:
                     continue
                 logits = [scale * float(q[row, h] @ keys[b][j, h]) for j in js]
-                denom = sum(math.exp(x) for x in logits) + (math.exp(float(sinks[h])) if sinks is not None else 0.0)
-                for j, x in zip(js, logits):
+                denom = sum(math.exp(x) for x in logits) + (
+                    math.exp(float(sinks[h])) if sinks is not None else 0.0
+                )
+                for j, x in zip(js, logits, strict=True):
                     out[row, h] += math.exp(x) / denom * values[b][j, h]
                 lse[row, h] = math.log(denom)
             row += 1
@@ -61,7 +66,14 @@ def _causal(window=None):
 
 def _mha_setup(kv_cache_dtype="auto", window=None, dtype=torch.float32):
     g = torch.Generator().manual_seed(1)
-    layer = AttentionLayerSpec(num_heads=4, head_size=8, scale=0.4, num_kv_heads=2, kv_cache_dtype=kv_cache_dtype, sliding_window=window)
+    layer = AttentionLayerSpec(
+        num_heads=4,
+        head_size=8,
+        scale=0.4,
+        num_kv_heads=2,
+        kv_cache_dtype=kv_cache_dtype,
+        sliding_window=window,
+    )
     cache = allocate_kv_cache(layer, 8, BLOCK, dtype, "cpu")
     keys, values = [], []
     for b, seq_len in enumerate(SEQ_LENS):
@@ -69,8 +81,14 @@ def _mha_setup(kv_cache_dtype="auto", window=None, dtype=torch.float32):
         for p in range(seq_len):  # fill by hand: block table -> physical block, offset
             blk = TABLE[b][p // BLOCK]
             if cache.dtype == torch.float8_e4m3fn:
-                k[p], v[p] = (k[p] / 0.05).to(cache.dtype).double() * 0.05, (v[p] / 0.05).to(cache.dtype).double() * 0.05
-                cache[0, blk, p % BLOCK], cache[1, blk, p % BLOCK] = (k[p] / 0.05).to(cache.dtype), (v[p] / 0.05).to(cache.dtype)
+                k[p], v[p] = (
+                    (k[p] / 0.05).to(cache.dtype).double() * 0.05,
+                    (v[p] / 0.05).to(cache.dtype).double() * 0.05,
+                )
+                cache[0, blk, p % BLOCK], cache[1, blk, p % BLOCK] = (
+                    (k[p] / 0.05).to(cache.dtype),
+                    (v[p] / 0.05).to(cache.dtype),
+                )
             else:
                 cache[0, blk, p % BLOCK], cache[1, blk, p % BLOCK] = k[p].to(dtype), v[p].to(dtype)
         keys.append(k.to(dtype).double().repeat_interleave(2, dim=1))
@@ -91,7 +109,9 @@ def test_mha_causal_gqa_and_window(window) -> None:
 def test_mha_non_causal_sinks_bf16() -> None:
     layer, cache, q, keys, values = _mha_setup(dtype=torch.bfloat16)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
-    got = TorchRefBackend.make_impl(layer).attend(q, cache, _metadata(causal=False), sinks=sinks, return_lse=True)
+    got = TorchRefBackend.make_impl(layer).attend(
+        q, cache, _metadata(causal=False), sinks=sinks, return_lse=True
+    )
     want, want_lse = _expected(q.double(), keys, values, 0.4, lambda b, i, j: True, sinks)
     assert got.out.dtype == torch.bfloat16
     torch.testing.assert_close(got.out.double(), want, atol=1e-2, rtol=1e-2)  # only the bf16 output rounding
@@ -107,7 +127,16 @@ def test_mha_fp8_cache_dequantizes_with_scale() -> None:
 
 def test_sparse_topk_attends_exactly_the_listed_positions() -> None:
     layer, cache, q, keys, values = _mha_setup()
-    chosen = [[0, 5, 2], [8, -1, -1], [-1, -1, -1], [0, 1, -1], [4, -1, -1], [3, 0, 2], [1, 4, -1], [2, -1, -1]]
+    chosen = [
+        [0, 5, 2],
+        [8, -1, -1],
+        [-1, -1, -1],
+        [0, 1, -1],
+        [4, -1, -1],
+        [3, 0, 2],
+        [1, 4, -1],
+        [2, -1, -1],
+    ]
     topk = torch.tensor(chosen, dtype=torch.int32)
     got = TorchRefBackend.make_impl(layer).attend(q, cache, _metadata(), topk_indices=topk, return_lse=True)
     row_of = lambda b, i: [0, 1, 3][b] + i  # noqa: E731
@@ -124,7 +153,13 @@ def test_mla_forward_matches_expanded_float64_attention(num_decodes: int) -> Non
     g = torch.Generator().manual_seed(2)
     h, lat, n, r, dv = 3, 16, 8, 4, 6
     layer = AttentionLayerSpec(
-        num_heads=h, head_size=lat + r, scale=0.3, kv_lora_rank=lat, qk_nope_head_dim=n, qk_rope_head_dim=r, v_head_dim=dv
+        num_heads=h,
+        head_size=lat + r,
+        scale=0.3,
+        kv_lora_rank=lat,
+        qk_nope_head_dim=n,
+        qk_rope_head_dim=r,
+        v_head_dim=dv,
     )
     impl = TorchRefBackend.make_impl(layer)
     w = torch.randn(h * (n + dv), lat, generator=g) * 0.3
@@ -134,11 +169,22 @@ def test_mla_forward_matches_expanded_float64_attention(num_decodes: int) -> Non
     kv_c = [torch.randn(s, lat, generator=g) for s in SEQ_LENS]
     k_pe = [torch.randn(s, r, generator=g) for s in SEQ_LENS]
     ctx = [TABLE[b][p // BLOCK] * BLOCK + p % BLOCK for b in range(3) for p in range(SEQ_LENS[b] - Q_LENS[b])]
-    new = [torch.arange(s - q, s) for q, s in zip(Q_LENS, SEQ_LENS)]
-    old = [torch.arange(0, s - q) for q, s in zip(Q_LENS, SEQ_LENS)]
-    impl.write_kv(cache, torch.tensor(ctx), torch.cat([c[i] for c, i in zip(kv_c, old)]), torch.cat([p[i] for p, i in zip(k_pe, old)]))
+    new = [torch.arange(s - q, s) for q, s in zip(Q_LENS, SEQ_LENS, strict=True)]
+    old = [torch.arange(0, s - q) for q, s in zip(Q_LENS, SEQ_LENS, strict=True)]
+    impl.write_kv(
+        cache,
+        torch.tensor(ctx),
+        torch.cat([c[i] for c, i in zip(kv_c, old, strict=True)]),
+        torch.cat([p[i] for p, i in zip(k_pe, old, strict=True)]),
+    )
     q = torch.randn(8, h, n + r, generator=g)
-    out = impl.forward(q, torch.cat([c[i] for c, i in zip(kv_c, new)]), torch.cat([p[i] for p, i in zip(k_pe, new)]), cache, md)
+    out = impl.forward(
+        q,
+        torch.cat([c[i] for c, i in zip(kv_c, new, strict=True)]),
+        torch.cat([p[i] for p, i in zip(k_pe, new, strict=True)]),
+        cache,
+        md,
+    )
     keys, values = [], []
     for b in range(3):
         kv = (kv_c[b].double() @ w.double().T).view(-1, h, n + dv)

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from jackfield.ops import merge_attn_states
 
 
@@ -59,7 +58,11 @@ def test_mixed_rows_some_empty() -> None:
     lse_a = torch.tensor([[0.5], [float("-inf")], [float("-inf")], [1.0]])
     lse_b = torch.tensor([[float("-inf")], [0.2], [float("-inf")], [1.0]])
     out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
-    assert torch.equal(out[0], out_a[0]) and torch.equal(out[1], out_b[1]) and torch.equal(out[2], torch.zeros(1, 8))
+    assert (
+        torch.equal(out[0], out_a[0])
+        and torch.equal(out[1], out_b[1])
+        and torch.equal(out[2], torch.zeros(1, 8))
+    )
     torch.testing.assert_close(out[3], (out_a[3] + out_b[3]) / 2)  # equal weights
     torch.testing.assert_close(lse[3], torch.tensor([1.0 + torch.log(torch.tensor(2.0)).item()]))
     assert not out.isnan().any()
@@ -71,7 +74,10 @@ def test_mixed_rows_some_empty() -> None:
         ((torch.randn(2, 3, 4), torch.randn(2, 3), torch.randn(2, 3, 5), torch.randn(2, 3)), "must both be"),
         ((torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)), "must both be"),
         ((torch.randn(2, 3, 4), torch.randn(2, 3), torch.randn(2, 3, 4).half(), torch.randn(2, 3)), "dtype"),
-        ((torch.randn(2, 3, 4), torch.randn(2, 3).double(), torch.randn(2, 3, 4), torch.randn(2, 3)), "float32"),
+        (
+            (torch.randn(2, 3, 4), torch.randn(2, 3).double(), torch.randn(2, 3, 4), torch.randn(2, 3)),
+            "float32",
+        ),
         ((torch.randn(2, 3, 4), torch.randn(2, 3), torch.randn(2, 3, 4), torch.randn(3, 2)), r"\[T, H\]"),
     ],
 )

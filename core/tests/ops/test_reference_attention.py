@@ -3,14 +3,17 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from jackfield.ops import dense_attention, varlen_attention, visibility_mask
 
 
 def _sdpa64(q, k, v, scale, mask):
     """q [tq,H,D], k/v [tk,H,D] (already GQA-expanded), mask [tq,tk] bool -> [tq,H,D] float64."""
     out = F.scaled_dot_product_attention(
-        q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1), attn_mask=mask, scale=scale
+        q.double().transpose(0, 1),
+        k.double().transpose(0, 1),
+        v.double().transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
     )
     return out.transpose(0, 1)
 
@@ -31,7 +34,11 @@ def test_varlen_matches_sdpa_with_gqa(causal: bool, window: int | None) -> None:
     h, hkv, d, dv = 4, 2, 16, 8
     q_lens, k_lens = [3, 1, 5], [7, 1, 5]
     cu_q, cu_k = [0, 3, 4, 9], [0, 7, 8, 13]
-    q, k, v = torch.randn(9, h, d, generator=g), torch.randn(13, hkv, d, generator=g), torch.randn(13, hkv, dv, generator=g)
+    q, k, v = (
+        torch.randn(9, h, d, generator=g),
+        torch.randn(13, hkv, d, generator=g),
+        torch.randn(13, hkv, dv, generator=g),
+    )
     out, lse = varlen_attention(q, k, v, cu_q, cu_k, 0.3, causal=causal, sliding_window=window)
     assert out.dtype == torch.float32 and lse.shape == (9, h)
     for b in range(3):
@@ -46,7 +53,11 @@ def test_varlen_matches_sdpa_with_gqa(causal: bool, window: int | None) -> None:
 
 def test_sinks_join_the_denominator_only() -> None:
     g = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(4, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
+    q, k, v = (
+        torch.randn(4, 2, 8, generator=g),
+        torch.randn(6, 2, 8, generator=g),
+        torch.randn(6, 2, 8, generator=g),
+    )
     sinks = torch.randn(2, generator=g)
     visible = visibility_mask(4, 6, causal=True)
     out, lse = dense_attention(q, k, v, 0.5, visible, sinks)
@@ -55,13 +66,17 @@ def test_sinks_join_the_denominator_only() -> None:
     s = s.masked_fill(~visible[None], float("-inf"))
     s = torch.cat([s, sinks.double()[:, None, None].expand(-1, 4, 1)], dim=-1)
     probs = torch.softmax(s, dim=-1)[..., :-1]
-    torch.testing.assert_close(out.double(), torch.einsum("hqk,khd->qhd", probs, v.double()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), torch.einsum("hqk,khd->qhd", probs, v.double()), atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(lse.double(), torch.logsumexp(s, dim=-1).T, atol=1e-5, rtol=1e-5)
 
 
 def test_rows_without_keys_are_zero_with_minus_inf_lse() -> None:
     visible = torch.tensor([[True, False], [False, False]])
-    out, lse = dense_attention(torch.randn(2, 1, 4), torch.randn(2, 1, 4), torch.randn(2, 1, 4), 1.0, visible, torch.zeros(1))
+    out, lse = dense_attention(
+        torch.randn(2, 1, 4), torch.randn(2, 1, 4), torch.randn(2, 1, 4), 1.0, visible, torch.zeros(1)
+    )
     assert torch.equal(out[1], torch.zeros(1, 4)) and lse[1].item() == float("-inf")
     assert torch.isfinite(out).all() and torch.isfinite(lse[0]).all()
 
@@ -72,7 +87,13 @@ def test_bad_inputs_are_rejected() -> None:
     with pytest.raises(ValueError, match="sliding_window must be positive"):
         visibility_mask(2, 3, causal=True, sliding_window=0)
     with pytest.raises(ValueError, match="not a multiple of kv heads"):
-        dense_attention(torch.randn(1, 3, 4), torch.randn(2, 2, 4), torch.randn(2, 2, 4), 1.0, torch.ones(1, 2, dtype=torch.bool))
+        dense_attention(
+            torch.randn(1, 3, 4),
+            torch.randn(2, 2, 4),
+            torch.randn(2, 2, 4),
+            1.0,
+            torch.ones(1, 2, dtype=torch.bool),
+        )
     q, k = torch.randn(3, 1, 4), torch.randn(3, 1, 4)
     with pytest.raises(ValueError, match="entries"):
         varlen_attention(q, k, k, [0, 3], [0, 1, 3], 1.0)

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from jackfield.ops import CpuGpuBuffer, async_tensor_h2d
 
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from jackfield.attention.kv_cache import write_slots
 from jackfield.attention.torch_ref import TorchRefBackend, TorchRefMHAImpl, TorchRefMLAImpl
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionOutput

@@ -1,7 +1,6 @@
 """torch_ref passes its own conformance kit (MLA and MHA, fp32 and bf16, CPU)."""
 
 import torch
-
 from jackfield.testing import AttentionConformance
 
 

@@ -15,7 +15,9 @@ def check_kv_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> Non
     if kv_scale is None:
         raise ValueError("fp8_e4m3 KV cache needs kv_scale (a float32 per-tensor scale), got None")
     if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1:
-        raise ValueError(f"kv_scale must be a 1-element float32 tensor, got {kv_scale.dtype} {tuple(kv_scale.shape)}")
+        raise ValueError(
+            f"kv_scale must be a 1-element float32 tensor, got {kv_scale.dtype} {tuple(kv_scale.shape)}"
+        )
     if kv_scale.device != kv_cache.device:
         raise ValueError(f"kv_scale is on {kv_scale.device}, the cache on {kv_cache.device}")
 
@@ -39,7 +41,8 @@ def check_cache(layer: AttentionLayerSpec, kv_cache: torch.Tensor) -> None:
         want = (layer.num_kv_heads, layer.head_size)
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != want:
             raise ValueError(
-                f"MHA cache must be [2, num_blocks, block_size, {want[0]}, {want[1]}], got {tuple(kv_cache.shape)}"
+                f"MHA cache must be [2, num_blocks, block_size, {want[0]}, {want[1]}], "
+                f"got {tuple(kv_cache.shape)}"
             )
     if not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
@@ -82,7 +85,9 @@ def check_attend_inputs(
         )
     q_lens = qsl.diff()
     if bool((q_lens < 0).any()) or bool((q_lens > metadata.seq_lens_cpu).any()):
-        raise ValueError(f"query lengths {q_lens.tolist()} must be in [0, seq_lens {metadata.seq_lens_cpu.tolist()}]")
+        raise ValueError(
+            f"query lengths {q_lens.tolist()} must be in [0, seq_lens {metadata.seq_lens_cpu.tolist()}]"
+        )
     if metadata.block_table.dim() != 2 or metadata.block_table.shape[0] != metadata.num_reqs:
         raise ValueError(
             f"block_table must be [{metadata.num_reqs}, max_blocks], got {tuple(metadata.block_table.shape)}"
@@ -100,7 +105,8 @@ def check_attend_inputs(
         topk_indices.dtype != torch.int32 or topk_indices.dim() != 2 or topk_indices.shape[0] != num_tokens
     ):
         raise ValueError(
-            f"topk_indices must be int32 [{num_tokens}, K], got {topk_indices.dtype} {tuple(topk_indices.shape)}"
+            f"topk_indices must be int32 [{num_tokens}, K], "
+            f"got {topk_indices.dtype} {tuple(topk_indices.shape)}"
         )
 
 

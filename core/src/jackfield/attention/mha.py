@@ -20,7 +20,8 @@ class MHAImpl(AttentionImpl):
         super().__init__(layer)
         if layer.num_heads <= 0 or layer.num_kv_heads <= 0 or layer.num_heads % layer.num_kv_heads:
             raise ValueError(
-                f"num_heads {layer.num_heads} must be a positive multiple of num_kv_heads {layer.num_kv_heads}"
+                f"num_heads {layer.num_heads} must be a positive multiple of "
+                f"num_kv_heads {layer.num_kv_heads}"
             )
 
     def forward(

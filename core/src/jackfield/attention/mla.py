@@ -24,9 +24,17 @@ class MLAImpl(AttentionImpl):
 
     def __init__(self, layer: AttentionLayerSpec) -> None:
         super().__init__(layer)
-        dims = (layer.num_heads, layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim)
+        dims = (
+            layer.num_heads,
+            layer.kv_lora_rank,
+            layer.qk_nope_head_dim,
+            layer.qk_rope_head_dim,
+            layer.v_head_dim,
+        )
         if min(dims) <= 0:
-            raise ValueError(f"MLA layer needs positive num_heads, kv_lora_rank, nope, rope, v dims; got {dims}")
+            raise ValueError(
+                f"MLA layer needs positive num_heads, kv_lora_rank, nope, rope, v dims; got {dims}"
+            )
         if layer.head_size != layer.kv_lora_rank + layer.qk_rope_head_dim:
             raise ValueError(
                 f"MLA head_size {layer.head_size} must be kv_lora_rank + rope dim = "

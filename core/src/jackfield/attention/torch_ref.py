@@ -37,7 +37,9 @@ def paged_attention(
 
     Returns out [T, H, Dv] float32 and lse [T, H] float32.
     """
-    out = torch.empty(query.shape[0], query.shape[1], values.shape[-1], dtype=torch.float32, device=query.device)
+    out = torch.empty(
+        query.shape[0], query.shape[1], values.shape[-1], dtype=torch.float32, device=query.device
+    )
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     qsl = metadata.query_start_loc_cpu.tolist()
     for b, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
@@ -58,9 +60,13 @@ def paged_attention(
 
 def _topk_mask(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
     if bool((indices >= seq_len).any()) or bool((indices < -1).any()):
-        raise ValueError(f"topk_indices must be in [-1, seq_len={seq_len}), got {indices.min()}..{indices.max()}")
+        raise ValueError(
+            f"topk_indices must be in [-1, seq_len={seq_len}), got {indices.min()}..{indices.max()}"
+        )
     visible = torch.zeros(indices.shape[0], seq_len + 1, dtype=torch.bool, device=indices.device)
-    visible.scatter_(1, torch.where(indices < 0, seq_len, indices).long(), True)  # -1 lands in a dropped column
+    visible.scatter_(
+        1, torch.where(indices < 0, seq_len, indices).long(), True
+    )  # -1 lands in a dropped column
     return visible[:, :seq_len]
 
 

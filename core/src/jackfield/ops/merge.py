@@ -29,9 +29,13 @@ def merge_attn_states(
     total = w_a + w_b
     lse = top + torch.log(total)  # log(0) = -inf for rows empty on both sides
     norm = torch.where(total > 0, total, 1.0)
-    merged = (out_a.float() * (w_a / norm)[..., None] + out_b.float() * (w_b / norm)[..., None]).to(out_a.dtype)
+    merged = (out_a.float() * (w_a / norm)[..., None] + out_b.float() * (w_b / norm)[..., None]).to(
+        out_a.dtype
+    )
     # Select instead of weighting so an empty side (whatever its out holds) contributes nothing.
     out = torch.where(empty_b[..., None], out_a, torch.where(empty_a[..., None], out_b, merged))
-    out = torch.where((empty_a & empty_b)[..., None], torch.zeros((), dtype=out.dtype, device=out.device), out)
+    out = torch.where(
+        (empty_a & empty_b)[..., None], torch.zeros((), dtype=out.dtype, device=out.device), out
+    )
     lse = torch.where(empty_b, lse_a, torch.where(empty_a, lse_b, lse))
     return out, lse

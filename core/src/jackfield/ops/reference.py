@@ -96,6 +96,8 @@ def varlen_attention(
     for b in range(len(cu_seqlens_q) - 1):
         q0, q1 = cu_seqlens_q[b], cu_seqlens_q[b + 1]
         k0, k1 = cu_seqlens_k[b], cu_seqlens_k[b + 1]
-        visible = visibility_mask(q1 - q0, k1 - k0, causal=causal, sliding_window=sliding_window, device=q.device)
+        visible = visibility_mask(
+            q1 - q0, k1 - k0, causal=causal, sliding_window=sliding_window, device=q.device
+        )
         out[q0:q1], lse[q0:q1] = dense_attention(q[q0:q1], k[k0:k1], v[k0:k1], scale, visible, sinks)
     return out, lse

@@ -36,7 +36,9 @@ class CpuGpuBuffer:
     ) -> None:
         self.device = torch.device(device)
         self.cpu = torch.zeros(size, dtype=dtype, device="cpu", pin_memory=_can_pin(pin_memory))
-        self.gpu = self.cpu if self.device.type == "cpu" else torch.zeros(size, dtype=dtype, device=self.device)
+        self.gpu = (
+            self.cpu if self.device.type == "cpu" else torch.zeros(size, dtype=dtype, device=self.device)
+        )
 
     def copy_to_device(self, n: int | None = None) -> torch.Tensor:
         """Copy the first `n` rows (all when None) and return that device view."""

@@ -51,7 +51,9 @@ def assert_output_close(got: torch.Tensor, want: torch.Tensor, tol: float, what:
     bad = ~torch.isfinite(got)
     assert not bad.any(), f"{what}: {int(bad.sum())} of {got.numel()} elements not finite (unwritten or NaN)"
     scale = float(want.float().abs().max()) if want.numel() else 1.0
-    torch.testing.assert_close(got.float(), want.float(), atol=tol * max(scale, 1e-6), rtol=tol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got.float(), want.float(), atol=tol * max(scale, 1e-6), rtol=tol, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def assert_lse_close(got: torch.Tensor | None, want: torch.Tensor | None, tol: float, what: str) -> None:
@@ -79,7 +81,9 @@ def assert_rejects(call: Callable[[], object], what: str) -> None:
     pytest.fail(f"{what}: accepted")
 
 
-def assert_cache_close(got: torch.Tensor, want: torch.Tensor, kv_scale: torch.Tensor | None, what: str) -> None:
+def assert_cache_close(
+    got: torch.Tensor, want: torch.Tensor, kv_scale: torch.Tensor | None, what: str
+) -> None:
     """Caches written by two impls: untouched (NaN-poisoned) slots agree; float caches bit-exact,
     fp8 caches within one e4m3 step (rounding of x / scale may differ by one ulp)."""
     assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: cache shape/dtype changed"
@@ -90,6 +94,10 @@ def assert_cache_close(got: torch.Tensor, want: torch.Tensor, kv_scale: torch.Te
         return
     assert kv_scale is not None
     g, w = got.float() * kv_scale, want.float() * kv_scale
-    assert torch.equal(g.isnan(), w.isnan()), f"{what}: written slots differ from torch_ref's (NaN = untouched)"
+    assert torch.equal(g.isnan(), w.isnan()), (
+        f"{what}: written slots differ from torch_ref's (NaN = untouched)"
+    )
     keep = ~w.isnan()
-    torch.testing.assert_close(g[keep], w[keep], rtol=0.13, atol=float(kv_scale) * 2**-9, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        g[keep], w[keep], rtol=0.13, atol=float(kv_scale) * 2**-9, msg=lambda m: f"{what}: {m}"
+    )

@@ -20,7 +20,6 @@ import dataclasses
 import pytest
 import torch
 
-from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionBackend, AttentionRequirements, KVCacheDType
 from jackfield.testing import checks
 from jackfield.testing.harness import ConformanceHarness
@@ -46,7 +45,9 @@ class AttentionConformance(ConformanceHarness):
     def test_validate_accepts_the_baseline(self, backend: type[AttentionBackend], kind: str) -> None:
         assert backend.validate(self.requirements(backend, kind)) == []
 
-    def test_validate_rejects_what_capabilities_do_not_claim(self, backend: type[AttentionBackend], kind: str) -> None:
+    def test_validate_rejects_what_capabilities_do_not_claim(
+        self, backend: type[AttentionBackend], kind: str
+    ) -> None:
         caps, base = backend.capabilities, self.requirements(backend, kind)
         cases: list[tuple[dict[str, object], str]] = [
             ({feature: True}, feature)
@@ -69,10 +70,14 @@ class AttentionConformance(ConformanceHarness):
             cases.append(({"head_size": max(caps.head_sizes) + 1}, "head size"))
         for change, word in cases:
             reasons = backend.validate(dataclasses.replace(base, **change))
-            assert any(word in r for r in reasons), f"validate({change}) gave {reasons}, none mentions {word!r}"
+            assert any(word in r for r in reasons), (
+                f"validate({change}) gave {reasons}, none mentions {word!r}"
+            )
 
     # ---- KV writes ---------------------------------------------------------------------------
-    def test_write_kv_matches_reference(self, backend: type[AttentionBackend], kind: str, gen: torch.Generator) -> None:
+    def test_write_kv_matches_reference(
+        self, backend: type[AttentionBackend], kind: str, gen: torch.Generator
+    ) -> None:
         for kv_dtype in backend.capabilities.kv_cache_dtypes:
             layer = self.layer(kind, kv_dtype)
             impl, ref = self.impls(backend, layer, gen)
@@ -82,7 +87,10 @@ class AttentionConformance(ConformanceHarness):
             slots[torch.randperm(slots.numel(), generator=gen)[:3].to(slots.device)] = -1  # padding rows
             key, value = random_kv(layer, batch.num_tokens, self.dtype, self.device, gen)
             kv_scale = self.kv_scale(kv_dtype)
-            got, want = poisoned_cache(layer, batch, self.dtype, self.device), poisoned_cache(layer, batch, self.dtype, self.device)  # noqa: E501
+            got, want = (
+                poisoned_cache(layer, batch, self.dtype, self.device),
+                poisoned_cache(layer, batch, self.dtype, self.device),
+            )  # noqa: E501
             impl.write_kv(got, slots, key, value, kv_scale)
             ref.write_kv(want, slots, key, value, kv_scale)
             checks.assert_cache_close(got, want, kv_scale, f"write_kv, kv_cache_dtype={kv_dtype}")
@@ -123,7 +131,9 @@ class AttentionConformance(ConformanceHarness):
         for what, batch in self.batches(backend, kind, gen):
             self.check_attend(backend, layer, batch, gen, what=f"sinks, {what}", sinks=sinks)
 
-    def test_attend_sparse_topk(self, backend: type[AttentionBackend], kind: str, gen: torch.Generator) -> None:
+    def test_attend_sparse_topk(
+        self, backend: type[AttentionBackend], kind: str, gen: torch.Generator
+    ) -> None:
         if not backend.capabilities.sparse_topk:
             pytest.skip("sparse top-k not supported")
         layer = self.layer(kind, self.base_kv_dtype(backend))
@@ -141,7 +151,10 @@ class AttentionConformance(ConformanceHarness):
         if sparse and not (kind == "mla" and caps.sparse_topk):
             pytest.skip("sparse forward is an MLA feature the backend does not claim")
         max_q = min(caps.max_decode_query_len, 3)
-        for kv_dtype in {self.base_kv_dtype(backend), *(["fp8_e4m3"] if "fp8_e4m3" in caps.kv_cache_dtypes else [])}:
+        for kv_dtype in {
+            self.base_kv_dtype(backend),
+            *(["fp8_e4m3"] if "fp8_e4m3" in caps.kv_cache_dtypes else []),
+        }:
             layer = self.layer(kind, kv_dtype)
             impl, ref = self.impls(backend, layer, gen)
             bs = self.block_size_list(backend)[0]
@@ -174,15 +187,23 @@ class AttentionConformance(ConformanceHarness):
         q = self.query(layer, batch.num_tokens, query_width(layer), gen)
         checks.assert_rejects(lambda: impl.attend(q.double(), cache, md), "attend with a float64 query")
         checks.assert_rejects(lambda: impl.attend(q[:, :-1], cache, md), "attend with too few heads")
-        checks.assert_rejects(lambda: impl.write_kv(cache, slots, key[:, :-1], value), "write_kv, key too narrow")
+        checks.assert_rejects(
+            lambda: impl.write_kv(cache, slots, key[:, :-1], value), "write_kv, key too narrow"
+        )
         checks.assert_rejects(lambda: impl.write_kv(cache, slots, key.double(), value.double()), "float64 KV")
         too_far = torch.full_like(slots, cache.numel())  # far past num_blocks * block_size
-        checks.assert_rejects(lambda: impl.write_kv(cache, too_far, key, value), "write_kv, slot out of range")
+        checks.assert_rejects(
+            lambda: impl.write_kv(cache, too_far, key, value), "write_kv, slot out of range"
+        )
         wide = cache.new_zeros(*cache.shape[:-1], cache.shape[-1] + 1)
-        checks.assert_rejects(lambda: impl.write_kv(wide, slots, key, value), "write_kv, cache record too wide")
+        checks.assert_rejects(
+            lambda: impl.write_kv(wide, slots, key, value), "write_kv, cache record too wide"
+        )
         if "fp8_e4m3" in caps.kv_cache_dtypes:
             fp8_layer = self.layer(kind, "fp8_e4m3")
             fp8_impl, _ = self.impls(backend, fp8_layer, gen)
             fp8_cache = poisoned_cache(fp8_layer, batch, self.dtype, self.device)
-            checks.assert_rejects(lambda: fp8_impl.write_kv(fp8_cache, slots, key, value), "fp8 write_kv without scale")
+            checks.assert_rejects(
+                lambda: fp8_impl.write_kv(fp8_cache, slots, key, value), "fp8 write_kv without scale"
+            )
             checks.assert_rejects(lambda: fp8_impl.attend(q, fp8_cache, md), "fp8 attend without scale")

@@ -16,12 +16,19 @@ from jackfield.contracts.attention import (
     AttentionImpl,
     AttentionLayerSpec,
     AttentionOutput,
-    AttentionRequirements,
     KVCacheDType,
 )
 from jackfield.testing import checks
-from jackfield.testing.problems import PagedBatch, make_batch, mha_layer, mla_layer, poisoned_cache, query_width
-from jackfield.testing.problems import random_kv, sparse_topk
+from jackfield.testing.problems import (
+    PagedBatch,
+    make_batch,
+    mha_layer,
+    mla_layer,
+    poisoned_cache,
+    query_width,
+    random_kv,
+    sparse_topk,
+)
 
 
 class ConformanceHarness:
@@ -38,7 +45,11 @@ class ConformanceHarness:
     mha_head_size: ClassVar[int] = 32
     block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: derived from the capabilities
     kv_scale_value: ClassVar[float] = 0.02  # fp8 per-tensor scale: |x| up to ~9 stays unclamped
-    tolerances: ClassVar[dict[torch.dtype, float]] = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+    tolerances: ClassVar[dict[torch.dtype, float]] = {
+        torch.float32: 1e-4,
+        torch.bfloat16: 2e-2,
+        torch.float16: 1e-2,
+    }
     seed: ClassVar[int] = 0
 
     # ---- fixtures -------------------------------------------------------------------------
@@ -74,7 +85,9 @@ class ConformanceHarness:
                 self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim,
                 self.v_head_dim, kv_cache_dtype, sliding_window,
             )  # fmt: skip
-        return mha_layer(self.num_heads, self.mha_num_kv_heads, self.mha_head_size, kv_cache_dtype, sliding_window)
+        return mha_layer(
+            self.num_heads, self.mha_num_kv_heads, self.mha_head_size, kv_cache_dtype, sliding_window
+        )
 
     def impls(
         self, backend: type[AttentionBackend], layer: AttentionLayerSpec, g: torch.Generator
@@ -82,11 +95,15 @@ class ConformanceHarness:
         """(backend impl, torch_ref impl) for `layer`, MLA weights loaded identically."""
         caps = backend.capabilities
         if caps.head_sizes is not None and layer.head_size not in caps.head_sizes:
-            pytest.fail(f"head size {layer.head_size} not in {caps.head_sizes}: set the shape class attributes")
+            pytest.fail(
+                f"head size {layer.head_size} not in {caps.head_sizes}: set the shape class attributes"
+            )
         impl, ref = backend.make_impl(layer), TorchRefBackend.make_impl(layer)
         if layer.kv_lora_rank:
             n_out = layer.num_heads * (layer.qk_nope_head_dim + layer.v_head_dim)
-            w = (torch.randn(n_out, layer.kv_lora_rank, generator=g) * layer.kv_lora_rank**-0.5).to(self.device)
+            w = (torch.randn(n_out, layer.kv_lora_rank, generator=g) * layer.kv_lora_rank**-0.5).to(
+                self.device
+            )
             for target in (impl, ref):
                 target.process_weights_after_loading({"kv_b_proj": w.to(self.dtype)})
         return impl, ref
@@ -102,7 +119,12 @@ class ConformanceHarness:
         """A poisoned cache holding the context KV (written by torch_ref), and this step's new KV."""
         cache = poisoned_cache(layer, batch, self.dtype, self.device)
         ref = TorchRefBackend.make_impl(layer)
-        ref.write_kv(cache, batch.context_slots, *random_kv(layer, batch.context_slots.numel(), self.dtype, self.device, g), kv_scale)  # noqa: E501
+        ref.write_kv(
+            cache,
+            batch.context_slots,
+            *random_kv(layer, batch.context_slots.numel(), self.dtype, self.device, g),
+            kv_scale,
+        )  # noqa: E501
         return cache, random_kv(layer, batch.num_tokens, self.dtype, self.device, g)
 
     def query(self, layer: AttentionLayerSpec, rows: int, width: int, g: torch.Generator) -> torch.Tensor:
@@ -126,7 +148,9 @@ class ConformanceHarness:
         ref.write_kv(cache, batch.metadata.slot_mapping, *new_kv, kv_scale)
         q = self.query(layer, batch.num_tokens, query_width(layer), g)
         topk_indices = None if topk is None else sparse_topk(batch, topk, g)
-        kwargs = dict(kv_scale=kv_scale, sinks=sinks, topk_indices=topk_indices, return_lse=backend.capabilities.dcp)
+        kwargs = dict(
+            kv_scale=kv_scale, sinks=sinks, topk_indices=topk_indices, return_lse=backend.capabilities.dcp
+        )
         before = cache.clone()
         checks.poison_allocator(self.device)
         got: AttentionOutput = impl.attend(q, cache, batch.metadata, **kwargs)
@@ -150,6 +174,7 @@ class ConformanceHarness:
         max_q = min(backend.capabilities.max_decode_query_len, 4)
         out: list[tuple[str, PagedBatch]] = []
         for bs in self.block_size_list(backend):
+
             def rand(lo: int, hi: int) -> int:
                 return int(torch.randint(lo, hi + 1, (), generator=g))
 
@@ -157,7 +182,11 @@ class ConformanceHarness:
             plans = {"decode": ([1] * 4, seqs, 4)}
             if max_q > 1:
                 q_lens = [max_q, *(rand(1, max_q) for _ in range(3))]
-                plans["multi-token decode"] = (q_lens, [max(q, s) for q, s in zip(q_lens, seqs)], 4)
+                plans["multi-token decode"] = (
+                    q_lens,
+                    [max(q, s) for q, s in zip(q_lens, seqs, strict=True)],
+                    4,
+                )
             if kind == "mha":
                 q_lens = [1, 1, rand(2, 12), rand(2, 12)]
                 plans["decode+chunked prefill"] = (q_lens, [q + rand(0, 2 * bs) for q in q_lens], 2)

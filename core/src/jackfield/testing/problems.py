@@ -76,7 +76,7 @@ def make_batch(
     spare_blocks: int = 2,
 ) -> PagedBatch:
     """Requests with `seq_lens[b]` tokens, the last `q_lens[b]` new; physical blocks shuffled."""
-    if len(q_lens) != len(seq_lens) or any(not 0 <= q <= s for q, s in zip(q_lens, seq_lens)):
+    if len(q_lens) != len(seq_lens) or any(not 0 <= q <= s for q, s in zip(q_lens, seq_lens, strict=True)):
         raise ValueError(f"need 0 <= q_len <= seq_len per request, got {q_lens} / {seq_lens}")
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + spare_blocks
@@ -87,8 +87,10 @@ def make_batch(
     new_slots: list[int] = []
     context_slots: list[int] = []
     taken = 0
-    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        table[b, : blocks_per_req[b]] = torch.tensor(order[taken : taken + blocks_per_req[b]], dtype=torch.int32)
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        table[b, : blocks_per_req[b]] = torch.tensor(
+            order[taken : taken + blocks_per_req[b]], dtype=torch.int32
+        )
         taken += blocks_per_req[b]
         for pos in range(seq_len):
             slot = int(table[b, pos // block_size]) * block_size + pos % block_size
@@ -109,7 +111,11 @@ def make_batch(
         causal=causal,
     )
     return PagedBatch(
-        metadata, num_blocks, block_size, torch.tensor(context_slots, dtype=torch.int64, device=device), len(new_slots)
+        metadata,
+        num_blocks,
+        block_size,
+        torch.tensor(context_slots, dtype=torch.int64, device=device),
+        len(new_slots),
     )
 
 
@@ -126,7 +132,11 @@ def poisoned_cache(
 
 
 def random_kv(
-    layer: AttentionLayerSpec, num_tokens: int, dtype: torch.dtype, device: torch.device | str, g: torch.Generator
+    layer: AttentionLayerSpec,
+    num_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    g: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What write_kv takes for `num_tokens` tokens: MLA (kv_c, k_pe), MHA (key, value)."""
     if is_mla(layer):
@@ -152,7 +162,11 @@ def sparse_topk(batch: PagedBatch, k: int, g: torch.Generator) -> torch.Tensor:
         q_len = qsl[b + 1] - qsl[b]
         for i in range(q_len):
             visible = seq_len - q_len + i + 1
-            take = 0 if (b == md.num_reqs - 1 and i == 0) else int(torch.randint(1, min(k, visible) + 1, (), generator=g))
+            take = (
+                0
+                if (b == md.num_reqs - 1 and i == 0)
+                else int(torch.randint(1, min(k, visible) + 1, (), generator=g))
+            )
             chosen = torch.randperm(visible, generator=g)[:take].tolist()
             rows.append(chosen + [-1] * (k - take))
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, k).to(md.slot_mapping.device)
