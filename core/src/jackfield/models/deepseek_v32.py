@@ -1,0 +1,154 @@
+"""DeepSeek-V3.2: DeepSeek-V3 plus the lightning indexer (DeepSeek Sparse Attention).
+
+Per layer, the indexer scores every visible past token for each query,
+    score[t, s] = sum_h w[t, h] * relu(q_I[t, h] . k_I[s] / sqrt(D_I)),   w = weights_proj(x) / sqrt(H_I)
+and MLA attends to the `index_topk` best (the backend's sparse path, absorbed form). The indexer
+keys (one [D_I] vector per token, RoPE on the first rope_dim dims, half-split layout) live in a
+paged cache of their own with the same blocks and slots as the layer's latent KV: the model's
+`kv_cache_layers` lists the L latent caches, then the L indexer-key caches.
+Everything else (MoE, MLA projections, weights) is the DeepSeek-V3 model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from jackfield.attention.kv_cache import request_slots, write_slots
+from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata, KVCacheDType
+from jackfield.models.attention import AttentionBackends, StepContext
+from jackfield.models.deepseek import DeepseekForCausalLM, MLAAttention
+from jackfield.models.hf_config import DeepseekArch, architecture_of, rope_inv_freq
+from jackfield.models.layers import Linear, RotaryEmbedding
+
+
+def index_dims(hf_config: PretrainedConfig) -> tuple[int, int, int]:
+    """(index_n_heads, index_head_dim, index_topk), checked against the MLA dims."""
+    if architecture_of(hf_config) != "DeepseekV32ForCausalLM":
+        raise ValueError(f"{architecture_of(hf_config)} is not DeepseekV32ForCausalLM")
+    heads, dim, topk = int(hf_config.index_n_heads), int(hf_config.index_head_dim), int(hf_config.index_topk)
+    problems = []
+    if min(heads, dim, topk) <= 0:
+        problems.append(f"index_n_heads, index_head_dim, index_topk must be positive, got {heads}, {dim}, {topk}")
+    if dim < hf_config.qk_rope_head_dim:
+        problems.append(f"index_head_dim {dim} is smaller than qk_rope_head_dim {hf_config.qk_rope_head_dim}")
+    if problems:
+        raise ValueError("DeepseekV32ForCausalLM: " + "; ".join(problems))
+    return heads, dim, topk
+
+
+def step_parts(step: StepContext) -> list[tuple[slice, AttentionMetadata, bool]]:
+    """(rows, metadata, is_decode_role) for each half of the step that has requests."""
+    if step.metadata is not None:
+        return [(slice(None), step.metadata, True)]
+    nd = step.num_decode_tokens
+    parts = [(slice(0, nd), step.decode, True), (slice(nd, None), step.prefill, False)]
+    return [(rows, md, is_decode) for rows, md, is_decode in parts if md is not None]
+
+
+class Indexer(nn.Module):
+    def __init__(self, arch: DeepseekArch, heads: int, dim: int, topk: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.heads, self.dim, self.topk, self.rope_dim = heads, dim, topk, arch.qk_rope_head_dim
+        assert arch.q_lora_rank is not None  # V3.2 configs always have the q latent (the indexer reads it)
+        self.wq_b = Linear(arch.q_lora_rank, heads * dim, dtype)
+        self.wk = Linear(arch.hidden_size, dim, dtype)
+        self.k_norm = nn.Module()  # LayerNorm with bias, eps 1e-6
+        self.k_norm.weight = nn.Parameter(torch.empty(dim, dtype=dtype), False)
+        self.k_norm.bias = nn.Parameter(torch.empty(dim, dtype=dtype), False)
+        # Head weights in float32 whatever the activation dtype (as the reference keeps them).
+        self.weights_proj = nn.Module()
+        self.weights_proj.weight = nn.Parameter(torch.empty(heads, arch.hidden_size, dtype=torch.float32), False)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        return torch.cat((rope(x[..., : self.rope_dim], positions), x[..., self.rope_dim :]), dim=-1)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                key_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Write this step's indexer keys, then top-k indices [T, K] int32 (request-local key
+        positions, -1 where a query sees fewer than K keys)."""
+        t = x.shape[0]
+        q = self._rope(self.wq_b(q_resid).view(t, self.heads, self.dim), positions, rope)
+        k = F.layer_norm(self.wk(x).float(), (self.dim,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6)
+        k = self._rope(k.to(x.dtype).unsqueeze(1), positions, rope).squeeze(1)
+        write_slots(key_cache.flatten(0, 1), metadata.slot_mapping, k.to(key_cache.dtype))
+        head_weights = F.linear(x.float(), self.weights_proj.weight) * self.heads**-0.5  # [T, H]
+        width = min(self.topk, metadata.max_seq_len)
+        out = torch.full((t, width), -1, dtype=torch.int32, device=x.device)
+        qsl = metadata.query_start_loc_cpu.tolist()
+        flat = key_cache.flatten(0, 1)
+        for b, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
+            q0, q1 = qsl[b], qsl[b + 1]
+            if q0 == q1:
+                continue
+            keys = flat[request_slots(metadata.block_table[b], seq_len, key_cache.shape[1])].float()  # [S, D]
+            scores = F.relu(torch.einsum("qhd,sd->qhs", q[q0:q1].float(), keys) * self.dim**-0.5)
+            scores = torch.einsum("qh,qhs->qs", head_weights[q0:q1], scores)
+            query_pos = torch.arange(seq_len - (q1 - q0), seq_len, device=x.device)[:, None]
+            visible = torch.arange(seq_len, device=x.device)[None, :] <= query_pos
+            best = scores.masked_fill(~visible, float("-inf")).topk(min(width, seq_len), dim=-1)
+            indices = torch.where(torch.isfinite(best.values), best.indices, -1)
+            out[q0:q1, : indices.shape[1]] = indices.to(torch.int32)
+        return out
+
+
+class SparseMLAAttention(MLAAttention):
+    """MLA whose queries attend only to the indexer's top-k tokens."""
+
+    def __init__(self, arch: DeepseekArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
+                 dtype: torch.dtype, index_heads: int, index_dim: int, index_topk: int) -> None:
+        super().__init__(arch, index, spec, backends, dtype)
+        self.indexer = Indexer(arch, index_heads, index_dim, index_topk, dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext,
+                index_rope: RotaryEmbedding) -> torch.Tensor:
+        a, t = self.arch, x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(t, a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim)
+        q = torch.cat((q[..., : a.qk_nope_head_dim], rope(q[..., a.qk_nope_head_dim :], positions)), dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        k_pe = rope(k_pe.unsqueeze(1), positions).squeeze(1)
+        cache = step.kv_caches[self.index]
+        key_cache = step.kv_caches[a.num_layers + self.index]
+        out = q.new_empty(t, a.num_heads, a.v_head_dim)
+        for rows, metadata, is_decode in step_parts(step):
+            topk = self.indexer(x[rows], q_resid[rows], positions[rows], index_rope, key_cache, metadata)
+            impl: AttentionImpl = self.attn.decode_impl if is_decode else self.attn.prefill_impl
+            out[rows] = impl.forward(q[rows], kv_c[rows], k_pe[rows], cache, metadata, topk_indices=topk)  # type: ignore[attr-defined]
+        return self.o_proj(out.reshape(t, a.num_heads * a.v_head_dim))
+
+
+class DeepseekV32ForCausalLM(DeepseekForCausalLM):
+    def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
+                 kv_cache_dtype: KVCacheDType = "auto") -> None:
+        heads, dim, topk = index_dims(hf_config)
+        as_v3 = copy.copy(hf_config)  # V3.2 is V3 (routing, interleaved MLA RoPE) but for the indexer
+        as_v3.architectures = ["DeepseekV3ForCausalLM"]
+        super().__init__(as_v3, backends, dtype, kv_cache_dtype)
+        arch = self.arch
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = SparseMLAAttention(arch, i, self.attention_spec, backends, dtype, heads, dim, topk)
+        # The indexer's RoPE: the MLA frequencies, half-split pairs (not interleaved).
+        inv_freq, scaling = rope_inv_freq(hf_config, arch.qk_rope_head_dim)
+        self.index_rope = RotaryEmbedding(inv_freq, scaling, arch.max_position_embeddings, interleaved=False)
+        # One latent-sized record per token holding the indexer key (kept in the activation dtype).
+        self.index_key_spec = AttentionLayerSpec(num_heads=heads, head_size=dim, scale=dim**-0.5,
+                                                 kv_lora_rank=dim, qk_rope_head_dim=0)
+
+    @property
+    def kv_cache_layers(self) -> list[AttentionLayerSpec]:
+        """The L latent caches, then the L indexer-key caches (same blocks and slots)."""
+        return [self.attention_spec] * self.arch.num_layers + [self.index_key_spec] * self.arch.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        for layer in self.model.layers:
+            h = layer.self_attn(layer.input_layernorm(x), positions, self.rope, step, self.index_rope)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)

@@ -1,0 +1,74 @@
+"""DeepSeek-V3.2 (lightning indexer + sparse MLA) against transformers' DeepseekV32ForCausalLM:
+index_topk above the sequence length (dense in effect) and well below it (the sparse case)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM as HFDeepseekV32
+
+from jackfield.models.deepseek_v32 import DeepseekV32ForCausalLM, index_dims
+from jackfield.models.hf_config import read_hf_config
+from paged_harness import TORCH_REF, generate, hf_reference, randomize_, save_hf_model
+
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+             qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+             n_group=2, topk_group=1, first_k_dense_replace=1, index_n_heads=8, index_head_dim=16,
+             max_position_embeddings=64, tie_word_embeddings=False)
+PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 14, 6, 19], [90, 1, 56, 23, 8, 47, 11]]
+
+
+def build(tmp_path: Path, index_topk: int) -> tuple[torch.nn.Module, DeepseekV32ForCausalLM]:
+    config = DeepseekV32Config(**SMALL, index_topk=index_topk)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf_model = HFDeepseekV32(config).eval()
+    randomize_(hf_model, ("e_score_correction_bias", "k_norm.weight", "k_norm.bias", "layernorm.weight"), seed=2)
+    path = save_hf_model(hf_model, tmp_path / f"v32_{index_topk}")
+    ours = DeepseekV32ForCausalLM.from_pretrained(path, read_hf_config(path), TORCH_REF, torch.float32, "cpu")
+    return hf_model, ours
+
+
+@pytest.mark.parametrize("index_topk", [64, 4], ids=["topk_above_length", "sparse_topk_4"])
+def test_logits_and_greedy_tokens_match_transformers(index_topk: int, tmp_path: Path) -> None:
+    hf_model, ours = build(tmp_path, index_topk)
+    max_new = 5
+    tokens, logits = generate(ours, PROMPTS, max_new, block_size=4, prefill_chunk=6)
+    for prompt, got_tokens, got_logits in zip(PROMPTS, tokens, logits):
+        want_tokens, want_logits = hf_reference(hf_model, prompt, max_new)
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+        assert got_tokens == want_tokens
+
+
+def test_sparse_selection_changes_the_answer(tmp_path: Path) -> None:
+    """top-4 of 13 tokens is not dense attention: the sparse path really drops keys."""
+    _, sparse = build(tmp_path, 4)
+    _, dense = build(tmp_path, 64)
+    _, sparse_logits = generate(sparse, PROMPTS[:1], 1)
+    _, dense_logits = generate(dense, PROMPTS[:1], 1)
+    # rows 0-3 see at most 4 keys, so they agree; every later row drops some.
+    torch.testing.assert_close(sparse_logits[0][:4], dense_logits[0][:4], atol=1e-5, rtol=1e-5)
+    assert (sparse_logits[0][4:] - dense_logits[0][4:]).abs().max() > 1e-3
+
+
+def test_indexer_keys_live_in_their_own_paged_caches(tmp_path: Path) -> None:
+    _, ours = build(tmp_path, 4)
+    layers = ours.kv_cache_layers
+    assert len(layers) == 4
+    assert layers[0] is ours.attention_spec and layers[2].head_size == SMALL["index_head_dim"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"index_topk": 0}, "must be positive"),
+        ({"index_head_dim": 4}, "smaller than qk_rope_head_dim"),
+    ],
+)
+def test_bad_indexer_configs_fail_closed(changes: dict[str, object], message: str) -> None:
+    config = DeepseekV32Config(**{**SMALL, "index_topk": 4, **changes}, architectures=["DeepseekV32ForCausalLM"])
+    with pytest.raises(ValueError, match=message):
+        index_dims(config)
