@@ -68,10 +68,11 @@ def test_rejects_fp8_and_half_caches(decode_case) -> None:
         impl.attend(p.query, fp8, md, kv_scale=torch.ones(1))
 
 
-def test_rejects_metadata_without_a_plan(decode_case) -> None:
-    impl, p, _ = decode_case
-    with pytest.raises(ValueError, match="no cpu_amx plan"):
-        impl.attend(p.query, p.kv_cache, p.metadata)
+def test_metadata_without_a_plan_gets_one_for_the_call(decode_case) -> None:
+    impl, p, md = decode_case
+    planned = impl.attend(p.query, p.kv_cache, md, return_lse=True)
+    direct = impl.attend(p.query, p.kv_cache, p.metadata, return_lse=True)
+    assert torch.equal(planned.out, direct.out) and torch.equal(planned.lse, direct.lse)
 
 
 def test_rejects_a_plan_for_other_rows(decode_case) -> None:

@@ -103,7 +103,10 @@ def _checked_plan(
     plans = metadata.extra.get(PLANS_KEY)
     plan = plans.get(plan_key(metadata)) if isinstance(plans, dict) else None
     if plan is None:
-        raise ValueError("metadata has no cpu_amx plan for this batch: build it with CpuAmxBackend.metadata_builder()")
+        # A caller that skipped the builder (a direct attend call) gets a plan built for this call
+        # alone; the engine builds once per step, so layers never land here.
+        metadata = CpuAmxMetadataBuilder().build(metadata)
+        plan = metadata.extra[PLANS_KEY][plan_key(metadata)]  # type: ignore[index]
     if plan.num_tokens != query.shape[0]:
         raise ValueError(f"the cpu_amx plan covers {plan.num_tokens} query rows, got {query.shape[0]}")
     num_blocks = kv_cache.shape[0]

@@ -27,6 +27,9 @@ def gather_group_cache(
     # into a buffer slice, measured on torch 2.13); on same-width integers it is a row memcpy.
     as_int = _SAME_WIDTH_INT[kv_cache.element_size()]
     torch.index_select(rows.view(as_int), 0, block_ids, out=gathered.view(as_int))
+    stale = group.stale_rows(block_size)
+    if stale.numel():
+        gathered.view(-1, width).view(as_int).index_fill_(0, stale, 0)
     if kv_cache.dtype != compute_dtype:
         converted = scratch.get(compute_dtype, gathered.numel()).view_as(gathered)
         gathered = converted.copy_(gathered)
@@ -51,7 +54,7 @@ def attend_group(
     keys = keys[:, :num_keys]
     q = query.to(keys.dtype).reshape(g, q_len * num_heads, -1)
     scores = torch.bmm(q, keys.transpose(1, 2)).view(g, q_len, num_heads, num_keys)
-    logits = torch.add(group.key_bias, scores, alpha=scale)  # float32: bias is float32
+    logits = torch.add(group.key_bias, scores, alpha=scale)  # float32: bias is float32; keys are finite
     group_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     probs = logits.sub_(group_lse).exp_().to(keys.dtype).view(g, q_len * num_heads, num_keys)
     # The product over whole contiguous records (rope columns included, then dropped) runs ~3x

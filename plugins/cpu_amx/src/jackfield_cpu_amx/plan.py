@@ -70,6 +70,14 @@ class RequestGroup:
             self._block_ids[block_size] = ids
         return ids
 
+    def stale_rows(self, block_size: int) -> torch.Tensor:
+        """Rows of the gathered [num_reqs * blocks * block_size] records past each request's seq_len
+        but inside num_keys: never-written slots (maybe NaN) that must be zeroed, since 0 * NaN = NaN."""
+        gathered = -(-self.num_keys // block_size) * block_size
+        pos = torch.arange(self.num_keys)
+        stale = pos[None, :] >= self.seq_lens[:, None]
+        return (torch.arange(self.num_reqs)[:, None] * gathered + pos[None, :])[stale]
+
 
 @dataclass(frozen=True)
 class StepPlan:
