@@ -1,0 +1,142 @@
+"""End-to-end generation: Jackfield vs transformers' generate on the same random DeepSeek-V3 weights.
+
+Per batch size: time to first token (all requests submitted at once; Jackfield: mean over
+requests, transformers: generate with max_new_tokens=1) and decode tokens/s (tokens after the
+first over the time after the first). Ceilings measured in the same run: the dense matmul rate
+and the memory copy bandwidth; decode is compared with the bandwidth ceiling (every step reads
+all weights once: ceiling tokens/s = batch * bandwidth / weight bytes).
+
+  python benchmarks/bench_e2e.py --device cuda                 # mid-size config, bf16
+  python benchmarks/bench_e2e.py --device cpu --small          # reduced config, float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+MID = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1024,
+           num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+           q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+           n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+           max_position_embeddings=4096)
+SMALL = dict(MID, vocab_size=8000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
+             kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def ceilings(device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) measured here."""
+    n = 8192 if device == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ a
+    sync(device)
+    reps = 10 if device == "cuda" else 3
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    sync(device)
+    flops = 2 * n**3 * reps / (time.perf_counter() - t)
+    x = torch.empty(256 * 2**20 if device == "cuda" else 64 * 2**20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    sync(device)
+    bandwidth = 2 * x.numel() * reps / (time.perf_counter() - t)  # read + write
+    return flops, bandwidth
+
+
+def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> float:
+    sync(device)
+    t = time.perf_counter()
+    model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--small", action="store_true", help="the reduced config (for CPUs)")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from jackfield import LLM, SamplingParams
+
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = DeepseekV3Config(**(SMALL if args.small else MID))
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = DeepseekV3ForCausalLM(config).to(dtype).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    directory = tempfile.mkdtemp(prefix="bench_e2e.")
+    hf.save_pretrained(directory)
+    flops, bandwidth = ceilings(device, dtype)
+    llm = LLM(directory, **{"attention.backend": args.backend, "engine.device": device,
+                            "model.dtype": str(dtype).removeprefix("torch."),
+                            "engine.max_num_batched_tokens": 8192, "engine.enable_prefix_caching": False})
+    backend = llm.backend_choices["decode"].name
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=gen)
+        params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+        llm.generate([p.tolist() for p in prompts[:1]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+        sync(device)
+        start = time.perf_counter()
+        outs = llm.generate([p.tolist() for p in prompts], params)
+        sync(device)
+        total = time.perf_counter() - start
+        jf_ttft = sum(o.timings.time_to_first_token_s for o in outs) / batch
+        last_first = max(o.timings.time_to_first_token_s for o in outs)
+        jf_decode = batch * (args.new_tokens - 1) / (total - last_first)
+        hf_prompts = prompts.to(device)
+        time_hf(hf, hf_prompts[:1], 2, device)  # warm-up
+        hf_ttft = time_hf(hf, hf_prompts, 1, device)
+        hf_total = time_hf(hf, hf_prompts, args.new_tokens, device)
+        hf_decode = batch * (args.new_tokens - 1) / (hf_total - hf_ttft)
+        ceiling = batch * bandwidth / weight_bytes
+        rows.append(dict(batch=batch, jf_ttft_ms=jf_ttft * 1e3, hf_ttft_ms=hf_ttft * 1e3,
+                         jf_decode_tok_s=jf_decode, hf_decode_tok_s=hf_decode,
+                         decode_speedup=jf_decode / hf_decode, ttft_speedup=hf_ttft / jf_ttft,
+                         decode_vs_bandwidth_ceiling=jf_decode / ceiling))
+        print(json.dumps(rows[-1]), flush=True)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"\ndevice {name}, {dtype}, backend {backend}, weights {weight_bytes / 2**20:.0f} MiB, "
+          f"prompt {args.prompt_len}, new tokens {args.new_tokens}")
+    print(f"ceilings: matmul {flops / 1e12:.1f} TFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print("| batch | Jackfield TTFT ms | HF TTFT ms | Jackfield decode tok/s | HF decode tok/s | decode x HF "
+          "| TTFT x HF | decode / bandwidth ceiling |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['jf_ttft_ms']:.1f} | {r['hf_ttft_ms']:.1f} | {r['jf_decode_tok_s']:.1f} | "
+              f"{r['hf_decode_tok_s']:.1f} | {r['decode_speedup']:.2f} | {r['ttft_speedup']:.2f} | "
+              f"{r['decode_vs_bandwidth_ceiling']:.3f} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(dict(device=name, dtype=str(dtype), backend=backend, weight_bytes=weight_bytes,
+                           matmul_flops=flops, bandwidth=bandwidth, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

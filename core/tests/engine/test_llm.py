@@ -1,0 +1,105 @@
+"""Engine invariants on a small random DeepSeek-V3 checkpoint (torch_ref attention, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jackfield import LLM, SamplingParams
+from jackfield.config import ConfigError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def llm(v3_dir) -> LLM:
+    return LLM(v3_dir, backend="torch_ref", block_size=16, max_num_batched_tokens=48)
+
+
+def test_batched_equals_single_for_greedy_and_seeded_sampling(llm: LLM) -> None:
+    prompts = _prompts(0, (5, 30, 61))
+    params = [GREEDY, SamplingParams(temperature=0.9, top_k=50, seed=11, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.2, top_p=0.9, seed=12, max_tokens=12, ignore_eos=True)]
+    batched = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, batched):
+        assert llm.generate([prompt], p)[0].token_ids == out.token_ids
+
+
+def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss(v3_dir) -> None:
+    shared = _prompts(1, (40,))[0]
+    prompts = [shared + [7, 8, 9], shared + [1, 2]]
+    cached = LLM(v3_dir, backend="torch_ref", block_size=16)
+    uncached = LLM(v3_dir, backend="torch_ref", block_size=16, enable_prefix_caching=False)
+    cached.generate([prompts[0]], GREEDY)
+    hit = cached.generate([prompts[1]], GREEDY)[0]
+    miss = uncached.generate([prompts[1]], GREEDY)[0]
+    assert hit.num_cached_tokens == 32 and miss.num_cached_tokens == 0
+    assert hit.token_ids == miss.token_ids
+
+
+def test_preempted_request_gives_the_same_tokens(v3_dir) -> None:
+    prompts = _prompts(2, (20, 24, 28))
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=24, ignore_eos=True)
+    roomy = LLM(v3_dir, backend="torch_ref", block_size=16).generate(prompts, params)
+    # 3 layers x 16 slots x 40 floats x 4 B = 7680 B per block: 9 blocks, fewer than the 3 x 4 needed
+    tight = LLM(v3_dir, backend="torch_ref", block_size=16, cpu_kv_cache_gib=9 * 7680 / 2**30)
+    assert tight.num_blocks == 9
+    squeezed = tight.generate(prompts, params)
+    assert sum(o.num_preemptions for o in squeezed) > 0
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in roomy]
+
+
+def test_logprobs_are_the_top_k_of_the_log_softmax(llm: LLM, v3_dir) -> None:
+    prompt = _prompts(3, (9,))[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=4, ignore_eos=True))[0]
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(v3_dir)).eval()
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
+    expected = torch.log_softmax(logits.float(), -1).topk(4, dim=-1)
+    assert out.logprobs is not None and len(out.logprobs) == 3
+    for step, top in enumerate(out.logprobs):
+        assert list(top) == expected.indices[step].tolist()
+        assert torch.allclose(torch.tensor(list(top.values())), expected.values[step], atol=1e-4)
+        assert out.token_ids[step] == expected.indices[step, 0]
+
+
+def test_outputs_report_seed_timings_and_finish_reasons(llm: LLM) -> None:
+    first, second = llm.generate(_prompts(4, (6, 6)), SamplingParams(max_tokens=4))
+    assert first.seed != second.seed  # drawn from the engine generator (config sampler.seed)
+    assert 0 < first.timings.time_to_first_token_s <= first.timings.total_s
+    assert first.text is None  # this checkpoint has no tokenizer
+    stop = llm.generate(_prompts(5, (6,)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    stopper = llm.generate(_prompts(5, (6,)), SamplingParams(temperature=0.0, max_tokens=4,
+                                                              stop_token_ids=(stop.token_ids[1],)))[0]
+    assert stopper.finish_reason == "stop" and stopper.token_ids == stop.token_ids[:2]
+
+
+def test_bad_requests_fail_with_clear_errors(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["text prompt"], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 999]], GREEDY)
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate([[1, 2]], [GREEDY, GREEDY])
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1] * 600], GREEDY)
+
+
+def test_bad_engine_configs_fail_before_loading(v3_dir) -> None:
+    with pytest.raises(ConfigError, match="no config section"):
+        LLM(v3_dir, not_a_field=1)
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        LLM(v3_dir, method="ngram", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="does not fit one block"):
+        LLM(v3_dir, backend="torch_ref", cpu_kv_cache_gib=1e-9)
+    with pytest.raises(ValueError, match="needs 6 KV blocks; the cache has 4"):
+        LLM(v3_dir, backend="torch_ref", cpu_kv_cache_gib=4 * 7680 / 2**30).generate([[1] * 70], GREEDY)

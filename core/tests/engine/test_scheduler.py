@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from jackfield import SamplingParams
+from jackfield.engine.block_manager import BlockManager
+from jackfield.engine.scheduler import Scheduler
+from jackfield.engine.sequence import Sequence, Status
+
+
+def _seq(request_id: int, n: int) -> Sequence:
+    return Sequence(request_id, n, list(range(100 * request_id, 100 * request_id + n)), SamplingParams(), 0)
+
+
+def _advance(chunks) -> None:
+    """Pretend the step ran: tokens computed, a token sampled where the chunk reached the end."""
+    for c in chunks:
+        samples = c.samples
+        c.seq.num_computed += c.num_tokens
+        if samples:
+            c.seq.token_ids.append(1)
+
+
+def test_token_budget_chunks_prefill_and_decodes_come_first() -> None:
+    s = Scheduler(BlockManager(64, 4, False), max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = _seq(1, 6), _seq(2, 12)
+    s.add(a)
+    s.add(b)
+    step1 = s.schedule()
+    assert [(c.seq, c.num_tokens) for c in step1] == [(a, 6), (b, 4)]
+    _advance(step1)
+    step2 = s.schedule()
+    assert [(c.seq, c.num_tokens) for c in step2] == [(a, 1), (b, 8)]  # a decodes first, b continues
+    assert step2[0].samples and step2[1].samples
+
+
+def test_max_num_seqs_and_fcfs() -> None:
+    s = Scheduler(BlockManager(64, 4, False), max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = [_seq(i + 1, 3) for i in range(3)]
+    for seq in seqs:
+        s.add(seq)
+    assert [c.seq for c in s.schedule()] == seqs[:2]
+    assert seqs[2].status is Status.WAITING
+
+
+def test_preemption_frees_the_newest_and_requeues_it_first() -> None:
+    s = Scheduler(BlockManager(4, 4, False), max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = _seq(1, 8), _seq(2, 8)
+    s.add(a)
+    s.add(b)
+    _advance(s.schedule())  # both prompts: 4 blocks, pool empty
+    step = s.schedule()  # a needs a 3rd block: b is preempted
+    assert [c.seq for c in step] == [a]
+    assert b.status is Status.WAITING and b.num_computed == 0 and b.block_table == []
+    assert s.waiting[0] is b and s.num_preemptions == 1
