@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
 from jackfield_cpu_amx.backend import CpuAmxMLAImpl
@@ -44,10 +43,17 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / timed(lambda: dst.copy_(src), 5)
 
 
-def decode_problem(batch: int, heads: int, seq: int, block_size: int) -> tuple[AttentionLayerSpec, torch.Tensor, torch.Tensor, AttentionMetadata]:
+def decode_problem(
+    batch: int, heads: int, seq: int, block_size: int
+) -> tuple[AttentionLayerSpec, torch.Tensor, torch.Tensor, AttentionMetadata]:
     layer = AttentionLayerSpec(
-        num_heads=heads, head_size=KV_LORA_RANK + ROPE, scale=192**-0.5, kv_lora_rank=KV_LORA_RANK,
-        qk_nope_head_dim=128, qk_rope_head_dim=ROPE, v_head_dim=128,
+        num_heads=heads,
+        head_size=KV_LORA_RANK + ROPE,
+        scale=192**-0.5,
+        kv_lora_rank=KV_LORA_RANK,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=128,
     )
     blocks = seq // block_size
     num_blocks = batch * blocks + 16
@@ -57,9 +63,16 @@ def decode_problem(batch: int, heads: int, seq: int, block_size: int) -> tuple[A
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     seq_lens = torch.full((batch,), seq, dtype=torch.int32)
     metadata = AttentionMetadata(
-        query_start_loc=qsl, seq_lens=seq_lens, block_table=table,
-        slot_mapping=(table[:, -1].long() * block_size + block_size - 1), query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens, max_query_len=1, max_seq_len=seq, num_decodes=batch, num_decode_tokens=batch,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_table=table,
+        slot_mapping=(table[:, -1].long() * block_size + block_size - 1),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        max_query_len=1,
+        max_seq_len=seq,
+        num_decodes=batch,
+        num_decode_tokens=batch,
     )
     return layer, query, kv_cache, metadata
 
@@ -88,8 +101,10 @@ def main() -> None:
         f"{status.path} ({status.reason})\nhost copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s; "
         f"B={args.batch}, S={args.seq}, block {args.block_size}, kv_lora_rank {KV_LORA_RANK} + rope {ROPE}, bf16 cache"
     )
-    rows = ["| H | backend | group keys | step ms | tokens/s | eff. GB/s | % of copy BW | x torch_ref |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| H | backend | group keys | step ms | tokens/s | eff. GB/s | % of copy BW | x torch_ref |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     print(header)
     for heads in args.heads:
         layer, query, kv_cache, metadata = decode_problem(args.batch, heads, args.seq, args.block_size)
@@ -97,8 +112,10 @@ def main() -> None:
 
         def row(name: str, keys: str, seconds: float, ref_seconds: float) -> str:
             eff = cache_bytes / seconds
-            return (f"| {heads} | {name} | {keys} | {seconds * 1e3:.2f} | {args.batch / seconds:,.0f} | "
-                    f"{eff / 1e9:.1f} | {100 * eff / bandwidth:.0f}% | {ref_seconds / seconds:.1f} |")
+            return (
+                f"| {heads} | {name} | {keys} | {seconds * 1e3:.2f} | {args.batch / seconds:,.0f} | "
+                f"{eff / 1e9:.1f} | {100 * eff / bandwidth:.0f}% | {ref_seconds / seconds:.1f} |"
+            )
 
         ref_impl = TorchRefBackend.make_impl(layer)
         ref_s = timed(lambda: ref_impl.attend(query, kv_cache, metadata, return_lse=True), args.ref_iters)
@@ -114,10 +131,15 @@ def main() -> None:
     if args.append:
         command = "python benchmarks/bench_cpu_mla.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if v is not None and k != "append"
+            for k, v in vars(args).items()
+            if v is not None and k != "append"
         )
         with open(args.append, "a") as f:
-            f.write(f"\n### cpu_amx MLA decode, 2026-11-29\n\n{header}\n\nCommand: `{command}`\n\n" + "\n".join(rows) + "\n")
+            f.write(
+                f"\n### cpu_amx MLA decode, 2026-11-29\n\n{header}\n\nCommand: `{command}`\n\n"
+                + "\n".join(rows)
+                + "\n"
+            )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
 
 
@@ -17,7 +16,9 @@ class Problem:
     metadata: AttentionMetadata
 
 
-def make_layer(num_heads: int, kv_lora_rank: int = 64, rope: int = 16, nope: int = 32, v: int = 32) -> AttentionLayerSpec:
+def make_layer(
+    num_heads: int, kv_lora_rank: int = 64, rope: int = 16, nope: int = 32, v: int = 32
+) -> AttentionLayerSpec:
     return AttentionLayerSpec(
         num_heads=num_heads,
         head_size=kv_lora_rank + rope,
@@ -89,6 +90,8 @@ def reference_attend(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
             q_pos = torch.arange(seq_len - q_len, seq_len)
             scores = scores.masked_fill((pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
-        outs.append(torch.einsum("qhk,kl->qhl", torch.exp(scores - lse[..., None]), records[:, : lay.kv_lora_rank]))
+        outs.append(
+            torch.einsum("qhk,kl->qhl", torch.exp(scores - lse[..., None]), records[:, : lay.kv_lora_rank])
+        )
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cpu_amx_problems import Problem, make_layer, make_problem, reference_attend
-
 from jackfield.contracts.attention import AttentionOutput
-
 from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMLAImpl
 from jackfield_cpu_amx.plan import CpuAmxMetadataBuilder
 
@@ -37,7 +35,9 @@ def run_attend(path: str, problem: Problem, group_keys: int | None = None) -> At
     ],
 )
 def test_attend_matches_float64(path, dtype, atol, lse_atol, q_lens, seq_lens, block_size, causal) -> None:
-    problem = make_problem(make_layer(num_heads=8), q_lens, seq_lens, block_size, dtype, causal=causal, seed=len(q_lens))
+    problem = make_problem(
+        make_layer(num_heads=8), q_lens, seq_lens, block_size, dtype, causal=causal, seed=len(q_lens)
+    )
     result = run_attend(path, problem)
     ref_out, ref_lse = reference_attend(problem)
     assert result.out.dtype == dtype and result.out.shape == ref_out.shape

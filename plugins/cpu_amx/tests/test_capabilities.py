@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from jackfield.plugins import load_registry
 from jackfield_cpu_amx import capabilities
 from jackfield_cpu_amx.capabilities import amx_status, availability, read_cpu_flags
@@ -42,7 +41,9 @@ def test_cpu_without_avx512_says_so() -> None:
 
 
 def test_os_refusal_selects_avx512_and_names_the_refusal() -> None:
-    status = amx_status(AMX_CPU, request_permission=lambda: "the kernel refused ARCH_REQ_XCOMP_PERM (errno 22)")
+    status = amx_status(
+        AMX_CPU, request_permission=lambda: "the kernel refused ARCH_REQ_XCOMP_PERM (errno 22)"
+    )
     assert not status.enabled and status.path == "avx512_fp32"
     assert "ARCH_REQ_XCOMP_PERM" in status.reason and "errno 22" in status.reason
 
@@ -80,10 +81,14 @@ def test_plugin_registers_cpu_amx_with_its_path_in_the_reason() -> None:
     assert reason.startswith(capabilities.detected_amx_status().path)
 
 
-@pytest.mark.skipif(not capabilities.is_amx_bmm_enabled(), reason="needs a CPU with AMX-BF16 (the GPU machine's Xeon)")
+@pytest.mark.skipif(
+    not capabilities.is_amx_bmm_enabled(), reason="needs a CPU with AMX-BF16 (the GPU machine's Xeon)"
+)
 def test_bf16_bmm_runs_on_onednn_amx_kernels() -> None:
     """On an AMX host the bf16 products this backend issues reach oneDNN's AMX kernels."""
     script = "import torch; a = torch.randn(4, 64, 576).bfloat16(); torch.bmm(a, a.transpose(1, 2))"
     env = {**os.environ, "ONEDNN_VERBOSE": "1"}
-    log = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    log = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "amx" in log, log[-2000:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from jackfield.testing import AttentionConformance
 from jackfield_cpu_amx.backend import CpuAmxBackend
 

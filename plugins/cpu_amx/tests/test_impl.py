@@ -7,13 +7,14 @@ import dataclasses
 import pytest
 import torch
 from cpu_amx_problems import make_layer, make_problem
-
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMLAImpl
 from jackfield_cpu_amx.plan import PLANS_KEY
 
 
-@pytest.mark.parametrize("path,dtype,tol", [("avx512_fp32", torch.float32, 1e-4), ("amx_bf16", torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize(
+    "path,dtype,tol", [("avx512_fp32", torch.float32, 1e-4), ("amx_bf16", torch.bfloat16, 3e-2)]
+)
 def test_forward_matches_torch_ref(path: str, dtype: torch.dtype, tol: float) -> None:
     """Decodes (absorbed, W_UK/W_UV as head-batched products) then prefills, vs the reference layer."""
     layer = make_layer(num_heads=8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jackfield
 from jackfield.specs import AttentionBackendSpec
+
 from jackfield_cpu_amx.capabilities import CPU_AMX_CAPABILITIES, availability, is_amx_bmm_enabled
 
 JACKFIELD_API = ">=1.0,<2"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from jackfield.attention.checks import check_attend_inputs
 from jackfield.attention.mla import MLAImpl
 from jackfield.contracts.attention import (
@@ -14,7 +13,13 @@ from jackfield.contracts.attention import (
     AttentionOutput,
     Availability,
 )
-from jackfield_cpu_amx.capabilities import CPU_AMX_CAPABILITIES, ComputePath, availability, detected_amx_status
+
+from jackfield_cpu_amx.capabilities import (
+    CPU_AMX_CAPABILITIES,
+    ComputePath,
+    availability,
+    detected_amx_status,
+)
 from jackfield_cpu_amx.kernels import attend_group, gather_group_cache
 from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder, Scratch, StepPlan, plan_key
 
@@ -55,7 +60,9 @@ class CpuAmxMLAImpl(MLAImpl):
         topk_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         # Overrides MLAImpl's float32 einsum with W_UV applied as one head-batched product.
-        o_lat = self.attend(self.absorb_query(q), kv_cache, metadata, kv_scale=kv_scale, topk_indices=topk_indices).out
+        o_lat = self.attend(
+            self.absorb_query(q), kv_cache, metadata, kv_scale=kv_scale, topk_indices=topk_indices
+        ).out
         assert self.w_uv_bmm is not None
         o = torch.bmm(o_lat.to(self.compute_dtype).transpose(0, 1), self.w_uv_bmm)  # [H, t, V]
         return o.transpose(0, 1).to(q.dtype)
@@ -93,11 +100,15 @@ def _checked_plan(
     topk_indices: torch.Tensor | None,
 ) -> tuple[StepPlan, Scratch]:
     """What cpu_amx needs beyond the common checks: its own plan, a CPU cache it can read."""
-    unsupported = [name for name, arg in (("sinks", sinks), ("topk_indices", topk_indices)) if arg is not None]
+    unsupported = [
+        name for name, arg in (("sinks", sinks), ("topk_indices", topk_indices)) if arg is not None
+    ]
     if unsupported:
         raise ValueError(f"cpu_amx does not support {', '.join(unsupported)}")
     if kv_scale is not None or kv_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(f"cpu_amx reads bfloat16 or float32 caches, got {kv_cache.dtype} (kv_scale {kv_scale is not None})")
+        raise ValueError(
+            f"cpu_amx reads bfloat16 or float32 caches, got {kv_cache.dtype} (kv_scale {kv_scale is not None})"
+        )
     if kv_cache.device.type != "cpu":
         raise ValueError(f"cpu_amx runs on the CPU; the cache is on {kv_cache.device}")
     plans = metadata.extra.get(PLANS_KEY)
@@ -113,7 +124,9 @@ def _checked_plan(
     for group in plan.groups:
         ids = group.block_ids(kv_cache.shape[1])
         if ids.numel() and (int(ids.max()) >= num_blocks or int(ids.min()) < 0):
-            raise ValueError(f"block_table holds block {int(ids.max())} / {int(ids.min())}, the cache has {num_blocks}")
+            raise ValueError(
+                f"block_table holds block {int(ids.max())} / {int(ids.min())}, the cache has {num_blocks}"
+            )
     scratch = metadata.extra.get("cpu_amx_scratch")
     assert isinstance(scratch, Scratch)
     return plan, scratch

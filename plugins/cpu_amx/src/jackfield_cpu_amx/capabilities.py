@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-
 from jackfield.contracts.attention import AttentionCapabilities, Availability
 
 ComputePath = Literal["amx_bf16", "avx512_fp32"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
 
 PLANS_KEY = "cpu_amx_plans"
@@ -118,14 +117,18 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
                 token_start=int(qsl[r0]),
                 q_len=int(q_lens[r0]),
                 num_keys=int(seq_lens[r0:r1].max()),
-                key_bias=_key_bias(seq_lens[r0:r1], int(q_lens[r0]), int(seq_lens[r0:r1].max()), common.causal),
+                key_bias=_key_bias(
+                    seq_lens[r0:r1], int(q_lens[r0]), int(seq_lens[r0:r1].max()), common.causal
+                ),
                 block_table=block_table[r0:r1],
                 seq_lens=seq_lens[r0:r1],
             )
             for r0, r1 in groups
         ]
         nd, ndt = common.num_decodes, common.num_decode_tokens
-        plans: dict[PlanKey, StepPlan] = {plan_key(common): StepPlan(tuple(full), common.num_reqs, common.num_tokens)}
+        plans: dict[PlanKey, StepPlan] = {
+            plan_key(common): StepPlan(tuple(full), common.num_reqs, common.num_tokens)
+        }
         if 0 < nd < common.num_reqs:
             decode = tuple(g for g in full if g.req_start < nd)
             prefill = tuple(_shifted(g, nd, ndt) for g in full if g.req_start >= nd)
@@ -142,7 +145,9 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
         start, longest = 0, 0
         for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
             if r > start and (
-                q_len != q_lens[start] or r == num_decodes or max(longest, seq_len) * (r - start + 1) > self.group_keys
+                q_len != q_lens[start]
+                or r == num_decodes
+                or max(longest, seq_len) * (r - start + 1) > self.group_keys
             ):
                 groups.append((start, r))
                 start, longest = r, 0
