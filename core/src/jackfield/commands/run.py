@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     bar = tqdm(total=len(prompts), desc="generating", unit="req", file=sys.stderr, delay=1.0, leave=False)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, progress=lambda done, _: bar.update(done - bar.n))
+    outputs = llm.generate(prompts, params, progress=lambda done, _: done > bar.n and bar.update(done - bar.n))
     elapsed = time.perf_counter() - start
     bar.close()
     backends = {role: {"name": c.name, "reason": c.reason} for role, c in llm.backend_choices.items()}
