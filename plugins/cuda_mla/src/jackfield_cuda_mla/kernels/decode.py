@@ -32,18 +32,21 @@ class DecodeConfig:
 def default_config(rows_per_group: int, on_gpu: bool) -> DecodeConfig:
     # Many rows (H=128): a 64-row tile keeps the 64 x 512 fp32 accumulator at 128 registers a thread
     # over 8 warps. Few rows (H=16, memory-bound): one program covers every head of a request, so
-    # each KV tile is read once.
+    # each KV tile is read once. 64 keys x 8 warps x 2 stages won the H200 sweep in both regimes
+    # (PERF_NOTES.md).
     block_m = max(16, min(64, triton.next_power_of_2(rows_per_group)))
     if not on_gpu:
         return DecodeConfig(block_m, 16, 4, 1)
-    if block_m >= 64:
-        return DecodeConfig(block_m, 32, 8, 2)
-    return DecodeConfig(block_m, 64, 4, 2)
+    return DecodeConfig(block_m, 64, 8, 2)
 
 
-def plan_splits(programs: int, max_keys: int, block_n: int, num_sms: int, waves: int = 4) -> int:
-    """KV splits so that programs x splits fills `waves` waves of the GPU, each split >= 4 tiles."""
-    wanted = triton.cdiv(waves * num_sms, max(programs, 1))
+def plan_splits(programs: int, max_keys: int, block_n: int, num_sms: int) -> int:
+    """KV splits so that programs x splits about fills one wave of the GPU, each split >= 4 tiles.
+
+    One full wave, not more: on the H200 extra splits cost more (partials, merge) than the tail
+    they remove once every SM already streams KV (PERF_NOTES.md).
+    """
+    wanted = max(1, round(num_sms / max(programs, 1)))
     useful = max(1, triton.cdiv(max_keys, 4 * block_n))
     return max(1, min(wanted, useful, 64))
 
@@ -151,6 +154,7 @@ def mla_decode(
         part_out.stride(0), part_out.stride(1), stride_os, part_lse.stride(0), part_lse.stride(1), stride_ls,
         RANK=kv_lora_rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(kv_lora_rank), BLOCK_P=triton.next_power_of_2(rope),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page, SPLITS=splits, SPARSE=sparse, CAUSAL=causal and not sparse, FP8=kv_cache.dtype == FP8,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32; 16-bit ignores it
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

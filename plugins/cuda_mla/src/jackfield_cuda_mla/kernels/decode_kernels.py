@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LN2: tl.constexpr = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def mla_decode_stage1(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
-    SPARSE: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr,
+    SPARSE: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
 ):
     group = tl.program_id(0)
     split = tl.program_id(2)
@@ -50,9 +50,13 @@ def mla_decode_stage1(
 
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
+    # Column masks only where a width is not a power of two: a mask that varies along the row
+    # would stop 16-byte vector loads of the KV tiles.
+    r_ok = (r < RANK) if BLOCK_R != RANK else tl.full([BLOCK_R], 1, tl.int1)
+    p_ok = (p < ROPE) if BLOCK_P != ROPE else tl.full([BLOCK_P], 1, tl.int1)
     q_row = q + tok * stride_qt + head * stride_qh
-    q_nope = tl.load(q_row[:, None] + r[None, :], mask=row_ok[:, None] & (r[None, :] < RANK), other=0.0)
-    q_pe = tl.load(q_row[:, None] + RANK + p[None, :], mask=row_ok[:, None] & (p[None, :] < ROPE), other=0.0)
+    q_nope = tl.load(q_row[:, None] + r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    q_pe = tl.load(q_row[:, None] + RANK + p[None, :], mask=row_ok[:, None] & p_ok[None, :], other=0.0)
 
     chunk = tl.cdiv(tl.cdiv(n_keys, SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -72,11 +76,18 @@ def mla_decode_stage1(
         key_ok = in_split & (pos >= 0) & (pos < seq_len)
         page = tl.load(table + pos // PAGE, mask=key_ok, other=0).to(tl.int64)
         key = cache + page * stride_cb + (pos % PAGE) * stride_cs
-        kv = tl.load(key[:, None] + r[None, :], mask=key_ok[:, None] & (r[None, :] < RANK), other=0.0)
-        k_pe = tl.load(key[:, None] + RANK + p[None, :], mask=key_ok[:, None] & (p[None, :] < ROPE), other=0.0)
+        if BLOCK_R == RANK:
+            kv = tl.load(key[:, None] + r[None, :], mask=key_ok[:, None], other=0.0)
+        else:
+            kv = tl.load(key[:, None] + r[None, :], mask=key_ok[:, None] & r_ok[None, :], other=0.0)
+        if BLOCK_P == ROPE:
+            k_pe = tl.load(key[:, None] + RANK + p[None, :], mask=key_ok[:, None], other=0.0)
+        else:
+            k_pe = tl.load(key[:, None] + RANK + p[None, :], mask=key_ok[:, None] & p_ok[None, :], other=0.0)
         kv = kv.to(q.dtype.element_ty)  # fp8 -> activation dtype is exact; the scale is folded in
         k_pe = k_pe.to(q.dtype.element_ty)
-        s = tl.dot(q_nope, tl.trans(kv)) + tl.dot(q_pe, tl.trans(k_pe))
+        s = tl.dot(q_nope, tl.trans(kv), input_precision=PRECISION)
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
         s = s * score_scale_log2
         visible = row_ok[:, None] & key_ok[None, :]
         if CAUSAL:
@@ -87,7 +98,7 @@ def mla_decode_stage1(
         alpha = tl.exp2(m_i - m_safe)
         prob = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=PRECISION)
         m_i = m_new
 
     seen = l_i > 0.0
@@ -95,7 +106,7 @@ def mla_decode_stage1(
     result = tl.where(seen[:, None], acc * (value_scale / denom)[:, None], 0.0)
     row_lse = tl.where(seen, (m_i + tl.log2(denom)) * LN2, float("-inf"))
     o_row = out + tok * stride_ot + head * stride_oh + split * stride_os
-    tl.store(o_row[:, None] + r[None, :], result, mask=row_ok[:, None] & (r[None, :] < RANK))
+    tl.store(o_row[:, None] + r[None, :], result, mask=row_ok[:, None] & r_ok[None, :])
     tl.store(lse + tok * stride_lt + head * stride_lh + split * stride_ls, row_lse, mask=row_ok)
 
 
