@@ -124,7 +124,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"\ndevice {name}, {dtype}, backend {backend}, weights {weight_bytes / 2**20:.0f} MiB, "
           f"prompt {args.prompt_len}, new tokens {args.new_tokens}")
-    print(f"ceilings: matmul {flops / 1e12:.1f} TFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print("| batch | Jackfield TTFT ms | HF TTFT ms | Jackfield decode tok/s | HF decode tok/s | decode x HF "
           "| TTFT x HF | decode / bandwidth ceiling |")
     print("|---|---|---|---|---|---|---|---|")
