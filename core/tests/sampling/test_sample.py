@@ -56,8 +56,8 @@ def test_triton_matches_torch_bit_for_bit(vocab: int, dtype: torch.dtype) -> Non
 @needs_triton_here
 def test_noise_bits_match_through_the_score() -> None:
     """Vocab 3 over many rows: each winning score exposes one noise value, compared bit for bit."""
-    batch = make_batch(512, 3, seed=7)
-    batch["temperature"] = torch.full((512,), 0.75, device=DEVICE)
+    batch = make_batch(48, 3, seed=7)
+    batch["temperature"] = torch.full((48,), 0.75, device=DEVICE)
     assert_identical(*both(batch, block=4))
 
 
