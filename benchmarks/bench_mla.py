@@ -15,12 +15,11 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
-
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
 from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
 from jackfield_cuda_mla.kernels.decode import DecodeConfig, default_config
+from triton.testing import do_bench
 
 RANK, ROPE, PAGE = 512, 64, 64
 WIDTH = RANK + ROPE
@@ -34,11 +33,12 @@ def ceilings() -> tuple[float, float]:
     copy_ms = do_bench(lambda: dst.copy_(src))
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = do_bench(lambda: a @ a)
-    del src, dst
     return 2 * (2 << 30) / copy_ms / 1e6, 2 * 8192**3 / mm_ms / 1e9  # GB/s (read + write), TFLOP/s
 
 
-def make_case(batch: int, heads: int, seq: int, q_len: int, fp8: bool = False, topk: int = 0, sweep: bool = False) -> dict:
+def make_case(
+    batch: int, heads: int, seq: int, q_len: int, fp8: bool = False, topk: int = 0, sweep: bool = False
+) -> dict:
     blocks_per_req = seq // PAGE
     num_blocks = batch * blocks_per_req
     block_table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).reshape(batch, blocks_per_req)
@@ -54,26 +54,62 @@ def make_case(batch: int, heads: int, seq: int, q_len: int, fp8: bool = False, t
     if topk:
         indices = torch.rand(tokens, seq, device="cuda").argsort(dim=1)[:, :topk].int().contiguous()
     query = torch.randn(tokens, heads, WIDTH, device="cuda", dtype=torch.bfloat16)
-    return dict(query=query, cache=cache, block_table=block_table, seq_lens=seq_lens, qsl=qsl,
-                q_len=q_len, seq=seq, scale=scale, topk=indices, sweep=sweep)
+    return dict(
+        query=query,
+        cache=cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        qsl=qsl,
+        q_len=q_len,
+        seq=seq,
+        scale=scale,
+        topk=indices,
+        sweep=sweep,
+    )
 
 
 def run_kernel(c: dict, config: DecodeConfig | None = None, splits: int | None = None):
-    return mla_decode(c["query"], c["cache"], c["block_table"], c["seq_lens"], c["qsl"],
-                      max_query_len=c["q_len"], max_seq_len=c["seq"], sm_scale=SCALE, kv_lora_rank=RANK,
-                      kv_scale=c["scale"], topk_indices=c["topk"], config=config, num_splits=splits)
+    return mla_decode(
+        c["query"],
+        c["cache"],
+        c["block_table"],
+        c["seq_lens"],
+        c["qsl"],
+        max_query_len=c["q_len"],
+        max_seq_len=c["seq"],
+        sm_scale=SCALE,
+        kv_lora_rank=RANK,
+        kv_scale=c["scale"],
+        topk_indices=c["topk"],
+        config=config,
+        num_splits=splits,
+    )
 
 
 def run_ref(c: dict) -> torch.Tensor:
     heads = c["query"].shape[1]
-    layer = AttentionLayerSpec(num_heads=heads, head_size=WIDTH, scale=SCALE, kv_lora_rank=RANK,
-                               qk_nope_head_dim=128, qk_rope_head_dim=ROPE, v_head_dim=128,
-                               kv_cache_dtype="fp8_e4m3" if c["scale"] is not None else "auto")
-    md = AttentionMetadata(query_start_loc=c["qsl"], seq_lens=c["seq_lens"], block_table=c["block_table"],
-                           slot_mapping=torch.zeros(c["query"].shape[0], dtype=torch.int64, device="cuda"),
-                           query_start_loc_cpu=c["qsl"].cpu(), seq_lens_cpu=c["seq_lens"].cpu(),
-                           max_query_len=c["q_len"], max_seq_len=c["seq"],
-                           num_decodes=c["seq_lens"].numel(), num_decode_tokens=c["query"].shape[0])
+    layer = AttentionLayerSpec(
+        num_heads=heads,
+        head_size=WIDTH,
+        scale=SCALE,
+        kv_lora_rank=RANK,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=128,
+        kv_cache_dtype="fp8_e4m3" if c["scale"] is not None else "auto",
+    )
+    md = AttentionMetadata(
+        query_start_loc=c["qsl"],
+        seq_lens=c["seq_lens"],
+        block_table=c["block_table"],
+        slot_mapping=torch.zeros(c["query"].shape[0], dtype=torch.int64, device="cuda"),
+        query_start_loc_cpu=c["qsl"].cpu(),
+        seq_lens_cpu=c["seq_lens"].cpu(),
+        max_query_len=c["q_len"],
+        max_seq_len=c["seq"],
+        num_decodes=c["seq_lens"].numel(),
+        num_decode_tokens=c["query"].shape[0],
+    )
     impl = TorchRefBackend.make_impl(layer)
     return impl.attend(c["query"], c["cache"], md, kv_scale=c["scale"], topk_indices=c["topk"]).out
 
@@ -105,11 +141,11 @@ def decode_row(name: str, c: dict, copy_gbs: float, mm_tflops: float, sweep: boo
                 cfg = DecodeConfig(base.block_m, bn, warps, stages)
                 splits = 1 if waves == 1 else None
                 try:
-                    ms = do_bench(lambda: run_kernel(c, cfg, splits), warmup=5, rep=30)
+                    ms = do_bench(lambda cfg=cfg, splits=splits: run_kernel(c, cfg, splits), warmup=5, rep=30)
                 except Exception as exc:  # out of shared memory / registers for this tile: skip it
                     print(f"  {name} {cfg} splits={splits}: {type(exc).__name__}")
                     continue
-                print(f"  {name} bn={bn} warps={warps} stages={stages} splits={splits or 'auto'}: {ms * 1e3:.1f} us")
+                print(f"  {name} bn={bn} w={warps} s={stages} splits={splits or 'auto'}: {ms * 1e3:.1f} us")
                 if ms < best_ms:
                     best_ms, best_cfg = ms, f"bn{bn}/w{warps}/s{stages}/{'split1' if splits else 'auto'}"
     out = run_kernel(c)[0]
@@ -117,8 +153,10 @@ def decode_row(name: str, c: dict, copy_gbs: float, mm_tflops: float, sweep: boo
     err = (out.float() - run_ref(c).float()).abs().max().item()
     gbs = nbytes / best_ms / 1e6
     tflops = flops / best_ms / 1e9
-    return (f"| {name} | {best_ms * 1e3:.1f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | {tflops:.1f} | "
-            f"{tflops / mm_tflops:.0%} | {err:.2e} | {ref_ms / best_ms:.0f}x | {best_cfg} |")
+    return (
+        f"| {name} | {best_ms * 1e3:.1f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | {tflops:.1f} | "
+        f"{tflops / mm_tflops:.0%} | {err:.2e} | {ref_ms / best_ms:.0f}x | {best_cfg} |"
+    )
 
 
 def insert_rows(copy_gbs: float) -> list[str]:
@@ -128,14 +166,17 @@ def insert_rows(copy_gbs: float) -> list[str]:
         kv_c = torch.randn(tokens, RANK, device="cuda", dtype=torch.bfloat16)
         k_pe = torch.randn(tokens, ROPE, device="cuda", dtype=torch.bfloat16)
         slots = torch.randperm(cache.shape[0] * PAGE, device="cuda")[:tokens]
-        ms = do_bench(lambda: mla_kv_insert(kv_c, k_pe, cache, slots))
+        ms = do_bench(lambda kv_c=kv_c, k_pe=k_pe, slots=slots: mla_kv_insert(kv_c, k_pe, cache, slots))
         ref = cache.view(-1, WIDTH).clone()
         ref[slots] = torch.cat([kv_c, k_pe], 1)
         ok = torch.equal(cache.view(-1, WIDTH)[slots], ref[slots])
-        ref_ms = do_bench(lambda: cache.view(-1, WIDTH).index_copy_(0, slots, torch.cat([kv_c, k_pe], 1)))
+        rows = torch.cat([kv_c, k_pe], 1)
+        ref_ms = do_bench(lambda rows=rows, slots=slots: cache.view(-1, WIDTH).index_copy_(0, slots, rows))
         gbs = 2 * tokens * WIDTH * 2 / ms / 1e6
-        rows.append(f"| insert {tokens} tokens | {ms * 1e3:.1f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | exact={ok} | "
-                    f"torch index_copy {ref_ms * 1e3:.1f} us ({ref_ms / ms:.1f}x) |")
+        rows.append(
+            f"| insert {tokens} tokens | {ms * 1e3:.1f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | exact={ok} | "
+            f"torch index_copy {ref_ms * 1e3:.1f} us ({ref_ms / ms:.1f}x) |"
+        )
     return rows
 
 
@@ -146,10 +187,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     copy_gbs, mm_tflops = ceilings()
-    lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
-             f"ceilings measured here: copy {copy_gbs:.0f} GB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s", "",
-             "| case | us | GB/s | of copy BW | TFLOP/s | of matmul | max err vs torch_ref | vs torch_ref | tile |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
+        f"ceilings measured here: copy {copy_gbs:.0f} GB/s (read + write), "
+        f"bf16 matmul {mm_tflops:.0f} TFLOP/s",
+        "",
+        "| case | us | GB/s | of copy BW | TFLOP/s | of matmul | max err vs torch_ref | vs torch_ref "
+        "| tile |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     print("\n".join(lines), flush=True)
     cases = [
         ("B128 H16 S4096 q1 bf16", dict(batch=128, heads=16, seq=4096, q_len=1, sweep=True)),
@@ -166,7 +212,11 @@ def main() -> None:
         print(row, flush=True)
         lines.append(row)
         torch.cuda.empty_cache()
-    lines += ["", "| insert | us | GB/s (read + write) | of copy BW | check | baseline |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| insert | us | GB/s (read + write) | of copy BW | check | baseline |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in insert_rows(copy_gbs):
         print(row, flush=True)
         lines.append(row)

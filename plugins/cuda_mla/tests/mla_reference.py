@@ -5,17 +5,23 @@ from __future__ import annotations
 import torch
 
 
-def gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, req: int, positions: torch.Tensor, scale: float) -> torch.Tensor:
+def gather_keys(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, req: int, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
     page = kv_cache.shape[1]
     blocks = block_table[req, positions // page].long()
     return kv_cache[blocks, positions % page].double() * scale
 
 
-def attend_rows(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sm_scale: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_rows(
+    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sm_scale: float, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [H, D], keys [N, D], visible [N] bool -> out [H, rank], lse [H] (natural log; -inf if none)."""
     heads = q.shape[0]
     if not bool(visible.any()):
-        return torch.zeros(heads, rank, dtype=torch.float64), torch.full((heads,), float("-inf"), dtype=torch.float64)
+        return torch.zeros(heads, rank, dtype=torch.float64), torch.full(
+            (heads,), float("-inf"), dtype=torch.float64
+        )
     k = keys[visible]
     scores = (q.double() @ k.T) * sm_scale
     lse = torch.logsumexp(scores, dim=-1)
@@ -23,8 +29,16 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sm_s
 
 
 def decode_reference(
-    query, kv_cache, block_table, seq_lens, query_start_loc, sm_scale, rank,
-    causal=True, kv_scale=1.0, topk_indices=None,
+    query,
+    kv_cache,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    sm_scale,
+    rank,
+    causal=True,
+    kv_scale=1.0,
+    topk_indices=None,
 ):
     tokens, heads, _ = query.shape
     out = torch.zeros(tokens, heads, rank, dtype=torch.float64)

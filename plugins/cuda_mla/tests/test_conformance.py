@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-
 from jackfield.contracts.attention import Availability
 from jackfield.testing import AttentionConformance
 from jackfield_cuda_mla.backend import CudaMLABackend
@@ -21,7 +20,9 @@ class InterpretedCudaMLABackend(CudaMLABackend):
     dropped carry), so converting caches are compared bit-exactly on the GPU class below instead.
     """
 
-    capabilities = dataclasses.replace(CudaMLABackend.capabilities, devices=("cpu",), kv_cache_dtypes=("auto",))
+    capabilities = dataclasses.replace(
+        CudaMLABackend.capabilities, devices=("cpu",), kv_cache_dtypes=("auto",)
+    )
 
     @classmethod
     def availability(cls) -> Availability:

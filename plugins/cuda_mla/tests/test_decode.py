@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mla_reference import decode_reference
-
 from jackfield.ops.merge import merge_attn_states
 from jackfield_cuda_mla.kernels import mla_decode
+from mla_reference import decode_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RANK, ROPE, PAGE, HEADS = 64, 16, 16, 4
@@ -19,7 +18,16 @@ FP8 = torch.float8_e4m3fn
 TOL = {torch.float16: 2e-3, torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def make_batch(seq_lens: list[int], q_lens: list[int], dtype: torch.dtype, cache_dtype: torch.dtype | None = None, heads: int = HEADS, rank: int = RANK, rope: int = ROPE, page: int = PAGE):
+def make_batch(
+    seq_lens: list[int],
+    q_lens: list[int],
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
+    heads: int = HEADS,
+    rank: int = RANK,
+    rope: int = ROPE,
+    page: int = PAGE,
+):
     max_blocks = max(1, -(-max(seq_lens) // page))
     num_blocks = len(seq_lens) * max_blocks + 3
     block_table = torch.randperm(num_blocks)[: len(seq_lens) * max_blocks].reshape(len(seq_lens), max_blocks)
@@ -33,21 +41,38 @@ def make_batch(seq_lens: list[int], q_lens: list[int], dtype: torch.dtype, cache
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(qsl[-1]), heads, rank + rope).to(dtype)
     return {
-        "query": query.to(DEV), "kv_cache": cache.to(DEV), "block_table": block_table.int().to(DEV),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=DEV), "query_start_loc": qsl.to(DEV),
+        "query": query.to(DEV),
+        "kv_cache": cache.to(DEV),
+        "block_table": block_table.int().to(DEV),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        "query_start_loc": qsl.to(DEV),
         "kv_scale": None if scale is None else scale.to(DEV),
     }
 
 
-def run_decode(batch: dict, causal: bool = True, topk: torch.Tensor | None = None, rank: int = RANK, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def run_decode(
+    batch: dict, causal: bool = True, topk: torch.Tensor | None = None, rank: int = RANK, **kw
+) -> tuple[torch.Tensor, torch.Tensor]:
     query = batch["query"]
     out = torch.full((*query.shape[:2], rank), float("nan"), dtype=query.dtype, device=DEV)
     lse = torch.full(query.shape[:2], float("nan"), device=DEV)
     q_lens = batch["query_start_loc"].diff()
     mla_decode(
-        query, batch["kv_cache"], batch["block_table"], batch["seq_lens"], batch["query_start_loc"],
-        max_query_len=int(q_lens.max()), max_seq_len=int(batch["seq_lens"].max()), sm_scale=0.125,
-        kv_lora_rank=rank, causal=causal, kv_scale=batch["kv_scale"], topk_indices=topk, out=out, lse=lse, **kw,
+        query,
+        batch["kv_cache"],
+        batch["block_table"],
+        batch["seq_lens"],
+        batch["query_start_loc"],
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(batch["seq_lens"].max()),
+        sm_scale=0.125,
+        kv_lora_rank=rank,
+        causal=causal,
+        kv_scale=batch["kv_scale"],
+        topk_indices=topk,
+        out=out,
+        lse=lse,
+        **kw,
     )
     return out, lse
 
@@ -56,12 +81,22 @@ def reference(batch: dict, causal: bool = True, topk: torch.Tensor | None = None
     cpu = {k: (v.cpu() if v is not None else None) for k, v in batch.items()}
     scale = 1.0 if cpu["kv_scale"] is None else float(cpu["kv_scale"])
     return decode_reference(
-        cpu["query"], cpu["kv_cache"], cpu["block_table"], cpu["seq_lens"], cpu["query_start_loc"],
-        0.125, rank, causal=causal, kv_scale=scale, topk_indices=None if topk is None else topk.cpu(),
+        cpu["query"],
+        cpu["kv_cache"],
+        cpu["block_table"],
+        cpu["seq_lens"],
+        cpu["query_start_loc"],
+        0.125,
+        rank,
+        causal=causal,
+        kv_scale=scale,
+        topk_indices=None if topk is None else topk.cpu(),
     )
 
 
-def assert_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor, tol: float) -> None:
+def assert_close(
+    out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor, tol: float
+) -> None:
     assert not out.isnan().any() and not lse.isnan().any(), "an output element was not written"
     assert (out.cpu().double() - ref_out).abs().max().item() <= tol
     finite = ref_lse.isfinite()
@@ -103,7 +138,7 @@ def test_sparse_topk_decode(dtype: torch.dtype) -> None:
     seq_lens, q_lens = [60, 90, 30], [2, 1, 2]
     batch = make_batch(seq_lens, q_lens, dtype)
     rows = []
-    for seq_len, q_len in zip(seq_lens, q_lens):
+    for seq_len, q_len in zip(seq_lens, q_lens, strict=True):
         for _ in range(q_len):
             row = torch.randperm(seq_len)[:24].int()
             row[torch.rand(row.numel()) < 0.3] = -1
@@ -123,9 +158,14 @@ def test_lse_merge_of_two_kv_shards_equals_the_whole() -> None:
     whole_out, whole_lse = run_decode(batch, causal=False)
     halves = []
     for lo in (0, seq_len // 2):  # shard = a request whose block table holds half the blocks
-        shard = dict(batch, block_table=batch["block_table"][:, lo // PAGE : (lo + seq_len // 2) // PAGE].contiguous(),
-                     seq_lens=torch.tensor([seq_len // 2], dtype=torch.int32, device=DEV))
+        shard = dict(
+            batch,
+            block_table=batch["block_table"][:, lo // PAGE : (lo + seq_len // 2) // PAGE].contiguous(),
+            seq_lens=torch.tensor([seq_len // 2], dtype=torch.int32, device=DEV),
+        )
         halves.append(run_decode(shard, causal=False))
-    merged_out, merged_lse = merge_attn_states(halves[0][0].float(), halves[0][1], halves[1][0].float(), halves[1][1])
+    merged_out, merged_lse = merge_attn_states(
+        halves[0][0].float(), halves[0][1], halves[1][0].float(), halves[1][1]
+    )
     assert (merged_out - whole_out.float()).abs().max().item() < 1e-4
     assert (merged_lse - whole_lse).abs().max().item() < 1e-4

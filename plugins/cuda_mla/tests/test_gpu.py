@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mla_reference import decode_reference
-
 from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
+from mla_reference import decode_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 RANK, ROPE, PAGE, HEADS = 512, 64, 64, 16
@@ -22,24 +21,51 @@ def full_batch(seq_lens: list[int], q_lens: list[int], heads: int = HEADS, fp8: 
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     return dict(
         query=torch.randn(int(qsl[-1]), heads, RANK + ROPE, device="cuda", dtype=torch.bfloat16),
-        kv_cache=cache, kv_scale=scale, query_start_loc=qsl,
-        block_table=torch.randperm(num_blocks, device="cuda", dtype=torch.int32).reshape(len(seq_lens), blocks),
+        kv_cache=cache,
+        kv_scale=scale,
+        query_start_loc=qsl,
+        block_table=torch.randperm(num_blocks, device="cuda", dtype=torch.int32).reshape(
+            len(seq_lens), blocks
+        ),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
     )
 
 
 def check(batch: dict, causal: bool = True, topk: torch.Tensor | None = None) -> None:
     out, lse = mla_decode(
-        batch["query"], batch["kv_cache"], batch["block_table"], batch["seq_lens"], batch["query_start_loc"],
-        max_query_len=int(batch["query_start_loc"].diff().max()), max_seq_len=int(batch["seq_lens"].max()),
-        sm_scale=(RANK + ROPE) ** -0.5, kv_lora_rank=RANK, causal=causal, kv_scale=batch["kv_scale"], topk_indices=topk,
-        out=torch.full((batch["query"].shape[0], batch["query"].shape[1], RANK), float("nan"), device="cuda", dtype=torch.bfloat16),
+        batch["query"],
+        batch["kv_cache"],
+        batch["block_table"],
+        batch["seq_lens"],
+        batch["query_start_loc"],
+        max_query_len=int(batch["query_start_loc"].diff().max()),
+        max_seq_len=int(batch["seq_lens"].max()),
+        sm_scale=(RANK + ROPE) ** -0.5,
+        kv_lora_rank=RANK,
+        causal=causal,
+        kv_scale=batch["kv_scale"],
+        topk_indices=topk,
+        out=torch.full(
+            (batch["query"].shape[0], batch["query"].shape[1], RANK),
+            float("nan"),
+            device="cuda",
+            dtype=torch.bfloat16,
+        ),
     )
     cpu = {k: None if v is None else v.cpu() for k, v in batch.items()}
     scale = 1.0 if cpu["kv_scale"] is None else float(cpu["kv_scale"])
-    ref_out, ref_lse = decode_reference(cpu["query"], cpu["kv_cache"], cpu["block_table"], cpu["seq_lens"],
-                                        cpu["query_start_loc"], (RANK + ROPE) ** -0.5, RANK, causal=causal,
-                                        kv_scale=scale, topk_indices=None if topk is None else topk.cpu())
+    ref_out, ref_lse = decode_reference(
+        cpu["query"],
+        cpu["kv_cache"],
+        cpu["block_table"],
+        cpu["seq_lens"],
+        cpu["query_start_loc"],
+        (RANK + ROPE) ** -0.5,
+        RANK,
+        causal=causal,
+        kv_scale=scale,
+        topk_indices=None if topk is None else topk.cpu(),
+    )
     assert not out.isnan().any()
     assert (out.cpu().double() - ref_out).abs().max().item() < 2e-2 * max(1.0, ref_out.abs().max().item())
     finite = ref_lse.isfinite()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from jackfield.attention.kv_cache import quantize
 from jackfield_cuda_mla.kernels import mla_kv_insert
 
@@ -18,7 +17,14 @@ def poisoned_cache(num_blocks: int, dtype: torch.dtype, width: int = RANK + ROPE
     return cache.to(dtype)  # NaN survives the cast to fp8 e4m3fn (0x7f)
 
 
-def insert_case(tokens: int, dtype: torch.dtype, act: torch.dtype, scale: float | None = None, rank: int = RANK, rope: int = ROPE):
+def insert_case(
+    tokens: int,
+    dtype: torch.dtype,
+    act: torch.dtype,
+    scale: float | None = None,
+    rank: int = RANK,
+    rope: int = ROPE,
+):
     num_blocks = tokens // PAGE + 4
     cache = poisoned_cache(num_blocks, dtype, rank + rope)
     kv_c = torch.randn(tokens, rank, device=DEV).to(act) * 3
@@ -31,7 +37,15 @@ def insert_case(tokens: int, dtype: torch.dtype, act: torch.dtype, scale: float 
     return cache.view(-1, rank + rope), slots, expected
 
 
-@pytest.mark.parametrize("dtype,act", [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,act",
+    [
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+    ],
+)
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_insert_writes_exactly_the_live_slots(tokens: int, dtype: torch.dtype, act: torch.dtype) -> None:
     flat, slots, expected = insert_case(tokens, dtype, act)

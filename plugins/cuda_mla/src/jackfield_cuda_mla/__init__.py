@@ -19,6 +19,6 @@ def register_attention_backends() -> list[AttentionBackendSpec]:
             capabilities=CUDA_MLA_CAPABILITIES,
             availability=cuda_mla_availability,
             priority=50,
-            description="Triton MLA: split-KV absorbed decode (dense, sparse top-k, fp8 KV) with LSE, KV insert",
+            description="Triton MLA: split-KV absorbed decode (dense, sparse top-k, fp8 KV) + LSE, KV insert",
         )
     ]

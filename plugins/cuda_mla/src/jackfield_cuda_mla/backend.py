@@ -7,7 +7,6 @@ decode/prefill routing; this impl supplies the absorbed decode (`attend`) and `w
 from __future__ import annotations
 
 import torch
-
 from jackfield.attention import MLAImpl
 from jackfield.attention.checks import check_attend_inputs, check_cache, check_kv_scale
 from jackfield.contracts.attention import (
@@ -18,6 +17,7 @@ from jackfield.contracts.attention import (
     AttentionOutput,
     Availability,
 )
+
 from jackfield_cuda_mla.capabilities import CUDA_MLA_CAPABILITIES, cuda_mla_availability
 from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-
 from jackfield.contracts.attention import AttentionCapabilities, Availability
 
 MIN_COMPUTE_CAPABILITY = (8, 0)

@@ -15,12 +15,18 @@ def require(ok: bool, message: str) -> None:
 
 
 def check_cache(kv_cache: torch.Tensor) -> None:
-    require(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, width], got shape {tuple(kv_cache.shape)}")
+    require(
+        kv_cache.dim() == 3,
+        f"kv_cache must be [num_blocks, block_size, width], got shape {tuple(kv_cache.shape)}",
+    )
     require(kv_cache.dtype in CACHE_DTYPES, f"kv_cache dtype {kv_cache.dtype} not in {CACHE_DTYPES}")
-    require(kv_cache.stride(-1) == 1, f"kv_cache rows must be contiguous (last stride 1), got strides {kv_cache.stride()}")
+    require(
+        kv_cache.stride(-1) == 1,
+        f"kv_cache rows must be contiguous (last stride 1), got strides {kv_cache.stride()}",
+    )
     require(
         kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1),
-        f"kv_cache blocks must be dense (stride(0) == block_size * stride(1)), got strides {kv_cache.stride()}",
+        f"kv_cache blocks must be dense (stride(0) == block_size * stride(1)), strides {kv_cache.stride()}",
     )
 
 
@@ -31,13 +37,20 @@ def check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.
     """
     if kv_cache.dtype != FP8:
         return kv_cache
-    require(kv_scale is not None, "fp8 (float8_e4m3fn) kv_cache needs kv_scale (a per-tensor scale); none was given")
+    require(
+        kv_scale is not None,
+        "fp8 (float8_e4m3fn) kv_cache needs kv_scale (a per-tensor scale); none was given",
+    )
     assert kv_scale is not None
-    require(kv_scale.numel() == 1, f"kv_scale must hold one per-tensor value, got shape {tuple(kv_scale.shape)}")
+    require(
+        kv_scale.numel() == 1, f"kv_scale must hold one per-tensor value, got shape {tuple(kv_scale.shape)}"
+    )
     require(kv_scale.dtype == torch.float32, f"kv_scale dtype {kv_scale.dtype} must be float32")
     check_device("kv_scale", kv_scale, kv_cache.device)
     return kv_scale
 
 
 def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
-    require(tensor.device == device, f"{name} is on {tensor.device}, expected {device} (where kv_cache lives)")
+    require(
+        tensor.device == device, f"{name} is on {tensor.device}, expected {device} (where kv_cache lives)"
+    )

@@ -97,31 +97,56 @@ def mla_decode(
     require(width == kv_cache.shape[2], f"query width {width} != cache record width {kv_cache.shape[2]}")
     require(0 < kv_lora_rank < width, f"kv_lora_rank {kv_lora_rank} must lie in (0, {width})")
     require(query.dtype in ACTIVATION_DTYPES, f"query dtype {query.dtype} must be bf16, fp16 or fp32")
-    require(kv_cache.dtype in (query.dtype, FP8), f"kv_cache dtype {kv_cache.dtype} must match query {query.dtype} or be fp8")
-    require(query.stride(-1) == 1, f"query must be contiguous in its last dimension, got strides {query.stride()}")
+    require(
+        kv_cache.dtype in (query.dtype, FP8),
+        f"kv_cache dtype {kv_cache.dtype} must match query {query.dtype} or be fp8",
+    )
+    require(
+        query.stride(-1) == 1, f"query must be contiguous in its last dimension, got strides {query.stride()}"
+    )
     check_device("query", query, device)
     _check_int("block_table", block_table, 2, device)
     _check_int("seq_lens", seq_lens, 1, device)
     _check_int("query_start_loc", query_start_loc, 1, device)
     num_reqs = seq_lens.numel()
-    require(query_start_loc.numel() == num_reqs + 1, f"query_start_loc must be [{num_reqs + 1}], got {query_start_loc.numel()}")
-    require(block_table.shape[0] == num_reqs, f"block_table has {block_table.shape[0]} rows for {num_reqs} requests")
+    require(
+        query_start_loc.numel() == num_reqs + 1,
+        f"query_start_loc must be [{num_reqs + 1}], got {query_start_loc.numel()}",
+    )
+    require(
+        block_table.shape[0] == num_reqs,
+        f"block_table has {block_table.shape[0]} rows for {num_reqs} requests",
+    )
     page = kv_cache.shape[1]
-    require(max_seq_len <= block_table.shape[1] * page, f"max_seq_len {max_seq_len} exceeds the block table's {block_table.shape[1]} x {page} slots")
+    require(
+        max_seq_len <= block_table.shape[1] * page,
+        f"max_seq_len {max_seq_len} exceeds the block table's {block_table.shape[1]} x {page} slots",
+    )
     scale = check_scale(kv_cache, kv_scale)
     sparse = topk_indices is not None
     if sparse:
         _check_int("topk_indices", topk_indices, 2, device)
-        require(topk_indices.shape[0] == tokens, f"topk_indices has {topk_indices.shape[0]} rows for {tokens} query tokens")
+        require(
+            topk_indices.shape[0] == tokens,
+            f"topk_indices has {topk_indices.shape[0]} rows for {tokens} query tokens",
+        )
 
     if out is None:
         out = torch.empty(tokens, heads, kv_lora_rank, dtype=query.dtype, device=device)
     if lse is None:
         lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
     want = (tokens, heads, kv_lora_rank)
-    require(tuple(out.shape) == want and out.dtype == query.dtype, f"out must be {query.dtype} {list(want)}, got {out.dtype} {list(out.shape)}")
-    require(tuple(lse.shape) == want[:2] and lse.dtype == torch.float32, f"lse must be float32 {list(want[:2])}, got {lse.dtype} {list(lse.shape)}")
-    require(out.stride(-1) == 1 and lse.stride(-1) == 1, "out and lse must be contiguous in their last dimension")
+    require(
+        tuple(out.shape) == want and out.dtype == query.dtype,
+        f"out must be {query.dtype} {list(want)}, got {out.dtype} {list(out.shape)}",
+    )
+    require(
+        tuple(lse.shape) == want[:2] and lse.dtype == torch.float32,
+        f"lse must be float32 {list(want[:2])}, got {lse.dtype} {list(lse.shape)}",
+    )
+    require(
+        out.stride(-1) == 1 and lse.stride(-1) == 1, "out and lse must be contiguous in their last dimension"
+    )
     check_device("out", out, device)
     check_device("lse", lse, device)
     if tokens == 0:
@@ -141,28 +166,72 @@ def mla_decode(
         stride_os, stride_ls = part_out.stride(2), part_lse.stride(2)
     if sparse:
         counts = query_start_loc[1:] - query_start_loc[:-1]
-        token_req = torch.repeat_interleave(torch.arange(num_reqs, device=device, dtype=torch.int32), counts, output_size=tokens)
+        token_req = torch.repeat_interleave(
+            torch.arange(num_reqs, device=device, dtype=torch.int32), counts, output_size=tokens
+        )
     else:
         token_req = seq_lens  # unused by the dense kernel
     rope = width - kv_lora_rank
     mla_decode_stage1[(groups, row_blocks, splits)](
-        query, kv_cache, block_table, seq_lens, query_start_loc, token_req,
-        topk_indices if sparse else seq_lens, part_out, part_lse,
-        scale, sm_scale * LOG2E, heads, topk_indices.shape[1] if sparse else 0,
-        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        token_req,
+        topk_indices if sparse else seq_lens,
+        part_out,
+        part_lse,
+        scale,
+        sm_scale * LOG2E,
+        heads,
+        topk_indices.shape[1] if sparse else 0,
+        query.stride(0),
+        query.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
         topk_indices.stride(0) if sparse else 0,
-        part_out.stride(0), part_out.stride(1), stride_os, part_lse.stride(0), part_lse.stride(1), stride_ls,
-        RANK=kv_lora_rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(kv_lora_rank), BLOCK_P=triton.next_power_of_2(rope),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page, SPLITS=splits, SPARSE=sparse, CAUSAL=causal and not sparse, FP8=kv_cache.dtype == FP8,
+        part_out.stride(0),
+        part_out.stride(1),
+        stride_os,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        stride_ls,
+        RANK=kv_lora_rank,
+        ROPE=rope,
+        BLOCK_R=triton.next_power_of_2(kv_lora_rank),
+        BLOCK_P=triton.next_power_of_2(rope),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PAGE=page,
+        SPLITS=splits,
+        SPARSE=sparse,
+        CAUSAL=causal and not sparse,
+        FP8=kv_cache.dtype == FP8,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32; 16-bit ignores it
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if splits > 1:
         mla_decode_stage2[(tokens, heads)](
-            part_out, part_lse, out, lse,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            RANK=kv_lora_rank, BLOCK_R=triton.next_power_of_2(kv_lora_rank), SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            part_out,
+            part_lse,
+            out,
+            lse,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            lse.stride(1),
+            RANK=kv_lora_rank,
+            BLOCK_R=triton.next_power_of_2(kv_lora_rank),
+            SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4,
         )
     return out, lse

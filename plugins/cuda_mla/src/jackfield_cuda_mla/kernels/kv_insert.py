@@ -17,10 +17,22 @@ BLOCK_T = 16
 
 @triton.jit
 def _kv_insert_kernel(
-    kv_c, k_pe, cache, slots, num_tokens, kv_scale,
-    stride_c, stride_p, stride_slot,
-    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_T: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+    kv_c,
+    k_pe,
+    cache,
+    slots,
+    num_tokens,
+    kv_scale,
+    stride_c,
+    stride_p,
+    stride_slot,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slots + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
@@ -55,16 +67,30 @@ def mla_kv_insert(
     """
     check_cache(kv_cache)
     num_blocks, block_size, width = kv_cache.shape
-    require(kv_c.dim() == 2 and k_pe.dim() == 2, f"kv_c and k_pe must be 2-D [T, *], got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}")
+    require(
+        kv_c.dim() == 2 and k_pe.dim() == 2,
+        f"kv_c and k_pe must be 2-D [T, *], got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}",
+    )
     tokens, rank = kv_c.shape
     rope = k_pe.shape[1]
     require(k_pe.shape[0] == tokens, f"kv_c has {tokens} tokens but k_pe has {k_pe.shape[0]}")
     require(rank + rope == width, f"kv_c width {rank} + k_pe width {rope} != cache record width {width}")
-    require(slot_mapping.dim() == 1 and slot_mapping.numel() == tokens, f"slot_mapping must be [{tokens}], got {tuple(slot_mapping.shape)}")
-    require(slot_mapping.dtype in (torch.int32, torch.int64), f"slot_mapping dtype {slot_mapping.dtype} must be int32 or int64")
+    require(
+        slot_mapping.dim() == 1 and slot_mapping.numel() == tokens,
+        f"slot_mapping must be [{tokens}], got {tuple(slot_mapping.shape)}",
+    )
+    require(
+        slot_mapping.dtype in (torch.int32, torch.int64),
+        f"slot_mapping dtype {slot_mapping.dtype} must be int32 or int64",
+    )
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
-        require(t.dtype in (torch.bfloat16, torch.float16, torch.float32), f"{name} dtype {t.dtype} must be bf16, fp16 or fp32")
-        require(t.stride(-1) == 1, f"{name} rows must be contiguous (last stride 1), got strides {t.stride()}")
+        require(
+            t.dtype in (torch.bfloat16, torch.float16, torch.float32),
+            f"{name} dtype {t.dtype} must be bf16, fp16 or fp32",
+        )
+        require(
+            t.stride(-1) == 1, f"{name} rows must be contiguous (last stride 1), got strides {t.stride()}"
+        )
         check_device(name, t, kv_cache.device)
     check_device("slot_mapping", slot_mapping, kv_cache.device)
     require(slot_mapping.is_contiguous(), "slot_mapping must be contiguous")
@@ -73,11 +99,26 @@ def mla_kv_insert(
         return
     capacity = num_blocks * block_size
     top = int(slot_mapping.max().item())
-    require(top < capacity, f"slot_mapping holds slot {top}, but the cache has {capacity} slots ({num_blocks} x {block_size})")
+    require(
+        top < capacity,
+        f"slot_mapping holds slot {top}, but the cache has {capacity} slots ({num_blocks} x {block_size})",
+    )
     _kv_insert_kernel[(triton.cdiv(tokens, BLOCK_T),)](
-        kv_c, k_pe, kv_cache, slot_mapping, tokens, scale,
-        kv_c.stride(0), k_pe.stride(0), kv_cache.stride(1),
-        RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
-        BLOCK_T=BLOCK_T, QUANT=kv_cache.dtype == FP8, FP8_MAX=FP8_MAX,
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        tokens,
+        scale,
+        kv_c.stride(0),
+        k_pe.stride(0),
+        kv_cache.stride(1),
+        RANK=rank,
+        ROPE=rope,
+        BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_P=triton.next_power_of_2(rope),
+        BLOCK_T=BLOCK_T,
+        QUANT=kv_cache.dtype == FP8,
+        FP8_MAX=FP8_MAX,
         num_warps=4,
     )
