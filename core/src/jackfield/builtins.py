@@ -56,13 +56,37 @@ def register_samplers() -> list[SamplerSpec]:
     ]
 
 
+GRANITE_FAMILY = (
+    "LlamaForCausalLM",
+    "GraniteForCausalLM",
+    "GraniteSWAForCausalLM",
+    "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
+    "GraniteMoeSWAForCausalLM",
+)
+
+
 @hookimpl
 def register_models() -> list[ModelSpec]:
-    return [
+    deepseek = [
         ModelSpec(
             name=arch,
             factory="jackfield.models.deepseek:DeepseekForCausalLM",
-            description="DeepSeek MLA + MoE (V2/V3)",
+            description="DeepSeek MLA + MoE (V2/V3); with is_causal=false a bidirectional embedding model",
         )
         for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
     ]
+    granite = [
+        ModelSpec(
+            name=arch,
+            factory="jackfield.models.granite:GraniteForCausalLM",
+            description="GQA decoder: Llama, Granite (SWA: per-layer sliding windows + sinks; MoE)",
+        )
+        for arch in GRANITE_FAMILY
+    ]
+    v32 = ModelSpec(
+        name="DeepseekV32ForCausalLM",
+        factory="jackfield.models.deepseek_v32:DeepseekV32ForCausalLM",
+        description="DeepSeek-V3.2: lightning indexer + sparse MLA",
+    )
+    return [*deepseek, v32, *granite]

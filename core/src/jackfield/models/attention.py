@@ -54,15 +54,16 @@ class RoleImpls(nn.Module):
         if self.prefill_impl is not self.decode_impl:
             self.prefill_impl.process_weights_after_loading(weights)
 
-    def run(self, step: StepContext, layer_index: int, *rows: torch.Tensor) -> torch.Tensor:
-        """impl.forward(*rows, cache, metadata) over the whole batch, or per role half."""
+    def run(self, step: StepContext, layer_index: int, *rows: torch.Tensor, **layer_args: torch.Tensor) -> torch.Tensor:
+        """impl.forward(*rows, cache, metadata, **layer_args) over the whole batch, or per role half.
+        `rows` are split between the halves; `layer_args` (per-layer tensors: sinks) are not."""
         cache = step.kv_caches[layer_index]
         if step.metadata is not None:
-            return self.decode_impl.forward(*rows, cache, step.metadata)  # type: ignore[attr-defined]
+            return self.decode_impl.forward(*rows, cache, step.metadata, **layer_args)  # type: ignore[attr-defined]
         nd = step.num_decode_tokens
         parts = []
         if step.decode is not None:
-            parts.append(self.decode_impl.forward(*(r[:nd] for r in rows), cache, step.decode))  # type: ignore[attr-defined]
+            parts.append(self.decode_impl.forward(*(r[:nd] for r in rows), cache, step.decode, **layer_args))  # type: ignore[attr-defined]
         if step.prefill is not None:
-            parts.append(self.prefill_impl.forward(*(r[nd:] for r in rows), cache, step.prefill))  # type: ignore[attr-defined]
+            parts.append(self.prefill_impl.forward(*(r[nd:] for r in rows), cache, step.prefill, **layer_args))  # type: ignore[attr-defined]
         return parts[0] if len(parts) == 1 else torch.cat(parts)

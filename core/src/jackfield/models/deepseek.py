@@ -73,27 +73,74 @@ class MLAAttention(nn.Module):
         self.attn.process_weights_after_loading({"kv_b_proj": self.kv_b_proj.weight.data})
         self.kv_b_proj = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, D] -> q [T, H, N+R] (roped), kv_c [T, L] (normed), k_pe [T, R] (roped), and the q
+        latent [T, q_lora_rank] (None without q_lora)."""
         a, t = self.arch, x.shape[0]
+        q_latent = None
         if a.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
         q = q.view(t, a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim)
         q = torch.cat((q[..., : a.qk_nope_head_dim], rope(q[..., a.qk_nope_head_dim :], positions)), dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c.contiguous())
         k_pe = rope(k_pe.unsqueeze(1), positions).squeeze(1)
+        return q, kv_c, k_pe, q_latent
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext) -> torch.Tensor:
+        q, kv_c, k_pe, _ = self.project(x, positions, rope)
         out = self.attn.run(step, self.index, q, kv_c, k_pe)  # [T, H, V]
+        return self.o_proj(out.reshape(x.shape[0], self.arch.num_heads * self.arch.v_head_dim))
+
+
+class ExpandedMLAAttention(MLAAttention):
+    """The expanded form on a standard (MHA) backend, for bidirectional embedding models: per-head
+    k = kv_c W_UK^T ‖ k_pe and v = kv_c W_UV (zero-padded to k's width to share the MHA cache).
+    kv_b_proj stays a weight of this layer."""
+
+    def finish_loading(self) -> None:
+        """Nothing to hand over: the MHA impl never sees kv_b_proj."""
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext) -> torch.Tensor:
+        a, t = self.arch, x.shape[0]
+        q, kv_c, k_pe, _ = self.project(x, positions, rope)
+        assert self.kv_b_proj is not None
+        k_nope, v = self.kv_b_proj(kv_c).view(t, a.num_heads, -1).split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(t, a.num_heads, a.qk_rope_head_dim)), dim=-1)
+        v = F.pad(v, (0, k.shape[-1] - a.v_head_dim))
+        out = self.attn.run(step, self.index, q, k, v)[..., : a.v_head_dim]
         return self.o_proj(out.reshape(t, a.num_heads * a.v_head_dim))
 
 
+def attention_spec(arch: DeepseekArch, kv_cache_dtype: KVCacheDType) -> AttentionLayerSpec:
+    """The latent (MLA) layer spec, or for non-causal models the expanded MHA one."""
+    if arch.non_causal:
+        head_size = arch.qk_nope_head_dim + arch.qk_rope_head_dim
+        if arch.v_head_dim > head_size:
+            raise ValueError(f"v_head_dim {arch.v_head_dim} exceeds the key width {head_size}: no shared MHA cache")
+        return AttentionLayerSpec(num_heads=arch.num_heads, head_size=head_size, scale=arch.softmax_scale,
+                                  num_kv_heads=arch.num_heads, kv_cache_dtype=kv_cache_dtype)
+    return AttentionLayerSpec(
+        num_heads=arch.num_heads,
+        head_size=arch.kv_lora_rank + arch.qk_rope_head_dim,
+        scale=arch.softmax_scale,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_lora_rank=arch.kv_lora_rank,
+        qk_nope_head_dim=arch.qk_nope_head_dim,
+        qk_rope_head_dim=arch.qk_rope_head_dim,
+        v_head_dim=arch.v_head_dim,
+    )
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: DeepseekArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, arch: DeepseekArch, index: int, self_attn: MLAAttention, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = MLAAttention(arch, index, spec, backends, dtype)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp: nn.Module = (
             DeepseekMoE(arch, dtype) if arch.is_moe_layer(index) else GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
@@ -112,27 +159,28 @@ class DeepseekForCausalLM(nn.Module):
         super().__init__()
         arch = deepseek_arch(hf_config)
         self.arch, self.dtype = arch, dtype
-        self.attention_spec = AttentionLayerSpec(
-            num_heads=arch.num_heads,
-            head_size=arch.kv_lora_rank + arch.qk_rope_head_dim,
-            scale=arch.softmax_scale,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_lora_rank=arch.kv_lora_rank,
-            qk_nope_head_dim=arch.qk_nope_head_dim,
-            qk_rope_head_dim=arch.qk_rope_head_dim,
-            v_head_dim=arch.v_head_dim,
-        )
+        self.attention_spec = attention_spec(arch, kv_cache_dtype)
         inv_freq, rope_scaling = rope_inv_freq(hf_config, arch.qk_rope_head_dim)
         self.rope = RotaryEmbedding(inv_freq, rope_scaling, arch.max_position_embeddings, arch.rope_interleave)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), False)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(arch, i, self.attention_spec, backends, dtype) for i in range(arch.num_layers)
+            DecoderLayer(arch, i, self.make_attention(i, backends), dtype) for i in range(arch.num_layers)
         )
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         if not arch.tie_word_embeddings:
             self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype)
+
+    def make_attention(self, index: int, backends: AttentionBackends) -> MLAAttention:
+        """Layer `index`'s attention (a family variant overrides this)."""
+        attn_cls = ExpandedMLAAttention if self.arch.non_causal else MLAAttention
+        return attn_cls(self.arch, index, self.attention_spec, backends, self.dtype)
+
+    @property
+    def non_causal(self) -> bool:
+        """Bidirectional attention (an embedding model): the engine builds non-causal metadata."""
+        return self.arch.non_causal
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:

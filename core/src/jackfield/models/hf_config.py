@@ -8,6 +8,7 @@ and computes the RoPE frequencies and the attention softmax scale.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,12 @@ class DeepseekArch:
     tie_word_embeddings: bool
     max_position_embeddings: int
     num_mtp_layers: int  # next-token-prediction layers stored after the main ones (not run)
+    # `"is_causal": false` in config.json: bidirectional attention in the expanded (non-MLA) form.
+    non_causal: bool = False
+    # V3.2's lightning indexer (0: none).
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     def is_moe_layer(self, index: int) -> bool:
         return self.n_routed_experts is not None and index >= self.first_k_dense_replace
@@ -113,9 +120,10 @@ class DeepseekArch:
 
 def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
     arch = architecture_of(hf_config)
-    v3 = arch == "DeepseekV3ForCausalLM"
-    if arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-        raise ValueError(f"{arch} is not a DeepSeek-V2/V3 architecture")
+    v32 = arch == "DeepseekV32ForCausalLM"
+    v3 = arch == "DeepseekV3ForCausalLM" or v32  # V3.2 is V3 plus the indexer
+    if arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"):
+        raise ValueError(f"{arch} is not a DeepSeek-V2/V3/V3.2 architecture")
     c = hf_config
     problems = []
     if getattr(c, "hidden_act", "silu") != "silu":
@@ -129,6 +137,16 @@ def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
     topk_method = "noaux_tc" if v3 else str(getattr(c, "topk_method", "greedy"))
     if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         problems.append(f"topk_method {topk_method!r}")
+    index = (int(c.index_n_heads), int(c.index_head_dim), int(c.index_topk)) if v32 else (0, 0, 0)
+    if v32 and min(index) <= 0:
+        problems.append(f"index_n_heads, index_head_dim, index_topk must be positive, got {index}")
+    if v32 and index[1] < c.qk_rope_head_dim:
+        problems.append(f"index_head_dim {index[1]} is smaller than qk_rope_head_dim {c.qk_rope_head_dim}")
+    if v32 and c.q_lora_rank is None:
+        problems.append("the indexer reads the q latent: q_lora_rank must be set")
+    non_causal = getattr(c, "is_causal", True) is False
+    if non_causal and v32:
+        problems.append("is_causal=false with the sparse indexer")
     if problems:
         raise ValueError(f"{arch}: unsupported settings: " + "; ".join(problems))
     qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
@@ -157,9 +175,142 @@ def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
         # transformers' V2 never renormalizes the top-k weights; V3 follows the flag.
         norm_topk_prob=bool(getattr(c, "norm_topk_prob", False)) and v3,
         routed_scaling_factor=float(getattr(c, "routed_scaling_factor", 1.0)),
-        rope_interleave=bool(getattr(c, "rope_interleave", True)) if v3 else True,
+        # V3.2's config has no rope_interleave: its MLA RoPE is always interleaved.
+        rope_interleave=bool(getattr(c, "rope_interleave", True)) if v3 and not v32 else True,
         softmax_scale=yarn_softmax_scale(c, qk_head_dim),
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         max_position_embeddings=int(c.max_position_embeddings),
         num_mtp_layers=int(getattr(c, "num_nextn_predict_layers", 0) or 0),
+        non_causal=non_causal,
+        index_n_heads=index[0],
+        index_head_dim=index[1],
+        index_topk=index[2],
+    )
+
+
+# --- Llama / Granite / Granite SWA / Granite MoE -------------------------------------------------
+
+SINK_MODEL_TYPES = ("granite_swa", "granitemoe_swa")  # sinks are part of these architectures (no flag)
+GRANITE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "GraniteForCausalLM",
+    "GraniteSWAForCausalLM",
+    "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
+    "GraniteMoeSWAForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Per-layer attention pattern: sliding windows (tokens a query sees, itself included; None =
+    full attention) and whether the layers carry per-head sink logits."""
+
+    windows: tuple[int | None, ...]
+    sinks: bool
+
+    @property
+    def sliding_window(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+
+def layer_attention(cfg: Mapping[str, object]) -> LayerAttention:
+    """Windows and sinks from a config.json dict (or `PretrainedConfig.to_dict()`).
+
+    `layer_types` ("full_attention" / "sliding_attention") and `sliding_window` decide the windows.
+    Without `layer_types`: the Granite SWA default (layer i is full when i % 4 == 0) for the SWA
+    families, every layer sliding when only `sliding_window` is set (Mistral), else every layer
+    full, so Llama and Granite configs are unchanged.
+    """
+    model_type = cfg.get("model_type")
+    num_layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        if model_type in SINK_MODEL_TYPES:
+            types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(num_layers)]
+        else:
+            types = ["sliding_attention" if window else "full_attention"] * num_layers
+    types = list(types)  # type: ignore[call-overload]
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        raise ValueError(f"sliding_attention layers need a positive integer sliding_window, got {window!r}")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)  # type: ignore[misc]
+    return LayerAttention(windows=windows, sinks=model_type in SINK_MODEL_TYPES)
+
+
+@dataclass(frozen=True)
+class GraniteArch:
+    """A Llama / Granite (SWA, MoE) config, translated. Llama is Granite with unit multipliers."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's, or each routed expert's
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_scale: float
+    embedding_multiplier: float
+    residual_multiplier: float
+    logits_scaling: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    windows: tuple[int | None, ...]
+    sinks: bool
+    rope_thetas: tuple[float, ...]  # per layer; 0 = no positional embedding
+    num_experts: int  # 0: dense MLP
+    num_experts_per_tok: int
+    shared_intermediate_size: int  # 0: no shared expert
+
+
+def granite_arch(hf_config: PretrainedConfig) -> GraniteArch:
+    arch = architecture_of(hf_config)
+    if arch not in GRANITE_ARCHITECTURES:
+        raise ValueError(f"{arch} is not one of {', '.join(GRANITE_ARCHITECTURES)}")
+    c = hf_config
+    problems = []
+    if getattr(c, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {c.hidden_act!r} (only 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(c, flag, False):
+            problems.append(f"{flag}=True")
+    if getattr(c, "quantization_config", None):
+        problems.append("quantized checkpoints (quantization_config)")
+    if problems:
+        raise ValueError(f"{arch}: unsupported settings: " + "; ".join(problems))
+    pattern = layer_attention(c.to_dict())
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    granite = arch != "LlamaForCausalLM"
+    theta = float(rope_parameters(c)["rope_theta"])  # type: ignore[arg-type]
+    thetas = getattr(c, "layer_rope_theta", None) or [theta] * c.num_hidden_layers
+    if len(thetas) != c.num_hidden_layers:
+        raise ValueError(f"layer_rope_theta has {len(thetas)} entries for {c.num_hidden_layers} layers")
+    moe = "Moe" in arch
+    return GraniteArch(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=int(c.num_key_value_heads or c.num_attention_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(c.rms_norm_eps),
+        attention_scale=float(c.attention_multiplier) if granite else head_dim**-0.5,
+        embedding_multiplier=float(c.embedding_multiplier) if granite else 1.0,
+        residual_multiplier=float(c.residual_multiplier) if granite else 1.0,
+        logits_scaling=float(c.logits_scaling) if granite else 1.0,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        max_position_embeddings=int(c.max_position_embeddings),
+        windows=pattern.windows,
+        sinks=pattern.sinks,
+        rope_thetas=tuple(float(t) for t in thetas),
+        num_experts=int(c.num_local_experts) if moe else 0,
+        num_experts_per_tok=int(c.num_experts_per_tok) if moe else 0,
+        shared_intermediate_size=int(getattr(c, "shared_intermediate_size", 0) or 0) if moe else 0,
     )
