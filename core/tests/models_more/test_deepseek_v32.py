@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM as HFDeepseekV32
 
-from jackfield.models.deepseek_v32 import DeepseekV32ForCausalLM, index_dims
-from jackfield.models.hf_config import read_hf_config
+from jackfield.models.deepseek_v32 import DeepseekV32ForCausalLM
+from jackfield.models.hf_config import deepseek_arch, read_hf_config
 from paged_harness import TORCH_REF, generate, hf_reference, randomize_, save_hf_model
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
@@ -66,9 +66,10 @@ def test_indexer_keys_live_in_their_own_paged_caches(tmp_path: Path) -> None:
     [
         ({"index_topk": 0}, "must be positive"),
         ({"index_head_dim": 4}, "smaller than qk_rope_head_dim"),
+        ({"is_causal": False}, "is_causal=false with the sparse indexer"),
     ],
 )
 def test_bad_indexer_configs_fail_closed(changes: dict[str, object], message: str) -> None:
     config = DeepseekV32Config(**{**SMALL, "index_topk": 4, **changes}, architectures=["DeepseekV32ForCausalLM"])
     with pytest.raises(ValueError, match=message):
-        index_dims(config)
+        deepseek_arch(config)

@@ -23,8 +23,7 @@ from transformers import (
 )
 
 from jackfield.models.granite import GraniteForCausalLM, granite_weight_mapper
-from jackfield.models.granite import granite_arch, layer_attention
-from jackfield.models.hf_config import read_hf_config
+from jackfield.models.hf_config import granite_arch, layer_attention, read_hf_config
 from paged_harness import TORCH_REF, generate, hf_reference, randomize_, save_hf_model
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,

@@ -11,8 +11,6 @@ Everything else (MoE, MLA projections, weights) is the DeepSeek-V3 model.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,23 +20,8 @@ from jackfield.attention.kv_cache import request_slots, write_slots
 from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata, KVCacheDType
 from jackfield.models.attention import AttentionBackends, StepContext
 from jackfield.models.deepseek import DeepseekForCausalLM, MLAAttention
-from jackfield.models.hf_config import DeepseekArch, architecture_of, rope_inv_freq
+from jackfield.models.hf_config import DeepseekArch, rope_inv_freq
 from jackfield.models.layers import Linear, RotaryEmbedding
-
-
-def index_dims(hf_config: PretrainedConfig) -> tuple[int, int, int]:
-    """(index_n_heads, index_head_dim, index_topk), checked against the MLA dims."""
-    if architecture_of(hf_config) != "DeepseekV32ForCausalLM":
-        raise ValueError(f"{architecture_of(hf_config)} is not DeepseekV32ForCausalLM")
-    heads, dim, topk = int(hf_config.index_n_heads), int(hf_config.index_head_dim), int(hf_config.index_topk)
-    problems = []
-    if min(heads, dim, topk) <= 0:
-        problems.append(f"index_n_heads, index_head_dim, index_topk must be positive, got {heads}, {dim}, {topk}")
-    if dim < hf_config.qk_rope_head_dim:
-        problems.append(f"index_head_dim {dim} is smaller than qk_rope_head_dim {hf_config.qk_rope_head_dim}")
-    if problems:
-        raise ValueError("DeepseekV32ForCausalLM: " + "; ".join(problems))
-    return heads, dim, topk
 
 
 def step_parts(step: StepContext) -> list[tuple[slice, AttentionMetadata, bool]]:
@@ -51,10 +34,11 @@ def step_parts(step: StepContext) -> list[tuple[slice, AttentionMetadata, bool]]
 
 
 class Indexer(nn.Module):
-    def __init__(self, arch: DeepseekArch, heads: int, dim: int, topk: int, dtype: torch.dtype) -> None:
+    def __init__(self, arch: DeepseekArch, dtype: torch.dtype) -> None:
         super().__init__()
-        self.heads, self.dim, self.topk, self.rope_dim = heads, dim, topk, arch.qk_rope_head_dim
-        assert arch.q_lora_rank is not None  # V3.2 configs always have the q latent (the indexer reads it)
+        heads, dim = arch.index_n_heads, arch.index_head_dim
+        self.heads, self.dim, self.topk, self.rope_dim = heads, dim, arch.index_topk, arch.qk_rope_head_dim
+        assert arch.q_lora_rank is not None  # deepseek_arch checked it: the indexer reads the q latent
         self.wq_b = Linear(arch.q_lora_rank, heads * dim, dtype)
         self.wk = Linear(arch.hidden_size, dim, dtype)
         self.k_norm = nn.Module()  # LayerNorm with bias, eps 1e-6
@@ -67,12 +51,12 @@ class Indexer(nn.Module):
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         return torch.cat((rope(x[..., : self.rope_dim], positions), x[..., self.rope_dim :]), dim=-1)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 key_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Write this step's indexer keys, then top-k indices [T, K] int32 (request-local key
         positions, -1 where a query sees fewer than K keys)."""
         t = x.shape[0]
-        q = self._rope(self.wq_b(q_resid).view(t, self.heads, self.dim), positions, rope)
+        q = self._rope(self.wq_b(q_latent).view(t, self.heads, self.dim), positions, rope)
         k = F.layer_norm(self.wk(x).float(), (self.dim,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6)
         k = self._rope(k.to(x.dtype).unsqueeze(1), positions, rope).squeeze(1)
         write_slots(key_cache.flatten(0, 1), metadata.slot_mapping, k.to(key_cache.dtype))
@@ -100,24 +84,20 @@ class SparseMLAAttention(MLAAttention):
     """MLA whose queries attend only to the indexer's top-k tokens."""
 
     def __init__(self, arch: DeepseekArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
-                 dtype: torch.dtype, index_heads: int, index_dim: int, index_topk: int) -> None:
+                 dtype: torch.dtype) -> None:
         super().__init__(arch, index, spec, backends, dtype)
-        self.indexer = Indexer(arch, index_heads, index_dim, index_topk, dtype)
+        self.indexer = Indexer(arch, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext,
                 index_rope: RotaryEmbedding) -> torch.Tensor:
         a, t = self.arch, x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(t, a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim)
-        q = torch.cat((q[..., : a.qk_nope_head_dim], rope(q[..., a.qk_nope_head_dim :], positions)), dim=-1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())
-        k_pe = rope(k_pe.unsqueeze(1), positions).squeeze(1)
+        q, kv_c, k_pe, q_latent = self.project(x, positions, rope)
+        assert q_latent is not None
         cache = step.kv_caches[self.index]
         key_cache = step.kv_caches[a.num_layers + self.index]
         out = q.new_empty(t, a.num_heads, a.v_head_dim)
         for rows, metadata, is_decode in step_parts(step):
-            topk = self.indexer(x[rows], q_resid[rows], positions[rows], index_rope, key_cache, metadata)
+            topk = self.indexer(x[rows], q_latent[rows], positions[rows], index_rope, key_cache, metadata)
             impl: AttentionImpl = self.attn.decode_impl if is_decode else self.attn.prefill_impl
             out[rows] = impl.forward(q[rows], kv_c[rows], k_pe[rows], cache, metadata, topk_indices=topk)  # type: ignore[attr-defined]
         return self.o_proj(out.reshape(t, a.num_heads * a.v_head_dim))
@@ -126,19 +106,17 @@ class SparseMLAAttention(MLAAttention):
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
     def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
                  kv_cache_dtype: KVCacheDType = "auto") -> None:
-        heads, dim, topk = index_dims(hf_config)
-        as_v3 = copy.copy(hf_config)  # V3.2 is V3 (routing, interleaved MLA RoPE) but for the indexer
-        as_v3.architectures = ["DeepseekV3ForCausalLM"]
-        super().__init__(as_v3, backends, dtype, kv_cache_dtype)
+        super().__init__(hf_config, backends, dtype, kv_cache_dtype)
         arch = self.arch
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn = SparseMLAAttention(arch, i, self.attention_spec, backends, dtype, heads, dim, topk)
         # The indexer's RoPE: the MLA frequencies, half-split pairs (not interleaved).
         inv_freq, scaling = rope_inv_freq(hf_config, arch.qk_rope_head_dim)
         self.index_rope = RotaryEmbedding(inv_freq, scaling, arch.max_position_embeddings, interleaved=False)
-        # One latent-sized record per token holding the indexer key (kept in the activation dtype).
-        self.index_key_spec = AttentionLayerSpec(num_heads=heads, head_size=dim, scale=dim**-0.5,
-                                                 kv_lora_rank=dim, qk_rope_head_dim=0)
+        # One record of index_head_dim values per token: the MLA cache layout with no rope part.
+        self.index_key_spec = AttentionLayerSpec(num_heads=arch.index_n_heads, head_size=arch.index_head_dim,
+                                                 scale=arch.index_head_dim**-0.5, kv_lora_rank=arch.index_head_dim)
+
+    def make_attention(self, index: int, backends: AttentionBackends) -> MLAAttention:
+        return SparseMLAAttention(self.arch, index, self.attention_spec, backends, self.dtype)
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:
@@ -148,7 +126,6 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         for layer in self.model.layers:
-            h = layer.self_attn(layer.input_layernorm(x), positions, self.rope, step, self.index_rope)
-            x = x + h
+            x = x + layer.self_attn(layer.input_layernorm(x), positions, self.rope, step, self.index_rope)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)

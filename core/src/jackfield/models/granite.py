@@ -11,8 +11,6 @@ are fused (gate ‖ up) or stacked (experts); GRANITE_WEIGHTS maps both the olde
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,134 +20,10 @@ from transformers import PretrainedConfig
 
 from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
 from jackfield.models.attention import AttentionBackends, RoleImpls, StepContext
-from jackfield.models.hf_config import architecture_of, rope_inv_freq, rope_parameters
+from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
 from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from jackfield.models.moe import Experts
 from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
-
-SINK_MODEL_TYPES = ("granite_swa", "granitemoe_swa")  # sinks are part of these architectures (no flag)
-GRANITE_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "GraniteForCausalLM",
-    "GraniteSWAForCausalLM",
-    "GraniteMoeForCausalLM",
-    "GraniteMoeSharedForCausalLM",
-    "GraniteMoeSWAForCausalLM",
-)
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """Per-layer attention pattern: sliding windows (tokens a query sees, itself included; None =
-    full attention) and whether the layers carry per-head sink logits."""
-
-    windows: tuple[int | None, ...]
-    sinks: bool
-
-    @property
-    def sliding_window(self) -> bool:
-        return any(w is not None for w in self.windows)
-
-
-def layer_attention(cfg: Mapping[str, object]) -> LayerAttention:
-    """Windows and sinks from a config.json dict (or `PretrainedConfig.to_dict()`).
-
-    `layer_types` ("full_attention" / "sliding_attention") and `sliding_window` decide the windows.
-    Without `layer_types`: the Granite SWA default (layer i is full when i % 4 == 0) for the SWA
-    families, every layer sliding when only `sliding_window` is set (Mistral), else every layer
-    full, so Llama and Granite configs are unchanged.
-    """
-    model_type = cfg.get("model_type")
-    num_layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
-    window = cfg.get("sliding_window")
-    types = cfg.get("layer_types")
-    if types is None:
-        if model_type in SINK_MODEL_TYPES:
-            types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(num_layers)]
-        else:
-            types = ["sliding_attention" if window else "full_attention"] * num_layers
-    types = list(types)  # type: ignore[call-overload]
-    if len(types) != num_layers:
-        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
-    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-    if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
-    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
-        raise ValueError(f"sliding_attention layers need a positive integer sliding_window, got {window!r}")
-    windows = tuple(window if t == "sliding_attention" else None for t in types)  # type: ignore[misc]
-    return LayerAttention(windows=windows, sinks=model_type in SINK_MODEL_TYPES)
-
-
-@dataclass(frozen=True)
-class GraniteArch:
-    """A Llama / Granite (SWA, MoE) config, translated. Llama is Granite with unit multipliers."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # the dense MLP's, or each routed expert's
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    attention_scale: float
-    embedding_multiplier: float
-    residual_multiplier: float
-    logits_scaling: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    windows: tuple[int | None, ...]
-    sinks: bool
-    rope_thetas: tuple[float, ...]  # per layer; 0 = no positional embedding
-    num_experts: int  # 0: dense MLP
-    num_experts_per_tok: int
-    shared_intermediate_size: int  # 0: no shared expert
-
-
-def granite_arch(hf_config: PretrainedConfig) -> GraniteArch:
-    arch = architecture_of(hf_config)
-    if arch not in GRANITE_ARCHITECTURES:
-        raise ValueError(f"{arch} is not one of {', '.join(GRANITE_ARCHITECTURES)}")
-    c = hf_config
-    problems = []
-    if getattr(c, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {c.hidden_act!r} (only 'silu')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if getattr(c, flag, False):
-            problems.append(f"{flag}=True")
-    if getattr(c, "quantization_config", None):
-        problems.append("quantized checkpoints (quantization_config)")
-    if problems:
-        raise ValueError(f"{arch}: unsupported settings: " + "; ".join(problems))
-    pattern = layer_attention(c.to_dict())
-    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    granite = arch != "LlamaForCausalLM"
-    theta = float(rope_parameters(c)["rope_theta"])  # type: ignore[arg-type]
-    thetas = getattr(c, "layer_rope_theta", None) or [theta] * c.num_hidden_layers
-    moe = "Moe" in arch
-    return GraniteArch(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=int(c.num_key_value_heads or c.num_attention_heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(c.rms_norm_eps),
-        attention_scale=float(c.attention_multiplier) if granite else head_dim**-0.5,
-        embedding_multiplier=float(c.embedding_multiplier) if granite else 1.0,
-        residual_multiplier=float(c.residual_multiplier) if granite else 1.0,
-        logits_scaling=float(c.logits_scaling) if granite else 1.0,
-        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        max_position_embeddings=int(c.max_position_embeddings),
-        windows=pattern.windows,
-        sinks=pattern.sinks,
-        rope_thetas=tuple(float(t) for t in thetas),
-        num_experts=int(c.num_local_experts) if moe else 0,
-        num_experts_per_tok=int(c.num_experts_per_tok) if moe else 0,
-        shared_intermediate_size=int(getattr(c, "shared_intermediate_size", 0) or 0) if moe else 0,
-    )
-
 
 _LAYER = r"(?P<layer>model\.layers\.\d+)"
 _MOE = _LAYER + r"\.block_sparse_moe"
@@ -180,22 +54,6 @@ def granite_weight_mapper(arch: GraniteArch) -> WeightMapper:
     return WeightMapper(GRANITE_WEIGHTS.rules, (*GRANITE_WEIGHTS.ignore, r"lm_head\.weight"))
 
 
-class SinkRoleImpls(RoleImpls):
-    """RoleImpls whose `run` also passes keyword arguments (the sinks) to each impl's forward."""
-
-    def run(self, step: StepContext, layer_index: int, *rows: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
-        cache = step.kv_caches[layer_index]
-        if step.metadata is not None:
-            return self.decode_impl.forward(*rows, cache, step.metadata, **kwargs)  # type: ignore[attr-defined]
-        nd = step.num_decode_tokens
-        parts = []
-        if step.decode is not None:
-            parts.append(self.decode_impl.forward(*(r[:nd] for r in rows), cache, step.decode, **kwargs))  # type: ignore[attr-defined]
-        if step.prefill is not None:
-            parts.append(self.prefill_impl.forward(*(r[nd:] for r in rows), cache, step.prefill, **kwargs))  # type: ignore[attr-defined]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 class GQAAttention(nn.Module):
     def __init__(self, arch: GraniteArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
                  dtype: torch.dtype) -> None:
@@ -208,7 +66,7 @@ class GQAAttention(nn.Module):
         self.o_proj = Linear(h * hd, arch.hidden_size, dtype)
         # Per-head logits that join the softmax denominator only (gpt-oss style sinks).
         self.sinks = nn.Parameter(torch.empty(h, dtype=dtype), False) if arch.sinks else None
-        self.attn = SinkRoleImpls(backends, spec)
+        self.attn = RoleImpls(backends, spec)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
                 step: StepContext) -> torch.Tensor:

@@ -1,0 +1,102 @@
+"""DeepSeek bidirectional embeddings: `"is_causal": false` serves the registered DeepSeek class in
+the expanded (non-MLA) form on an MHA backend; pooled vectors match transformers' DeepSeek model
+of the same weights run with a full (non-causal) attention mask."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+from jackfield.attention.kv_cache import is_mla
+from jackfield.models import model_class
+from jackfield.models.embedding import pool, pooling_of
+from jackfield.models.hf_config import read_hf_config
+from paged_harness import TORCH_REF, PagedRun, randomize_, save_hf_model
+
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+             v_head_dim=12, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+             max_position_embeddings=64, tie_word_embeddings=False, is_causal=False)
+VARIANTS = {
+    "v3": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(q_lora_rank=24, n_group=2, topk_group=1)),
+    "v2": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(q_lora_rank=None, topk_method="greedy")),
+}
+PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 33], [90, 1, 56, 23, 8]]
+
+
+def write(tmp_path: Path, variant: str, pooling: str) -> tuple[torch.nn.Module, Path]:
+    config_cls, model_cls, extra = VARIANTS[variant]
+    config = config_cls(**SMALL, **extra, pooling=pooling)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf_model = model_cls(config).eval()
+    randomize_(hf_model, ("e_score_correction_bias", "layernorm.weight"), seed=3)
+    return hf_model, save_hf_model(hf_model, tmp_path / f"{variant}_{pooling}")
+
+
+def hf_embeddings(hf_model: torch.nn.Module, pooling: str) -> torch.Tensor:
+    rows = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            full = torch.zeros(1, 1, len(prompt), len(prompt))  # additive 4D mask: every key visible
+            hidden = hf_model.model(ids, attention_mask=full).last_hidden_state[0]
+            rows.append(pool(hidden, [0, len(prompt)], pooling)[0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(("variant", "pooling"), [("v3", "mean"), ("v3", "cls"), ("v2", "last")])
+def test_pooled_embeddings_match_transformers_full_mask(variant: str, pooling: str, tmp_path: Path) -> None:
+    hf_model, path = write(tmp_path, variant, pooling)
+    config = read_hf_config(path)
+    ours = model_class(config.architectures[0]).from_pretrained(path, config, TORCH_REF, torch.float32, "cpu")
+    assert ours.non_causal and not any(is_mla(layer) for layer in ours.kv_cache_layers)
+    run = PagedRun(ours, block_size=4, num_blocks=8, causal=False)
+    reqs = [run.add() for _ in PROMPTS]
+    hidden = run.step(list(zip(reqs, PROMPTS)))
+    got = pool(hidden, [0, len(PROMPTS[0]), len(PROMPTS[0]) + len(PROMPTS[1])], pooling_of(config))
+    torch.testing.assert_close(got, hf_embeddings(hf_model, pooling), atol=1e-4, rtol=1e-4)
+
+
+def test_llm_embed_matches_transformers(tmp_path: Path) -> None:
+    from jackfield import LLM
+
+    hf_model, path = write(tmp_path, "v3", "mean")
+    llm = LLM(path, backend="torch_ref", block_size=4, max_num_batched_tokens=10)  # two steps for the two prompts
+    got = llm.embed(PROMPTS)
+    assert got.shape == (2, SMALL["hidden_size"]) and got.dtype == torch.float32
+    torch.testing.assert_close(got, hf_embeddings(hf_model, "mean"), atol=1e-4, rtol=1e-4)
+    assert llm.block_manager.num_free == llm.num_blocks  # every block handed back
+
+
+def test_causal_masking_would_change_the_answer(tmp_path: Path) -> None:
+    """The parity above could not pass with causal attention: mean pooling differs."""
+    hf_model, _ = write(tmp_path, "v3", "mean")
+    with torch.no_grad():
+        ids = torch.tensor([PROMPTS[0]])
+        causal = torch.full((len(PROMPTS[0]),) * 2, float("-inf")).triu(1)[None, None]
+        hidden = hf_model.model(ids, attention_mask=causal).last_hidden_state[0]
+    assert (pool(hidden, [0, len(PROMPTS[0])], "mean") - hf_embeddings(hf_model, "mean")[:1]).abs().max() > 1e-3
+
+
+def test_pool_checks_its_inputs() -> None:
+    hidden = torch.randn(5, 3)
+    torch.testing.assert_close(pool(hidden, [0, 2, 5], "mean"), torch.stack([hidden[:2].mean(0), hidden[2:].mean(0)]))
+    torch.testing.assert_close(pool(hidden, [0, 2, 5], "last"), hidden[[1, 4]])
+    torch.testing.assert_close(pool(hidden, [0, 2, 5], "cls"), hidden[[0, 2]])
+    with pytest.raises(ValueError, match="non-empty prompts"):
+        pool(hidden, [0, 2, 2, 5], "mean")
+    with pytest.raises(ValueError, match="not one of"):
+        pool(hidden, [0, 5], "max")
+
+
+def test_bad_pooling_in_config_fails_closed(tmp_path: Path) -> None:
+    _, path = write(tmp_path, "v2", "mean")
+    data = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**data, "pooling": "max"}))
+    with pytest.raises(ValueError, match="pooling 'max' is not one of"):
+        pooling_of(read_hf_config(path))
