@@ -34,6 +34,8 @@ def filter_cutoffs(
     top_k int64 (<= 0 or >= vocab: off), top_p float32 (1: off), min_p float32 (0: off).
     Greedy rows (temperature 0) are never filtered: their argmax survives any filter.
     """
+    if top_k is None and top_p is None and min_p is None:
+        return None  # plain temperature sampling: no device sync, no sort
     num_rows, vocab = logits.shape
     sampled = temperature > 0
     k = top_k if top_k is not None else torch.zeros(num_rows, dtype=torch.int64, device=logits.device)

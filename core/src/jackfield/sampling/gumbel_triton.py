@@ -18,8 +18,9 @@ import triton.language as tl
 
 from jackfield.sampling import noise
 
+# Fastest of the shapes swept on the H200 (benchmarks/RESULTS.md, 2026-11-29).
 DEFAULT_BLOCK = 1024
-DEFAULT_BLOCKS_PER_CHUNK = 8
+DEFAULT_BLOCKS_PER_CHUNK = 4
 DEFAULT_NUM_WARPS = 4
 
 # Kernels read module globals only as constexpr: the same float32 values noise.py uses.
