@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from jackfield import __version__
 
-SUBCOMMANDS = ("plugins", "doctor")
+SUBCOMMANDS = ("run", "plugins", "doctor")
 USER_ERROR_EXIT = 2
 
 
