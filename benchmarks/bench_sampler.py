@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import triton
-
 from jackfield.sampling import sample
 from jackfield.sampling.gumbel_triton import gumbel_argmax_triton
 
@@ -47,14 +46,23 @@ def main() -> None:
 
     want = gumbel_argmax_triton(*args, None)
     sweep = []
-    for block, per_chunk, warps in [(1024, 8, 4), (512, 16, 4), (2048, 4, 8), (1024, 4, 4), (1024, 16, 8), (4096, 2, 8)]:
+    for block, per_chunk, warps in [
+        (1024, 8, 4),
+        (512, 16, 4),
+        (2048, 4, 8),
+        (1024, 4, 4),
+        (1024, 16, 8),
+        (4096, 2, 8),
+    ]:
         got = gumbel_argmax_triton(*args, None, block=block, blocks_per_chunk=per_chunk, num_warps=warps)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (block, per_chunk, warps)
         ms = bench_ms(lambda b=block, c=per_chunk, w=warps: gumbel_argmax_triton(*args, None, b, c, w))
         sweep.append((ms, block, per_chunk, warps))
     print("triton kernel sweep (block, blocks/chunk, warps): median ms")
     for ms, block, per_chunk, warps in sorted(sweep):
-        print(f"  ({block:5d}, {per_chunk:2d}, {warps}) {ms * 1e3:8.1f} us  {ms / read_once_ms:5.2f}x read-once")
+        print(
+            f"  ({block:5d}, {per_chunk:2d}, {warps}) {ms * 1e3:8.1f} us  {ms / read_once_ms:5.2f}x read-once"
+        )
 
     def multinomial() -> torch.Tensor:
         return torch.multinomial(torch.softmax(logits / temperature[:, None], dim=-1), 1)
@@ -63,8 +71,14 @@ def main() -> None:
         ("triton sample(), temperature only", bench_ms(lambda: sample(*args, impl="triton"))),
         ("torch reference sample(impl='torch')", bench_ms(lambda: sample(*args, impl="torch"))),
         ("torch.multinomial(softmax(logits / T))", bench_ms(multinomial)),
-        ("triton sample(), top-k 50 / top-p 0.9", bench_ms(lambda: sample(*args, top_k, top_p, impl="triton"))),
-        ("torch reference, top-k 50 / top-p 0.9", bench_ms(lambda: sample(*args, top_k, top_p, impl="torch"))),
+        (
+            "triton sample(), top-k 50 / top-p 0.9",
+            bench_ms(lambda: sample(*args, top_k, top_p, impl="triton")),
+        ),
+        (
+            "torch reference, top-k 50 / top-p 0.9",
+            bench_ms(lambda: sample(*args, top_k, top_p, impl="torch")),
+        ),
     ]
     plain = rows[0][1]
     print(f"\n| {'what':42s} | time (us) | x read-once | x triton |")

@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from jackfield.sampling import (
     DRAFT_POSITION_OFFSET,
     gumbel_noise,
@@ -91,7 +90,7 @@ def test_hash_matches_reference_on_random_messages() -> None:
         got = murmur3_hash32(seeds, pos, tokens, domain=domain).tolist()
         want = [
             reference_murmur3_x86_32(_message(s, p, t), domain)
-            for s, p, t in zip(seeds.tolist(), pos.tolist(), tokens.tolist())
+            for s, p, t in zip(seeds.tolist(), pos.tolist(), tokens.tolist(), strict=True)
         ]
         assert got == want
 
@@ -139,7 +138,9 @@ def test_log_f32_against_float64() -> None:
 
 
 def test_log1p_neg_stable_against_float64() -> None:
-    v = torch.cat([torch.rand(100000, generator=torch.Generator().manual_seed(4)), torch.tensor([0.0, 0.2499999, 0.25])])
+    v = torch.cat(
+        [torch.rand(100000, generator=torch.Generator().manual_seed(4)), torch.tensor([0.0, 0.2499999, 0.25])]
+    )
     want = torch.log1p(-v.double())
     err = (log1p_neg_stable(v).double() - want).abs() / want.abs().clamp(min=1e-30)
     assert float(err[v < 0.25].max()) < 2e-6  # the degree-8 series: v^9/9 at v = 0.25
@@ -165,7 +166,9 @@ def test_gumbel_fp64_against_python_math() -> None:
 
 
 def test_gumbel_moments() -> None:
-    g = gumbel_noise(torch.tensor(123), torch.arange(400).unsqueeze(1), torch.arange(1000).unsqueeze(0)).double()
+    g = gumbel_noise(
+        torch.tensor(123), torch.arange(400).unsqueeze(1), torch.arange(1000).unsqueeze(0)
+    ).double()
     n = g.numel()
     assert abs(g.mean().item() - 0.5772156649) < 5 * (math.pi / math.sqrt(6)) / math.sqrt(n)
     assert g.var().item() == pytest.approx(math.pi**2 / 6, rel=0.02)
@@ -188,7 +191,9 @@ def test_uniform_ranges_property(seed: int, pos: int, token: int) -> None:
     u32 = murmur3_uniform32(s, p, t).item()
     u64 = murmur3_uniform64(s, p, t).item()
     assert 0.0 < u32 <= 1.0 and 0.0 < u64 < 1.0
-    assert math.isfinite(gumbel_noise(s, p, t).item()) and math.isfinite(gumbel_noise(s, p, t, fp64=True).item())
+    assert math.isfinite(gumbel_noise(s, p, t).item()) and math.isfinite(
+        gumbel_noise(s, p, t, fp64=True).item()
+    )
     assert murmur3_hash32(s, p, t).item() == reference_murmur3_x86_32(_message(seed, pos, token), 0)
 
 

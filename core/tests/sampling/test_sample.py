@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-
 from jackfield.sampling import sample
 from jackfield.sampling.sample import resolve_impl, sample_with_scores
 
@@ -33,7 +32,9 @@ def make_batch(rows: int, vocab: int, seed: int, dtype: torch.dtype = torch.floa
 def both(
     batch: dict, block: int | None = None, **kw
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    return sample_with_scores(**batch, **kw, impl="torch"), sample_with_scores(**batch, **kw, impl="triton", block=block)
+    return sample_with_scores(**batch, **kw, impl="torch"), sample_with_scores(
+        **batch, **kw, impl="triton", block=block
+    )
 
 
 def assert_identical(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from jackfield.contracts.sampler import SamplingMetadata, SamplingParams
 from jackfield.sampling import DRAFT_POSITION_OFFSET, sample
 from jackfield.sampling.processors import bias_and_mask_from_params
@@ -87,7 +86,9 @@ def test_murmur3_sampler_is_sample_and_drafting_uses_the_disjoint_stream() -> No
     logits = torch.randn(6, 500)
     md = metadata(6)
     out = Murmur3Sampler(impl="torch").sample(logits, md)
-    direct = sample(logits, md.temperature, md.seeds, md.positions, md.top_k, md.top_p, md.min_p, impl="torch")
+    direct = sample(
+        logits, md.temperature, md.seeds, md.positions, md.top_k, md.top_p, md.min_p, impl="torch"
+    )
     assert torch.equal(out.token_ids, direct)
     drafted = Murmur3Sampler(impl="torch").sample(logits, metadata(6, drafting=True))
     shifted = sample(logits, md.temperature, md.seeds, md.positions + DRAFT_POSITION_OFFSET, impl="torch")
@@ -99,8 +100,16 @@ def test_torch_ref_is_reproducible_per_request_and_filters() -> None:
     md = metadata(8, top_k=torch.full((8,), 3))
     a, b = TorchRefSampler().sample(logits, md), TorchRefSampler().sample(logits, md)
     assert torch.equal(a.token_ids, b.token_ids)
-    alone = TorchRefSampler().sample(logits[2:3], metadata(1, **{k: getattr(md, k)[2:3] for k in (
-        "temperature", "top_k", "top_p", "min_p", "seeds", "positions")}))
+    alone = TorchRefSampler().sample(
+        logits[2:3],
+        metadata(
+            1,
+            **{
+                k: getattr(md, k)[2:3]
+                for k in ("temperature", "top_k", "top_p", "min_p", "seeds", "positions")
+            },
+        ),
+    )
     assert alone.token_ids.item() == a.token_ids[2].item()
     top3 = logits.topk(3, dim=1).indices
     assert (top3 == a.token_ids.unsqueeze(1)).any(dim=1).all()

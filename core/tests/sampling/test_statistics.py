@@ -6,13 +6,14 @@ import math
 
 import pytest
 import torch
-
 from jackfield.sampling import sample
 
 CUDA = torch.cuda.is_available()
 
 
-def draws(logits_row: torch.Tensor, n: int, temperature: float = 1.0, impl: str = "torch", **filters) -> torch.Tensor:
+def draws(
+    logits_row: torch.Tensor, n: int, temperature: float = 1.0, impl: str = "torch", **filters
+) -> torch.Tensor:
     """n draws for one distribution: n rows of the same logits with distinct positions."""
     device = logits_row.device
     rows = 1024 if device.type == "cpu" else 4096

@@ -73,7 +73,9 @@ def _gumbel_f32(row_hash, token):
     h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
     h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
     r = h ^ (h >> 16)
-    u = (r >> 16).to(tl.float32) * 1.52587890625e-05 + ((r & 0xFFFF).to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    u = (r >> 16).to(tl.float32) * 1.52587890625e-05 + (
+        (r & 0xFFFF).to(tl.float32) + 0.5
+    ) * 2.3283064365386963e-10
     series = _INV7 + u * _INV8  # the Horner form of u + u^2/2 + ... + u^8/8
     series = _INV6 + u * series
     series = _INV5 + u * series

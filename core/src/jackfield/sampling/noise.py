@@ -67,7 +67,12 @@ def murmur3_hash32(
     Returns the uint32 hash as int64.
     """
     seed = seed.to(torch.int64)
-    words = (seed & MASK32, (seed >> 32) & MASK32, pos.to(torch.int64) & MASK32, token.to(torch.int64) & MASK32)
+    words = (
+        seed & MASK32,
+        (seed >> 32) & MASK32,
+        pos.to(torch.int64) & MASK32,
+        token.to(torch.int64) & MASK32,
+    )
     h = torch.tensor(domain & MASK32, dtype=torch.int64, device=seed.device)
     for word in words:
         k = _mul32(_rotl32(_mul32(word, _C1), 15), _C2)
@@ -138,7 +143,9 @@ def log1p_neg_stable(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v < 0.25, series, log_f32(clamped))
 
 
-def gumbel_noise(seed: torch.Tensor, pos: torch.Tensor, token: torch.Tensor, fp64: bool = False) -> torch.Tensor:
+def gumbel_noise(
+    seed: torch.Tensor, pos: torch.Tensor, token: torch.Tensor, fp64: bool = False
+) -> torch.Tensor:
     """Standard Gumbel noise, finite everywhere.
 
     float32: -log(-log1p_neg_stable(u)), u = murmur3_uniform32 (u = 1 gives -log(24 ln 2)).
@@ -153,4 +160,3 @@ def gumbel_noise(seed: torch.Tensor, pos: torch.Tensor, token: torch.Tensor, fp6
 def gumbel_from_uniform32(u: torch.Tensor) -> torch.Tensor:
     """float32 Gumbel noise -log(-log1p_neg_stable(u)) for u in (0, 1]."""
     return -log_f32(-log1p_neg_stable(u))
-

@@ -16,7 +16,9 @@ def bias_and_mask_from_params(
     for p in params:
         for t in (*(p.logit_bias or {}), *(p.allowed_token_ids or ())):
             if int(t) >= vocab:
-                raise ValueError(f"token id {t} in logit_bias/allowed_token_ids is outside the vocab ({vocab})")
+                raise ValueError(
+                    f"token id {t} in logit_bias/allowed_token_ids is outside the vocab ({vocab})"
+                )
     bias = mask = None
     if any(p.logit_bias for p in params):
         bias = torch.zeros((len(params), vocab), dtype=torch.float32)

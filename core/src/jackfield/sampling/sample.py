@@ -23,7 +23,7 @@ def triton_importable() -> bool:
 
 
 def resolve_impl(impl: str, device: torch.device) -> Literal["torch", "triton"]:
-    """"auto": Triton on CUDA when it is importable, else PyTorch. "triton" off CUDA needs the
+    """ "auto": Triton on CUDA when it is importable, else PyTorch. "triton" off CUDA needs the
     Triton interpreter (TRITON_INTERPRET=1), which is how the CPU tests run the kernel."""
     if impl == "auto":
         return "triton" if device.type == "cuda" and triton_importable() else "torch"
