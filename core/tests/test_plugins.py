@@ -158,9 +158,16 @@ def test_example_third_party_plugin_is_discovered(make_dist) -> None:  # type: i
     sampler = resolve_factory(entry.spec.factory)()
     import torch
 
-    logits = torch.randn(5, 33)
+    from jackfield.contracts.sampler import SamplingMetadata
+
+    rows = 5
+    metadata = SamplingMetadata(
+        temperature=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.int64), top_p=torch.ones(rows),
+        min_p=torch.zeros(rows), seeds=torch.arange(rows), positions=torch.arange(rows),
+    )
+    logits = torch.randn(rows, 33)
     logits[2] = float("-inf")
-    out = sampler.sample(logits, None)
+    out = sampler.sample(logits, metadata)
     assert torch.equal(out.token_ids[[0, 1, 3, 4]], logits[[0, 1, 3, 4]].argmax(-1))
     assert out.invalid_rows.tolist() == [False, False, True, False, False]
 
