@@ -50,20 +50,28 @@ def attention_requirements(hf_config: Mapping[str, object], config: JackfieldCon
         max_decode_query_len=1 + num_spec,
     )
     kv_lora_rank = hf_config.get("kv_lora_rank")
-    if kv_lora_rank:
+    non_causal = hf_config.get("is_causal") is False
+    rope_dim = int(hf_config.get("qk_rope_head_dim", 64))  # type: ignore[arg-type]
+    if kv_lora_rank and not non_causal:
         return AttentionRequirements(
             kind="mla",
-            head_size=int(kv_lora_rank) + int(hf_config.get("qk_rope_head_dim", 64)),  # type: ignore[arg-type]
+            head_size=int(kv_lora_rank) + rope_dim,  # type: ignore[arg-type]
             sparse_topk=bool(hf_config.get("index_topk")),
             **common,  # type: ignore[arg-type]
         )
+    if kv_lora_rank:  # bidirectional DeepSeek: the expanded form, per-head k_nope ‖ k_pe, on an MHA backend
+        head_size = int(hf_config.get("qk_nope_head_dim", 128)) + rope_dim  # type: ignore[arg-type]
+        return AttentionRequirements(kind="mha", head_size=head_size, non_causal=True, **common)  # type: ignore[arg-type]
+    from jackfield.models.hf_config import layer_attention  # imports transformers: only when needed
+
+    pattern = layer_attention(hf_config)
     heads = int(hf_config["num_attention_heads"])  # type: ignore[arg-type]
     head_dim = hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads  # type: ignore[arg-type]
     return AttentionRequirements(
         kind="mha",
         head_size=int(head_dim),  # type: ignore[arg-type]
-        sliding_window=bool(hf_config.get("sliding_window")),
-        sinks=bool(hf_config.get("attention_sinks") or hf_config.get("use_sinks")),
-        non_causal=hf_config.get("is_causal") is False,
+        sliding_window=pattern.sliding_window,
+        sinks=pattern.sinks or bool(hf_config.get("attention_sinks") or hf_config.get("use_sinks")),
+        non_causal=non_causal,
         **common,  # type: ignore[arg-type]
     )

@@ -10,8 +10,12 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from jackfield.engine.llm import LLM
 
 DEFAULT_PROMPTS = ("The quick brown fox", "Jackfield is")
 
@@ -20,6 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="generate text (the embedded tiny model by default)")
     parser.add_argument("--config", help="a jackfield TOML file (default: built-in defaults)")
     parser.add_argument("--model", help="a local Hugging Face model directory (overrides [model].path)")
+    parser.add_argument("--task", choices=("generate", "embed"), default="generate",
+                        help="embed: print one pooled vector per prompt (bidirectional embedding models)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -47,8 +53,10 @@ def main(args: argparse.Namespace) -> int:
         llm = LLM(args.model, args.config, progress=say, **overrides)
     finally:
         close()
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
+    if args.task == "embed":
+        return _embed(llm, prompts, args.json)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     bar = tqdm(total=len(prompts), desc="generating", unit="req", file=sys.stderr, delay=1.0, leave=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, progress=lambda done, _: done > bar.n and bar.update(done - bar.n))
@@ -84,4 +92,20 @@ def main(args: argparse.Namespace) -> int:
         f"\nprompt tokens {summary['prompt_tokens']}, generated tokens {generated}, "
         f"time to first token {first * 1000:.1f} ms, decode {summary['decode_tokens_per_s']} tokens/s"
     )
+    return 0
+
+
+def _embed(llm: LLM, prompts: list[str], as_json: bool) -> int:
+    start = time.perf_counter()
+    vectors = llm.embed(prompts)
+    elapsed = time.perf_counter() - start
+    if as_json:
+        print(json.dumps({"model": str(llm.model_dir), "pooling": llm.pooling, "dim": vectors.shape[1],
+                          "embeddings": vectors.tolist(), "total_s": round(elapsed, 4)}))
+        return 0
+    print(f"model: {llm.model_dir} ({llm.device}), pooling {llm.pooling}, dim {vectors.shape[1]}")
+    for prompt, vector in zip(prompts, vectors):
+        head = ", ".join(f"{v:.4f}" for v in vector[:6].tolist())
+        print(f"{prompt!r}: [{head}, ...] norm {float(vector.norm()):.4f}")
+    print(f"\n{len(prompts)} embeddings in {elapsed * 1000:.1f} ms")
     return 0

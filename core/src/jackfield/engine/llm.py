@@ -16,12 +16,13 @@ from jackfield.contracts.sampler import Sampler, SamplingParams
 from jackfield.engine.block_manager import BlockManager
 from jackfield.engine.model_runner import ModelRunner
 from jackfield.engine.outputs import RequestOutput, RequestTimings
-from jackfield.engine.scheduler import Scheduler
+from jackfield.engine.scheduler import ScheduledChunk, Scheduler
 from jackfield.engine.sequence import Sequence
 from jackfield.engine.tokenizer import load_tokenizer
 from jackfield.models import load_model
 from jackfield.models.attention import AttentionBackends
 from jackfield.models.default_model import default_model_dir
+from jackfield.models.embedding import pool, pooling_of
 from jackfield.plugins import get_registry
 from jackfield.requirements import attention_requirements, read_hf_config, resolve_device, resolve_dtype
 from jackfield.selection import BackendChoice, resolve_attention
@@ -94,6 +95,7 @@ class LLM:
         self.model = load_model(self.model_dir, backends, self.dtype, self.device, config.attention.kv_cache_dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_ids()
+        self.pooling = pooling_of(read_hf_config(self.model_dir))
         engine = config.engine
         self.max_model_len = min(engine.max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.num_blocks = self._num_blocks()
@@ -179,6 +181,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if getattr(self.model, "non_causal", False):
+            raise ValueError(f"{self.model_dir} is a bidirectional (is_causal=false) model: use LLM.embed, not generate")
         seqs = [self._request(p, sp) for p, sp in zip(prompts, params)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -188,6 +192,37 @@ class LLM:
             if progress:
                 progress(done, len(seqs))
         return [self._output(seq) for seq in seqs]
+
+    def embed(self, inputs: Prompt | Seq[Prompt]) -> torch.Tensor:
+        """One pooled vector per prompt, [B, hidden] float32 (config.json's `pooling`: mean, last
+        or cls). Each prompt runs whole in one step (bidirectional attention needs all of its
+        tokens at once), never through the prefix cache; its blocks are handed back after."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # type: ignore[list-item]
+        seqs = [self._request(p, SamplingParams(max_tokens=1)) for p in inputs]  # type: ignore[union-attr]
+        budget = self.config.engine.max_num_batched_tokens
+        pooled: list[torch.Tensor] = []
+        i = 0
+        while i < len(seqs):
+            batch: list[Sequence] = []
+            tokens = 0
+            while i < len(seqs) and tokens + seqs[i].num_tokens <= budget and self.block_manager.can_grow(
+                seqs[i], seqs[i].num_tokens
+            ):
+                self.block_manager.grow(seqs[i], seqs[i].num_tokens)
+                batch.append(seqs[i])
+                tokens += seqs[i].num_tokens
+                i += 1
+            if not batch:
+                raise ValueError(f"a prompt of {seqs[i].num_tokens} tokens exceeds engine.max_num_batched_tokens "
+                                 f"({budget}): embedding runs each prompt whole in one step")
+            try:
+                hidden, common = self.runner.forward([ScheduledChunk(seq, seq.num_tokens) for seq in batch])
+            finally:
+                for seq in batch:
+                    self.block_manager.release(seq)
+            pooled.append(pool(hidden, common.query_start_loc_cpu.tolist(), self.pooling))
+        return torch.cat(pooled)
 
     def _step(self) -> int:
         chunks = self.scheduler.schedule()

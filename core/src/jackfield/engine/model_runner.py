@@ -69,6 +69,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
+            causal=not getattr(self.model, "non_causal", False),
         )
         return common, input_ids, positions
 
