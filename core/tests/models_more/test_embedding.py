@@ -38,10 +38,10 @@ def write(tmp_path: Path, variant: str, pooling: str) -> tuple[torch.nn.Module, 
     return hf_model, save_hf_model(hf_model, tmp_path / f"{variant}_{pooling}")
 
 
-def hf_embeddings(hf_model: torch.nn.Module, pooling: str) -> torch.Tensor:
+def hf_embeddings(hf_model: torch.nn.Module, pooling: str, prompts: list[list[int]] = PROMPTS) -> torch.Tensor:
     rows = []
     with torch.no_grad():
-        for prompt in PROMPTS:
+        for prompt in prompts:
             ids = torch.tensor([prompt])
             full = torch.zeros(1, 1, len(prompt), len(prompt))  # additive 4D mask: every key visible
             hidden = hf_model.model(ids, attention_mask=full).last_hidden_state[0]
@@ -58,7 +58,7 @@ def test_pooled_embeddings_match_transformers_full_mask(variant: str, pooling: s
     run = PagedRun(ours, block_size=4, num_blocks=8, causal=False)
     reqs = [run.add() for _ in PROMPTS]
     hidden = run.step(list(zip(reqs, PROMPTS)))
-    got = pool(hidden, [0, len(PROMPTS[0]), len(PROMPTS[0]) + len(PROMPTS[1])], pooling_of(config))
+    got = pool(hidden, [0, len(PROMPTS[0]), len(PROMPTS[0]) + len(PROMPTS[1])], pooling_of(config.to_dict()))
     torch.testing.assert_close(got, hf_embeddings(hf_model, pooling), atol=1e-4, rtol=1e-4)
 
 
@@ -99,4 +99,4 @@ def test_bad_pooling_in_config_fails_closed(tmp_path: Path) -> None:
     data = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**data, "pooling": "max"}))
     with pytest.raises(ValueError, match="pooling 'max' is not one of"):
-        pooling_of(read_hf_config(path))
+        pooling_of(read_hf_config(path).to_dict())

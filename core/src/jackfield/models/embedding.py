@@ -9,15 +9,17 @@ and last (the only token that saw the whole prompt) for causal ones.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
-from transformers import PretrainedConfig
 
 POOLING_TYPES = ("mean", "last", "cls")
 
 
-def pooling_of(hf_config: PretrainedConfig) -> str:
-    default = "mean" if getattr(hf_config, "is_causal", True) is False else "last"
-    pooling = getattr(hf_config, "pooling", None) or default
+def pooling_of(hf_config: Mapping[str, object]) -> str:
+    """The pooling a config.json dict (or `PretrainedConfig.to_dict()`) asks for."""
+    default = "mean" if hf_config.get("is_causal") is False else "last"
+    pooling = hf_config.get("pooling") or default
     if pooling not in POOLING_TYPES:
         raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLING_TYPES)}")
     return str(pooling)

@@ -1,0 +1,112 @@
+"""What each family asks of its attention backend, read from config.json alone, and selection
+rejecting a backend that lacks a needed feature with that reason."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from transformers import DeepseekV3Config, DeepseekV32Config, GraniteConfig, GraniteSWAConfig, LlamaConfig
+
+from jackfield.builtins import TORCH_REF_CAPABILITIES
+from jackfield.commands import run as run_command
+from jackfield.config import JackfieldConfig
+from jackfield.contracts.attention import AttentionRequirements
+from jackfield.models.default_model import save_byte_tokenizer
+from jackfield.plugins import Registered, load_registry
+from jackfield.requirements import attention_requirements
+from jackfield.selection import SelectionError, select_attention_backend
+from jackfield.specs import AttentionBackendSpec
+from paged_harness import save_hf_model
+from test_embedding import SMALL as DEEPSEEK_SMALL, VARIANTS, hf_embeddings
+
+GQA = dict(vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2)
+
+
+def requirements(config: object) -> AttentionRequirements:
+    return attention_requirements(json.loads(config.to_json_string()), JackfieldConfig())  # type: ignore[attr-defined]
+
+
+def plain_mha_registry():  # type: ignore[no-untyped-def]
+    """torch_ref's kernels behind a record without sliding window, sinks or non-causal."""
+    caps = dataclasses.replace(TORCH_REF_CAPABILITIES, kinds=("mha",), sliding_window=False, sinks=False,
+                               non_causal=False)
+    registry = load_registry(entry_points=[])
+    for name, capabilities in (("plain_mha", caps), ("torch_ref", TORCH_REF_CAPABILITIES)):
+        spec = AttentionBackendSpec(name=name, factory="jackfield.attention.torch_ref:TorchRefBackend",
+                                    capabilities=capabilities)
+        registry.entries["attention"][name] = Registered("attention", spec, "test", "test-dist")
+    return registry
+
+
+def test_llama_and_granite_need_nothing_special() -> None:
+    for config in (LlamaConfig(**GQA), GraniteConfig(**GQA)):
+        req = requirements(config)
+        assert (req.kind, req.head_size, req.sliding_window, req.sinks, req.non_causal) == ("mha", 8, False, False, False)
+        assert select_attention_backend(req, "plain_mha", registry=plain_mha_registry()).name == "plain_mha"
+
+
+def test_granite_swa_backend_without_windows_or_sinks_is_rejected_with_both_reasons() -> None:
+    req = requirements(GraniteSWAConfig(**GQA, sliding_window=3))
+    assert req.sliding_window and req.sinks
+    with pytest.raises(SelectionError) as err:
+        select_attention_backend(req, "plain_mha", registry=plain_mha_registry())
+    assert "sliding_window not supported" in str(err.value) and "sinks not supported" in str(err.value)
+    assert "would work: torch_ref" in str(err.value)
+    # every layer full: no window needed, sinks still are (they are part of the architecture)
+    full = requirements(GraniteSWAConfig(**GQA, layer_types=["full_attention"] * 4))
+    assert not full.sliding_window and full.sinks
+
+
+def test_bidirectional_deepseek_needs_non_causal_mha() -> None:
+    config = DeepseekV3Config(**{**DEEPSEEK_SMALL, "q_lora_rank": 24, "n_group": 2, "topk_group": 1})
+    req = requirements(config)
+    assert (req.kind, req.head_size, req.non_causal) == ("mha", 16, True)
+    with pytest.raises(SelectionError, match="non_causal not supported"):
+        select_attention_backend(req, "plain_mha", registry=plain_mha_registry())
+    assert select_attention_backend(req, "torch_ref", registry=plain_mha_registry()).name == "torch_ref"
+    causal = requirements(DeepseekV3Config(**{**DEEPSEEK_SMALL, "is_causal": True, "q_lora_rank": 24}))
+    assert (causal.kind, causal.non_causal) == ("mla", False)
+
+
+def test_v32_needs_sparse_topk() -> None:
+    req = requirements(DeepseekV32Config(index_topk=64, num_hidden_layers=2))
+    assert req.kind == "mla" and req.sparse_topk
+
+
+def test_jackfield_run_task_embed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    config_cls, model_cls, extra = VARIANTS["v3"]
+    config = config_cls(**{**DEEPSEEK_SMALL, "vocab_size": 300}, **extra, pooling="mean")
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf_model = model_cls(config).eval()
+    path = save_hf_model(hf_model, tmp_path / "embedder")
+    save_byte_tokenizer(path)
+    parser = argparse.ArgumentParser()
+    run_command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["run", "--model", str(path), "--task", "embed", "--attention-backend", "torch_ref",
+                              "--json", "--prompt", "jackfield", "--prompt", "embeddings"])
+    assert args.handler(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pooling"] == "mean" and out["dim"] == DEEPSEEK_SMALL["hidden_size"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in ("jackfield", "embeddings")]
+    want = torch.cat([hf_embeddings(hf_model, "mean", [prompt]) for prompt in ids])
+    torch.testing.assert_close(torch.tensor(out["embeddings"]), want, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_on_a_bidirectional_model_is_refused(tmp_path: Path) -> None:
+    from jackfield import LLM
+    from test_embedding import write
+
+    _, path = write(tmp_path, "v2", "mean")
+    with pytest.raises(ValueError, match="use LLM.embed"):
+        LLM(path, backend="torch_ref").generate([[1, 2, 3]])
