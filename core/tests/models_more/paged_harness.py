@@ -8,13 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import PreTrainedModel
-
 from jackfield.attention.kv_cache import allocate_kv_cache
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionMetadata
 from jackfield.models.attention import AttentionBackends, StepContext
+from torch import nn
+from transformers import PreTrainedModel
 
 TORCH_REF = AttentionBackends(prefill=TorchRefBackend, decode=TorchRefBackend)
 
@@ -67,7 +66,9 @@ class PagedRun:
             table = self.tables[req]
             ids += tokens
             positions += range(start, end)
-            slots += [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            slots += [
+                table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)
+            ]
             qsl.append(qsl[-1] + len(tokens))
             seq_lens.append(end)
             self.lens[req] = end
@@ -92,8 +93,9 @@ class PagedRun:
             return self.model(torch.tensor(ids), torch.tensor(positions), step)
 
 
-def generate(model: nn.Module, prompts: list[list[int]], max_new: int, *, block_size: int = 4,
-             prefill_chunk: int = 5) -> tuple[list[list[int]], list[torch.Tensor]]:
+def generate(
+    model: nn.Module, prompts: list[list[int]], max_new: int, *, block_size: int = 4, prefill_chunk: int = 5
+) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Chunked prefill of all prompts together, then batched greedy decode.
 
     Returns (generated tokens per prompt, logits per prompt over prompt + generated[:-1] rows)."""
@@ -102,10 +104,14 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new: int, *, block_
     reqs = [run.add() for _ in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     for start in range(0, max(len(p) for p in prompts), prefill_chunk):
-        chunks = [(r, p[start : start + prefill_chunk]) for r, p in zip(reqs, prompts) if p[start:start + prefill_chunk]]
+        chunks = [
+            (r, p[start : start + prefill_chunk])
+            for r, p in zip(reqs, prompts, strict=True)
+            if p[start : start + prefill_chunk]
+        ]
         hidden = run.step(chunks)
         rows = torch.split(model.compute_logits(hidden), [len(t) for _, t in chunks])
-        for (r, _), row in zip(chunks, rows):
+        for (r, _), row in zip(chunks, rows, strict=True):
             logits[r].append(row)
     out = [[int(logits[r][-1][-1].argmax())] for r in reqs]
     for _ in range(max_new - 1):
@@ -117,7 +123,9 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new: int, *, block_
     return out, [torch.cat(rows) for rows in logits]
 
 
-def hf_reference(hf_model: PreTrainedModel, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+def hf_reference(
+    hf_model: PreTrainedModel, prompt: list[int], max_new: int
+) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens (a full forward per token, no cache, no generation-config
     logit processors) and its logits over prompt + generated[:-1]."""
     tokens: list[int] = []

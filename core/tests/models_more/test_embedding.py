@@ -9,18 +9,33 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
-
 from jackfield.attention.kv_cache import is_mla
 from jackfield.models import model_class
 from jackfield.models.embedding import pool, pooling_of
 from jackfield.models.hf_config import read_hf_config
 from paged_harness import TORCH_REF, PagedRun, randomize_, save_hf_model
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-             v_head_dim=12, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-             max_position_embeddings=64, tie_word_embeddings=False, is_causal=False)
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    is_causal=False,
+)
 VARIANTS = {
     "v3": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(q_lora_rank=24, n_group=2, topk_group=1)),
     "v2": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(q_lora_rank=None, topk_method="greedy")),
@@ -38,7 +53,9 @@ def write(tmp_path: Path, variant: str, pooling: str) -> tuple[torch.nn.Module, 
     return hf_model, save_hf_model(hf_model, tmp_path / f"{variant}_{pooling}")
 
 
-def hf_embeddings(hf_model: torch.nn.Module, pooling: str, prompts: list[list[int]] = PROMPTS) -> torch.Tensor:
+def hf_embeddings(
+    hf_model: torch.nn.Module, pooling: str, prompts: list[list[int]] = PROMPTS
+) -> torch.Tensor:
     rows = []
     with torch.no_grad():
         for prompt in prompts:
@@ -57,7 +74,7 @@ def test_pooled_embeddings_match_transformers_full_mask(variant: str, pooling: s
     assert ours.non_causal and not any(is_mla(layer) for layer in ours.kv_cache_layers)
     run = PagedRun(ours, block_size=4, num_blocks=8, causal=False)
     reqs = [run.add() for _ in PROMPTS]
-    hidden = run.step(list(zip(reqs, PROMPTS)))
+    hidden = run.step(list(zip(reqs, PROMPTS, strict=True)))
     got = pool(hidden, [0, len(PROMPTS[0]), len(PROMPTS[0]) + len(PROMPTS[1])], pooling_of(config.to_dict()))
     torch.testing.assert_close(got, hf_embeddings(hf_model, pooling), atol=1e-4, rtol=1e-4)
 
@@ -66,7 +83,9 @@ def test_llm_embed_matches_transformers(tmp_path: Path) -> None:
     from jackfield import LLM
 
     hf_model, path = write(tmp_path, "v3", "mean")
-    llm = LLM(path, backend="torch_ref", block_size=4, max_num_batched_tokens=10)  # two steps for the two prompts
+    llm = LLM(
+        path, backend="torch_ref", block_size=4, max_num_batched_tokens=10
+    )  # two steps for the two prompts
     got = llm.embed(PROMPTS)
     assert got.shape == (2, SMALL["hidden_size"]) and got.dtype == torch.float32
     torch.testing.assert_close(got, hf_embeddings(hf_model, "mean"), atol=1e-4, rtol=1e-4)
@@ -80,12 +99,16 @@ def test_causal_masking_would_change_the_answer(tmp_path: Path) -> None:
         ids = torch.tensor([PROMPTS[0]])
         causal = torch.full((len(PROMPTS[0]),) * 2, float("-inf")).triu(1)[None, None]
         hidden = hf_model.model(ids, attention_mask=causal).last_hidden_state[0]
-    assert (pool(hidden, [0, len(PROMPTS[0])], "mean") - hf_embeddings(hf_model, "mean")[:1]).abs().max() > 1e-3
+    assert (
+        pool(hidden, [0, len(PROMPTS[0])], "mean") - hf_embeddings(hf_model, "mean")[:1]
+    ).abs().max() > 1e-3
 
 
 def test_pool_checks_its_inputs() -> None:
     hidden = torch.randn(5, 3)
-    torch.testing.assert_close(pool(hidden, [0, 2, 5], "mean"), torch.stack([hidden[:2].mean(0), hidden[2:].mean(0)]))
+    torch.testing.assert_close(
+        pool(hidden, [0, 2, 5], "mean"), torch.stack([hidden[:2].mean(0), hidden[2:].mean(0)])
+    )
     torch.testing.assert_close(pool(hidden, [0, 2, 5], "last"), hidden[[1, 4]])
     torch.testing.assert_close(pool(hidden, [0, 2, 5], "cls"), hidden[[0, 2]])
     with pytest.raises(ValueError, match="non-empty prompts"):

@@ -9,8 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import DeepseekV3Config, DeepseekV32Config, GraniteConfig, GraniteSWAConfig, LlamaConfig
-
 from jackfield.builtins import TORCH_REF_CAPABILITIES
 from jackfield.commands import run as run_command
 from jackfield.config import JackfieldConfig
@@ -21,10 +19,18 @@ from jackfield.requirements import attention_requirements
 from jackfield.selection import SelectionError, select_attention_backend
 from jackfield.specs import AttentionBackendSpec
 from paged_harness import save_hf_model
-from test_embedding import SMALL as DEEPSEEK_SMALL, VARIANTS, hf_embeddings
+from test_embedding import SMALL as DEEPSEEK_SMALL
+from test_embedding import VARIANTS, hf_embeddings
+from transformers import DeepseekV3Config, DeepseekV32Config, GraniteConfig, GraniteSWAConfig, LlamaConfig
 
-GQA = dict(vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
-           num_key_value_heads=2)
+GQA = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def requirements(config: object) -> AttentionRequirements:
@@ -33,12 +39,14 @@ def requirements(config: object) -> AttentionRequirements:
 
 def plain_mha_registry():  # type: ignore[no-untyped-def]
     """torch_ref's kernels behind a record without sliding window, sinks or non-causal."""
-    caps = dataclasses.replace(TORCH_REF_CAPABILITIES, kinds=("mha",), sliding_window=False, sinks=False,
-                               non_causal=False)
+    caps = dataclasses.replace(
+        TORCH_REF_CAPABILITIES, kinds=("mha",), sliding_window=False, sinks=False, non_causal=False
+    )
     registry = load_registry(entry_points=[])
     for name, capabilities in (("plain_mha", caps), ("torch_ref", TORCH_REF_CAPABILITIES)):
-        spec = AttentionBackendSpec(name=name, factory="jackfield.attention.torch_ref:TorchRefBackend",
-                                    capabilities=capabilities)
+        spec = AttentionBackendSpec(
+            name=name, factory="jackfield.attention.torch_ref:TorchRefBackend", capabilities=capabilities
+        )
         registry.entries["attention"][name] = Registered("attention", spec, "test", "test-dist")
     return registry
 
@@ -46,7 +54,13 @@ def plain_mha_registry():  # type: ignore[no-untyped-def]
 def test_llama_and_granite_need_nothing_special() -> None:
     for config in (LlamaConfig(**GQA), GraniteConfig(**GQA)):
         req = requirements(config)
-        assert (req.kind, req.head_size, req.sliding_window, req.sinks, req.non_causal) == ("mha", 8, False, False, False)
+        assert (req.kind, req.head_size, req.sliding_window, req.sinks, req.non_causal) == (
+            "mha",
+            8,
+            False,
+            False,
+            False,
+        )
         assert select_attention_backend(req, "plain_mha", registry=plain_mha_registry()).name == "plain_mha"
 
 
@@ -90,8 +104,22 @@ def test_jackfield_run_task_embed(tmp_path: Path, capsys: pytest.CaptureFixture[
     save_byte_tokenizer(path)
     parser = argparse.ArgumentParser()
     run_command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["run", "--model", str(path), "--task", "embed", "--attention-backend", "torch_ref",
-                              "--json", "--prompt", "jackfield", "--prompt", "embeddings"])
+    args = parser.parse_args(
+        [
+            "run",
+            "--model",
+            str(path),
+            "--task",
+            "embed",
+            "--attention-backend",
+            "torch_ref",
+            "--json",
+            "--prompt",
+            "jackfield",
+            "--prompt",
+            "embeddings",
+        ]
+    )
     assert args.handler(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["pooling"] == "mean" and out["dim"] == DEEPSEEK_SMALL["hidden_size"]

@@ -8,29 +8,51 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    GraniteConfig,
-    GraniteForCausalLM as HFGranite,
-    GraniteMoeConfig,
-    GraniteMoeForCausalLM as HFGraniteMoe,
-    GraniteMoeSWAConfig,
-    GraniteMoeSWAForCausalLM as HFGraniteMoeSWA,
-    GraniteSWAConfig,
-    GraniteSWAForCausalLM as HFGraniteSWA,
-    LlamaConfig,
-    LlamaForCausalLM as HFLlama,
-    PretrainedConfig,
-)
-
 from jackfield.models.granite import GraniteForCausalLM, granite_weight_mapper
 from jackfield.models.hf_config import granite_arch, layer_attention, read_hf_config
 from paged_harness import TORCH_REF, generate, hf_reference, randomize_, save_hf_model
+from transformers import (
+    GraniteConfig,
+    GraniteMoeConfig,
+    GraniteMoeSWAConfig,
+    GraniteSWAConfig,
+    LlamaConfig,
+    PretrainedConfig,
+)
+from transformers import (
+    GraniteForCausalLM as HFGranite,
+)
+from transformers import (
+    GraniteMoeForCausalLM as HFGraniteMoe,
+)
+from transformers import (
+    GraniteMoeSWAForCausalLM as HFGraniteMoeSWA,
+)
+from transformers import (
+    GraniteSWAForCausalLM as HFGraniteSWA,
+)
+from transformers import (
+    LlamaForCausalLM as HFLlama,
+)
 
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-GRANITE = dict(embedding_multiplier=1.7, residual_multiplier=0.6, attention_multiplier=0.3, logits_scaling=2.5)
-SWA = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-           layer_rope_theta=[10000.0, 0, 500.0, 10000.0])  # one NoPE layer, two RoPE bases
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+GRANITE = dict(
+    embedding_multiplier=1.7, residual_multiplier=0.6, attention_multiplier=0.3, logits_scaling=2.5
+)
+SWA = dict(
+    sliding_window=3,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    layer_rope_theta=[10000.0, 0, 500.0, 10000.0],
+)  # one NoPE layer, two RoPE bases
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 
 CASES = {
@@ -39,9 +61,15 @@ CASES = {
     "granite": (HFGranite, GraniteConfig(**SMALL, **GRANITE)),
     "granite_swa": (HFGraniteSWA, GraniteSWAConfig(**SMALL, **GRANITE, **SWA)),
     "granitemoe": (HFGraniteMoe, GraniteMoeConfig(**SMALL, **GRANITE, **MOE)),  # older weight names
-    "granitemoe_swa": (HFGraniteMoeSWA, GraniteMoeSWAConfig(**SMALL, **GRANITE, **SWA, **MOE, shared_intermediate_size=24)),
+    "granitemoe_swa": (
+        HFGraniteMoeSWA,
+        GraniteMoeSWAConfig(**SMALL, **GRANITE, **SWA, **MOE, shared_intermediate_size=24),
+    ),
 }
-PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 14], [90, 1, 56, 23, 8, 47, 11]]  # both longer than the window
+PROMPTS = [
+    [5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 14],
+    [90, 1, 56, 23, 8, 47, 11],
+]  # both longer than the window
 
 
 def build(name: str, tmp_path: Path) -> tuple[torch.nn.Module, GraniteForCausalLM]:
@@ -50,7 +78,11 @@ def build(name: str, tmp_path: Path) -> tuple[torch.nn.Module, GraniteForCausalL
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     hf_model = hf_cls(config).eval()
-    randomize_(hf_model, ("sinks", "input_layernorm.weight", "post_attention_layernorm.weight", "norm.weight"), seed=1)
+    randomize_(
+        hf_model,
+        ("sinks", "input_layernorm.weight", "post_attention_layernorm.weight", "norm.weight"),
+        seed=1,
+    )
     path = save_hf_model(hf_model, tmp_path / name)
     ours = GraniteForCausalLM.from_pretrained(path, read_hf_config(path), TORCH_REF, torch.float32, "cpu")
     return hf_model, ours
@@ -61,7 +93,7 @@ def test_logits_and_greedy_tokens_match_transformers(name: str, tmp_path: Path) 
     hf_model, ours = build(name, tmp_path)
     max_new = 5
     tokens, logits = generate(ours, PROMPTS, max_new, block_size=4, prefill_chunk=5)
-    for prompt, got_tokens, got_logits in zip(PROMPTS, tokens, logits):
+    for prompt, got_tokens, got_logits in zip(PROMPTS, tokens, logits, strict=True):
         want_tokens, want_logits = hf_reference(hf_model, prompt, max_new)
         assert got_logits.shape == want_logits.shape
         torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
@@ -79,7 +111,9 @@ def test_swa_layers_and_sinks_are_really_used(tmp_path: Path) -> None:
     assert (base[0] - no_sinks[0]).abs().max() > 1e-2
     wide = read_hf_config(tmp_path / "granite_swa")
     wide.sliding_window = 64
-    ours_wide = GraniteForCausalLM.from_pretrained(tmp_path / "granite_swa", wide, TORCH_REF, torch.float32, "cpu")
+    ours_wide = GraniteForCausalLM.from_pretrained(
+        tmp_path / "granite_swa", wide, TORCH_REF, torch.float32, "cpu"
+    )
     _, wide_logits = generate(ours_wide, PROMPTS[:1], 1)
     assert (base[0] - wide_logits[0]).abs().max() > 1e-2
 
@@ -103,7 +137,10 @@ def test_layer_attention_defaults_leave_llama_and_granite_unchanged() -> None:
         ({"num_hidden_layers": 2, "layer_types": ["full_attention"]}, "1 entries for 2 layers"),
         ({"num_hidden_layers": 1, "layer_types": ["chunked_attention"]}, "not supported"),
         ({"num_hidden_layers": 1, "layer_types": ["sliding_attention"]}, "positive integer sliding_window"),
-        ({"num_hidden_layers": 1, "layer_types": ["sliding_attention"], "sliding_window": 0}, "positive integer"),
+        (
+            {"num_hidden_layers": 1, "layer_types": ["sliding_attention"], "sliding_window": 0},
+            "positive integer",
+        ),
     ],
 )
 def test_layer_attention_rejects_bad_patterns(cfg: dict[str, object], message: str) -> None:
@@ -135,11 +172,18 @@ def test_weight_mapper_knows_older_and_newer_moe_names() -> None:
     arch = granite_arch(GraniteMoeSWAConfig(**SMALL, **MOE, architectures=["GraniteMoeSWAForCausalLM"]))
     mapper = granite_weight_mapper(arch)
     prefix = "model.layers.3.block_sparse_moe"
-    for old, new in (("input_linear.weight", "experts.gate_up_proj"), ("output_linear.weight", "experts.down_proj"),
-                     ("router.layer.weight", "router.weight")):
+    for old, new in (
+        ("input_linear.weight", "experts.gate_up_proj"),
+        ("output_linear.weight", "experts.down_proj"),
+        ("router.layer.weight", "router.weight"),
+    ):
         assert mapper.target(f"{prefix}.{old}") == mapper.target(f"{prefix}.{new}")
     assert mapper.target(f"{prefix}.experts.gate_up_proj") == (f"{prefix}.experts.w13", None, None)
-    assert mapper.target("model.layers.0.mlp.up_proj.weight") == ("model.layers.0.mlp.gate_up_proj.weight", None, (1, 2))
+    assert mapper.target("model.layers.0.mlp.up_proj.weight") == (
+        "model.layers.0.mlp.gate_up_proj.weight",
+        None,
+        (1, 2),
+    )
 
 
 def test_missing_sinks_in_checkpoint_are_reported(tmp_path: Path) -> None:

@@ -46,18 +46,29 @@ class Indexer(nn.Module):
         self.k_norm.bias = nn.Parameter(torch.empty(dim, dtype=dtype), False)
         # Head weights in float32 whatever the activation dtype (as the reference keeps them).
         self.weights_proj = nn.Module()
-        self.weights_proj.weight = nn.Parameter(torch.empty(heads, arch.hidden_size, dtype=torch.float32), False)
+        self.weights_proj.weight = nn.Parameter(
+            torch.empty(heads, arch.hidden_size, dtype=torch.float32), False
+        )
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         return torch.cat((rope(x[..., : self.rope_dim], positions), x[..., self.rope_dim :]), dim=-1)
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                key_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        key_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """Write this step's indexer keys, then top-k indices [T, K] int32 (request-local key
         positions, -1 where a query sees fewer than K keys)."""
         t = x.shape[0]
         q = self._rope(self.wq_b(q_latent).view(t, self.heads, self.dim), positions, rope)
-        k = F.layer_norm(self.wk(x).float(), (self.dim,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6)
+        k = F.layer_norm(
+            self.wk(x).float(), (self.dim,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6
+        )
         k = self._rope(k.to(x.dtype).unsqueeze(1), positions, rope).squeeze(1)
         write_slots(key_cache.flatten(0, 1), metadata.slot_mapping, k.to(key_cache.dtype))
         head_weights = F.linear(x.float(), self.weights_proj.weight) * self.heads**-0.5  # [T, H]
@@ -83,13 +94,25 @@ class Indexer(nn.Module):
 class SparseMLAAttention(MLAAttention):
     """MLA whose queries attend only to the indexer's top-k tokens."""
 
-    def __init__(self, arch: DeepseekArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        arch: DeepseekArch,
+        index: int,
+        spec: AttentionLayerSpec,
+        backends: AttentionBackends,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__(arch, index, spec, backends, dtype)
         self.indexer = Indexer(arch, dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext,
-                index_rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        step: StepContext,
+        index_rope: RotaryEmbedding,
+    ) -> torch.Tensor:
         a, t = self.arch, x.shape[0]
         q, kv_c, k_pe, q_latent = self.project(x, positions, rope)
         assert q_latent is not None
@@ -104,16 +127,25 @@ class SparseMLAAttention(MLAAttention):
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
-    def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
-                 kv_cache_dtype: KVCacheDType = "auto") -> None:
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        backends: AttentionBackends,
+        dtype: torch.dtype,
+        kv_cache_dtype: KVCacheDType = "auto",
+    ) -> None:
         super().__init__(hf_config, backends, dtype, kv_cache_dtype)
         arch = self.arch
         # The indexer's RoPE: the MLA frequencies, half-split pairs (not interleaved).
         inv_freq, scaling = rope_inv_freq(hf_config, arch.qk_rope_head_dim)
         self.index_rope = RotaryEmbedding(inv_freq, scaling, arch.max_position_embeddings, interleaved=False)
         # One record of index_head_dim values per token: the MLA cache layout with no rope part.
-        self.index_key_spec = AttentionLayerSpec(num_heads=arch.index_n_heads, head_size=arch.index_head_dim,
-                                                 scale=arch.index_head_dim**-0.5, kv_lora_rank=arch.index_head_dim)
+        self.index_key_spec = AttentionLayerSpec(
+            num_heads=arch.index_n_heads,
+            head_size=arch.index_head_dim,
+            scale=arch.index_head_dim**-0.5,
+            kv_lora_rank=arch.index_head_dim,
+        )
 
     def make_attention(self, index: int, backends: AttentionBackends) -> MLAAttention:
         return SparseMLAAttention(self.arch, index, self.attention_spec, backends, self.dtype)

@@ -30,10 +30,12 @@ def pool(hidden: torch.Tensor, query_start_loc: list[int], pooling: str) -> torc
     if pooling not in POOLING_TYPES:
         raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLING_TYPES)}")
     starts, ends = query_start_loc[:-1], query_start_loc[1:]
-    if any(e <= s for s, e in zip(starts, ends)) or query_start_loc[-1] != hidden.shape[0]:
-        raise ValueError(f"query_start_loc {query_start_loc} does not split {hidden.shape[0]} rows into non-empty prompts")
+    if any(e <= s for s, e in zip(starts, ends, strict=True)) or query_start_loc[-1] != hidden.shape[0]:
+        raise ValueError(
+            f"query_start_loc {query_start_loc} does not split {hidden.shape[0]} rows into non-empty prompts"
+        )
     if pooling == "cls":
         return hidden[starts].float()
     if pooling == "last":
         return hidden[[e - 1 for e in ends]].float()
-    return torch.stack([hidden[s:e].float().mean(dim=0) for s, e in zip(starts, ends)])
+    return torch.stack([hidden[s:e].float().mean(dim=0) for s, e in zip(starts, ends, strict=True)])

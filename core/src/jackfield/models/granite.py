@@ -55,8 +55,14 @@ def granite_weight_mapper(arch: GraniteArch) -> WeightMapper:
 
 
 class GQAAttention(nn.Module):
-    def __init__(self, arch: GraniteArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        arch: GraniteArch,
+        index: int,
+        spec: AttentionLayerSpec,
+        backends: AttentionBackends,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.arch, self.index = arch, index
         h, kv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -68,8 +74,9 @@ class GQAAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(h, dtype=dtype), False) if arch.sinks else None
         self.attn = RoleImpls(backends, spec)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
-                step: StepContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, step: StepContext
+    ) -> torch.Tensor:
         a, t = self.arch, x.shape[0]
         q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
         k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
@@ -98,8 +105,14 @@ class GraniteMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: GraniteArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        arch: GraniteArch,
+        index: int,
+        spec: AttentionLayerSpec,
+        backends: AttentionBackends,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.residual_multiplier = arch.residual_multiplier
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -108,7 +121,9 @@ class DecoderLayer(nn.Module):
         if arch.num_experts:
             self.block_sparse_moe = GraniteMoE(arch, dtype)
             self.shared_mlp = (
-                GatedMLP(arch.hidden_size, arch.shared_intermediate_size, dtype) if arch.shared_intermediate_size else None
+                GatedMLP(arch.hidden_size, arch.shared_intermediate_size, dtype)
+                if arch.shared_intermediate_size
+                else None
             )
         else:
             self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
@@ -119,8 +134,9 @@ class DecoderLayer(nn.Module):
         out = self.block_sparse_moe(x)
         return out if self.shared_mlp is None else out + self.shared_mlp(x)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
-                step: StepContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, step: StepContext
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, step) * self.residual_multiplier
         return x + self._mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
 
@@ -128,8 +144,13 @@ class DecoderLayer(nn.Module):
 class GraniteForCausalLM(nn.Module):
     """Serves every architecture `granite_arch` accepts; `from_pretrained` loads a local checkpoint."""
 
-    def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
-                 kv_cache_dtype: KVCacheDType = "auto") -> None:
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        backends: AttentionBackends,
+        dtype: torch.dtype,
+        kv_cache_dtype: KVCacheDType = "auto",
+    ) -> None:
         super().__init__()
         arch = granite_arch(hf_config)
         self.arch, self.dtype = arch, dtype
@@ -148,11 +169,15 @@ class GraniteForCausalLM(nn.Module):
         self.ropes = nn.ModuleList()  # one table per distinct RoPE base
         for theta in thetas:
             inv_freq, scaling = rope_inv_freq(_with_rope_theta(hf_config, theta), arch.head_dim)
-            self.ropes.append(RotaryEmbedding(inv_freq, scaling, arch.max_position_embeddings, interleaved=False))
+            self.ropes.append(
+                RotaryEmbedding(inv_freq, scaling, arch.max_position_embeddings, interleaved=False)
+            )
         self.rope_of_layer = [thetas.index(t) if t else None for t in arch.rope_thetas]  # None: NoPE
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
-        self.model.embed_tokens.weight = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), False)
+        self.model.embed_tokens.weight = nn.Parameter(
+            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), False
+        )
         self.model.layers = nn.ModuleList(
             DecoderLayer(arch, i, spec, backends, dtype) for i, spec in enumerate(self.layer_specs)
         )
@@ -170,12 +195,20 @@ class GraniteForCausalLM(nn.Module):
         return self.arch.max_position_embeddings
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, hf_config: PretrainedConfig, backends: AttentionBackends,
-                        dtype: torch.dtype, device: torch.device | str,
-                        kv_cache_dtype: KVCacheDType = "auto") -> GraniteForCausalLM:
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        hf_config: PretrainedConfig,
+        backends: AttentionBackends,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_cache_dtype: KVCacheDType = "auto",
+    ) -> GraniteForCausalLM:
         with torch.device(device):
             model = cls(hf_config, backends, dtype, kv_cache_dtype)
-        load_weights(dict(model.named_parameters()), iter_checkpoint(model_dir), granite_weight_mapper(model.arch))
+        load_weights(
+            dict(model.named_parameters()), iter_checkpoint(model_dir), granite_weight_mapper(model.arch)
+        )
         return model.eval()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
