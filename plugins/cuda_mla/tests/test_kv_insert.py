@@ -85,3 +85,32 @@ def test_insert_16k_tokens_in_one_call() -> None:
     live = slots >= 0
     assert int(live.sum()) > 14000
     assert torch.equal(flat[slots[live]].float(), expected[live].float())
+
+
+def test_slot_range_is_checked_per_tensor_version_and_cache() -> None:
+    """The remembered range check must still fail on every change that could make a slot bad."""
+    rows = lambda n: (torch.randn(n, RANK, device=DEV), torch.randn(n, ROPE, device=DEV))  # noqa: E731
+    big, small = poisoned_cache(8, torch.float32), poisoned_cache(2, torch.float32)
+    slots = torch.tensor([3, 5 * PAGE, 1], device=DEV)
+    mla_kv_insert(*rows(3), big, slots)  # in range for 8 blocks: checked once, remembered
+    mla_kv_insert(*rows(3), big, slots)
+    with pytest.raises(ValueError, match=f"slot_mapping holds slot {5 * PAGE}"):
+        mla_kv_insert(*rows(3), small, slots)  # same tensor, smaller cache: checked again
+    slots[0] = 8 * PAGE  # in place: the version counter moves
+    with pytest.raises(ValueError, match=f"slot_mapping holds slot {8 * PAGE}"):
+        mla_kv_insert(*rows(3), big, slots)
+
+
+def test_kernel_skips_slots_past_the_cache_even_unchecked() -> None:
+    """A write through .data does not move the version counter: the kernel's own bound holds."""
+    buffer = poisoned_cache(3, torch.float32)
+    cache = buffer[:2]  # block 2 is the memory a stray write past the cache would hit
+    slots = torch.tensor([0, 1, 2], device=DEV)
+    kv_c, k_pe = torch.randn(3, RANK, device=DEV), torch.randn(3, ROPE, device=DEV)
+    mla_kv_insert(kv_c, k_pe, cache, slots)
+    buffer.fill_(float("nan"))
+    slots.data[1] = 2 * PAGE  # one past the last slot, invisible to the remembered check
+    mla_kv_insert(kv_c, k_pe, cache, slots)
+    flat = buffer.view(-1, RANK + ROPE)
+    assert torch.equal(flat[[0, 2]], torch.cat([kv_c, k_pe], 1)[[0, 2]])
+    assert bool(flat[[1, *range(3, 3 * PAGE)]].isnan().all())

@@ -2,9 +2,16 @@
 
 One kernel for every caller, including KV-only writes (drafters that insert KV with no queries).
 Each program writes BLOCK_T tokens; record widths come from the cache's last dimension.
+
+Slot range: every layer of a step inserts with the same slot_mapping tensor, so its range is
+checked on the host once per (tensor, version, capacity) and remembered (one device sync a step,
+not one a layer). The kernel also skips any slot >= capacity, so a tensor changed behind the
+version counter can never cause a stray write.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import triton
@@ -22,6 +29,7 @@ def _kv_insert_kernel(
     cache,
     slots,
     num_tokens,
+    capacity,
     kv_scale,
     stride_c,
     stride_p,
@@ -36,7 +44,8 @@ def _kv_insert_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slots + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
-    live = slot >= 0  # negative slots (padding, skipped tokens) are not written
+    # Negative slots (padding, skipped tokens) are not written; slots past the cache never are.
+    live = (slot >= 0) & (slot < capacity)
     base = cache + slot * stride_slot
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
@@ -53,6 +62,31 @@ def _kv_insert_kernel(
     tl.store(base[:, None] + RANK + p[None, :], e.to(out_ty), mask=mask_p)
 
 
+class _CheckedSlots:
+    """The last slot_mapping whose range passed, by identity and version (no strong reference)."""
+
+    tensor: weakref.ref | None = None
+    version: int = -1
+    capacity: int = -1
+
+
+def _check_slot_range(slot_mapping: torch.Tensor, capacity: int, num_blocks: int, block_size: int) -> None:
+    last = _CheckedSlots
+    if (
+        last.tensor is not None
+        and last.tensor() is slot_mapping
+        and last.version == slot_mapping._version
+        and last.capacity == capacity
+    ):
+        return
+    top = int(slot_mapping.max().item())  # the one device sync
+    require(
+        top < capacity,
+        f"slot_mapping holds slot {top}, but the cache has {capacity} slots ({num_blocks} x {block_size})",
+    )
+    last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
+
+
 def mla_kv_insert(
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
@@ -62,8 +96,8 @@ def mla_kv_insert(
 ) -> None:
     """Write kv_c [T, R] and k_pe [T, P] into kv_cache [blocks, block_size, R + P] at slot_mapping [T].
 
-    Slots < 0 are skipped; fp8 caches are quantized with `kv_scale` (required). Checks the slot
-    range on the host (one device sync): an out-of-range slot is an error, never a stray write.
+    Slots < 0 are skipped; fp8 caches are quantized with `kv_scale` (required). An out-of-range
+    slot is a ValueError here; the check syncs once per slot_mapping (see the module docstring).
     """
     check_cache(kv_cache)
     num_blocks, block_size, width = kv_cache.shape
@@ -98,17 +132,14 @@ def mla_kv_insert(
     if tokens == 0:
         return
     capacity = num_blocks * block_size
-    top = int(slot_mapping.max().item())
-    require(
-        top < capacity,
-        f"slot_mapping holds slot {top}, but the cache has {capacity} slots ({num_blocks} x {block_size})",
-    )
+    _check_slot_range(slot_mapping, capacity, num_blocks, block_size)
     _kv_insert_kernel[(triton.cdiv(tokens, BLOCK_T),)](
         kv_c,
         k_pe,
         kv_cache,
         slot_mapping,
         tokens,
+        capacity,
         scale,
         kv_c.stride(0),
         k_pe.stride(0),
