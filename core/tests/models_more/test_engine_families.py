@@ -15,11 +15,31 @@ from test_granite import build as build_granite
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
+# A second registration of the reference kernels (its own class), so prefill and decode roles differ.
+SECOND_REF = """
+import jackfield
+from jackfield.attention.torch_ref import TorchRefBackend
+from jackfield.builtins import TORCH_REF_CAPABILITIES
+from jackfield.specs import AttentionBackendSpec
 
-def check(hf_model: torch.nn.Module, path: Path, prompts: list[list[int]]) -> None:
-    llm = LLM(
-        path, backend="torch_ref", block_size=4, max_num_batched_tokens=8
-    )  # prompts span several chunks
+JACKFIELD_API = ">=1.0,<2"
+
+
+class SecondRef(TorchRefBackend):
+    name = "second_ref"
+
+
+@jackfield.hookimpl
+def register_attention_backends():
+    return [AttentionBackendSpec(name="second_ref", factory="second_ref_plugin:SecondRef",
+                                 capabilities=TORCH_REF_CAPABILITIES)]
+"""
+
+
+def check(hf_model: torch.nn.Module, path: Path, prompts: list[list[int]], **roles: str) -> None:
+    # a small token budget: the prompts span several chunks, mixed with other requests' decodes
+    llm = LLM(path, block_size=4, max_num_batched_tokens=8, **(roles or {"backend": "torch_ref"}))
+    assert llm.runner.backends.split == bool(roles)
     first = llm.generate(prompts, GREEDY)
     again = llm.generate(prompts, GREEDY)  # prefix-cache hits on the prompts' full blocks
     assert any(o.num_cached_tokens for o in again)
@@ -37,3 +57,17 @@ def test_granite_swa_through_the_engine(name: str, tmp_path: Path) -> None:
 def test_deepseek_v32_sparse_through_the_engine(tmp_path: Path) -> None:
     hf_model, _ = build_v32(tmp_path, index_topk=4)
     check(hf_model, tmp_path / "v32_4", PROMPTS)
+
+
+@pytest.mark.parametrize("name", ["granite_swa", "v32"])
+def test_split_prefill_and_decode_backends(name: str, tmp_path: Path, make_dist) -> None:  # type: ignore[no-untyped-def]
+    """Mixed steps (decodes of one request beside prefill chunks of another) with a different
+    backend per role: each half goes to its role's impl with its own metadata."""
+    make_dist("jackfield-second-ref", "second_ref_plugin", SECOND_REF)
+    if name == "v32":
+        hf_model, _ = build_v32(tmp_path, index_topk=4)
+        path = tmp_path / "v32_4"
+    else:
+        hf_model, _ = build_granite(name, tmp_path)
+        path = tmp_path / name
+    check(hf_model, path, PROMPTS, prefill_backend="second_ref", decode_backend="torch_ref")
