@@ -10,6 +10,7 @@ import pytest
 import torch
 from jackfield.ops.merge import merge_attn_states
 from jackfield_cuda_mla.kernels import mla_decode
+from jackfield_cuda_mla.kernels.decode import DecodeConfig
 from mla_reference import decode_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -169,3 +170,26 @@ def test_lse_merge_of_two_kv_shards_equals_the_whole() -> None:
     )
     assert (merged_out - whole_out.float()).abs().max().item() < 1e-4
     assert (merged_lse - whole_lse).abs().max().item() < 1e-4
+
+
+def poison_unowned_rows(batch: dict) -> None:
+    """NaN in every cache row past a request's seq_len: a loader that reads one fails the test."""
+    cache = batch["kv_cache"]
+    bits = cache.view(torch.uint8 if cache.element_size() == 1 else torch.int16)
+    nan = torch.tensor(float("nan")).to(cache.dtype).view(bits.dtype)
+    owned = torch.zeros(cache.shape[:2], dtype=torch.bool)
+    for pages, seq_len in zip(batch["block_table"].cpu(), batch["seq_lens"].cpu().tolist()):
+        owned.view(-1)[(pages[:, None] * PAGE + torch.arange(PAGE)).flatten()[:seq_len]] = True
+    bits[~owned.to(DEV)] = nan
+
+
+@pytest.mark.parametrize("prefetch,tma", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
+def test_tile_loaders_agree_with_float64(prefetch: bool, tma: bool, cache_dtype: torch.dtype) -> None:
+    """Register prefetch and TMA pages (whole tiles; the partial tail goes through the gather)."""
+    batch = make_batch([37, 80, 5, 16, 64, 0], [1, 4, 2, 3, 1, 1], torch.float16, cache_dtype)
+    poison_unowned_rows(batch)
+    config = DecodeConfig(block_m=16, block_n=8, num_warps=4, num_stages=1, prefetch=prefetch, tma=tma)
+    for causal, splits in ((True, 1), (False, 3)):
+        out, lse = run_decode(batch, causal, num_splits=splits, config=config)
+        assert_close(out, lse, *reference(batch, causal), TOL[torch.float16])

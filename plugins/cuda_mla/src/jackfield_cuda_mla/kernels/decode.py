@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jackfield_cuda_mla.kernels.checks import FP8, check_cache, check_device, check_scale, require
 from jackfield_cuda_mla.kernels.decode_kernels import mla_decode_stage1, mla_decode_stage2
@@ -27,6 +28,8 @@ class DecodeConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    prefetch: bool = False  # double-buffer KV tiles in registers (for fp8, whose tile is converted)
+    tma: bool = False  # dense, 16-bit or fp8 cache with PAGE % block_n == 0: whole tiles by TMA
 
 
 def default_config(rows_per_group: int, on_gpu: bool) -> DecodeConfig:
@@ -172,9 +175,23 @@ def mla_decode(
     else:
         token_req = seq_lens  # unused by the dense kernel
     rope = width - kv_lora_rank
-    mla_decode_stage1[(groups, row_blocks, splits)](
+    use_tma = (
+        cfg.tma
+        and not sparse
+        and page % cfg.block_n == 0
+        and triton.next_power_of_2(kv_lora_rank) == kv_lora_rank
+        and triton.next_power_of_2(rope) == rope
+    )
+    kv_desc = pe_desc = None
+    if use_tma:
+        rows_2d, row_stride = kv_cache.shape[0] * page, kv_cache.stride(1)
+        kv_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, kv_lora_rank])
+        pe_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, rope])
+    mla_decode_stage1[(row_blocks, groups, splits)](
         query,
         kv_cache,
+        kv_desc,
+        pe_desc,
         block_table,
         seq_lens,
         query_start_loc,
@@ -210,6 +227,8 @@ def mla_decode(
         CAUSAL=causal and not sparse,
         FP8=kv_cache.dtype == FP8,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32; 16-bit ignores it
+        PREFETCH=cfg.prefetch,
+        TMA=use_tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -17,32 +17,60 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _gather_keys(
+    cache, table, topk_row, n0, end, seq_len, r, p, r_ok, p_ok, stride_cb, stride_cs,
+    RANK: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPARSE: tl.constexpr,
+    MASK_R: tl.constexpr, MASK_P: tl.constexpr,
+):
+    """Keys n0 .. n0 + BLOCK_N of this split through per-key page pointers; missing keys read 0."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    in_split = n < end
+    if SPARSE:
+        pos = tl.load(topk_row + n, mask=in_split, other=-1)
+    else:
+        pos = n
+    key_ok = in_split & (pos >= 0) & (pos < seq_len)
+    page = tl.load(table + pos // PAGE, mask=key_ok, other=0).to(tl.int64)
+    key = cache + page * stride_cb + (pos % PAGE) * stride_cs
+    # Column masks only where a width is not a power of two: a mask that varies along the row
+    # would stop 16-byte vector loads.
+    kv_mask = key_ok[:, None] & r_ok[None, :] if MASK_R else key_ok[:, None]
+    pe_mask = key_ok[:, None] & p_ok[None, :] if MASK_P else key_ok[:, None]
+    kv = tl.load(key[:, None] + r[None, :], mask=kv_mask, other=0.0)
+    k_pe = tl.load(key[:, None] + RANK + p[None, :], mask=pe_mask, other=0.0)
+    return pos, key_ok, kv, k_pe
+
+
+@triton.jit
+def _attend(
+    q_nope, q_pe, kv, k_pe, pos, key_ok, row_ok, last_visible, m_i, l_i, acc, score_scale_log2,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step (base 2) over a key tile; returns the new (max, sum, accumulator)."""
+    kv = kv.to(q_nope.dtype)  # fp8 -> activation dtype is exact; the scale is folded in
+    k_pe = k_pe.to(q_pe.dtype)
+    s = tl.dot(q_nope, tl.trans(kv), input_precision=PRECISION)
+    s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+    s = s * score_scale_log2
+    visible = row_ok[:, None] & key_ok[None, :]
+    if CAUSAL:
+        visible = visible & (pos[None, :] <= last_visible[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
+    alpha = tl.exp2(m_i - m_safe)
+    prob = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(prob, 1)
+    acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def mla_decode_stage1(
-    q,
-    cache,
-    block_table,
-    seq_lens,
-    query_start_loc,
-    token_req,
-    topk,
-    out,
-    lse,
-    kv_scale,
-    sm_scale_log2,
-    num_heads,
-    topk_len,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_bt,
-    stride_kt,
-    stride_ot,
-    stride_oh,
-    stride_os,
-    stride_lt,
-    stride_lh,
-    stride_ls,
+    q, cache, kv_desc, pe_desc, block_table, seq_lens, query_start_loc, token_req, topk, out, lse,
+    kv_scale, sm_scale_log2, num_heads, topk_len,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_kt,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
     RANK: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -55,8 +83,12 @@ def mla_decode_stage1(
     CAUSAL: tl.constexpr,
     FP8: tl.constexpr,
     PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    group = tl.program_id(0)
+    # Row blocks of one group are neighbouring program ids, so they run at the same time and
+    # share each KV tile through L2 instead of reading it from memory once per row block.
+    group = tl.program_id(1)
     split = tl.program_id(2)
     if SPARSE:
         req = tl.load(token_req + group)
@@ -71,7 +103,7 @@ def mla_decode_stage1(
     value_scale = tl.load(kv_scale) if FP8 else 1.0  # fp8 dequantization, folded into scores and output
     score_scale_log2 = sm_scale_log2 * value_scale
 
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     tok_in_req = rows // num_heads
     head = rows % num_heads
     row_ok = tok_in_req < q_len
@@ -80,10 +112,8 @@ def mla_decode_stage1(
 
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
-    # Column masks only where a width is not a power of two: a mask that varies along the row
-    # would stop 16-byte vector loads of the KV tiles.
-    r_ok = (r < RANK) if BLOCK_R != RANK else tl.full([BLOCK_R], 1, tl.int1)
-    p_ok = (p < ROPE) if BLOCK_P != ROPE else tl.full([BLOCK_P], 1, tl.int1)
+    r_ok = r < RANK
+    p_ok = p < ROPE
     q_row = q + tok * stride_qt + head * stride_qh
     q_nope = tl.load(q_row[:, None] + r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     q_pe = tl.load(q_row[:, None] + RANK + p[None, :], mask=row_ok[:, None] & p_ok[None, :], other=0.0)
@@ -96,40 +126,53 @@ def mla_decode_stage1(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     table = block_table + req.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        in_split = n < end
-        if SPARSE:
-            pos = tl.load(topk + group.to(tl.int64) * stride_kt + n, mask=in_split, other=-1)
-        else:
-            pos = n
-        key_ok = in_split & (pos >= 0) & (pos < seq_len)
-        page = tl.load(table + pos // PAGE, mask=key_ok, other=0).to(tl.int64)
-        key = cache + page * stride_cb + (pos % PAGE) * stride_cs
-        if BLOCK_R == RANK:
-            kv = tl.load(key[:, None] + r[None, :], mask=key_ok[:, None], other=0.0)
-        else:
-            kv = tl.load(key[:, None] + r[None, :], mask=key_ok[:, None] & r_ok[None, :], other=0.0)
-        if BLOCK_P == ROPE:
-            k_pe = tl.load(key[:, None] + RANK + p[None, :], mask=key_ok[:, None], other=0.0)
-        else:
-            k_pe = tl.load(key[:, None] + RANK + p[None, :], mask=key_ok[:, None] & p_ok[None, :], other=0.0)
-        kv = kv.to(q.dtype.element_ty)  # fp8 -> activation dtype is exact; the scale is folded in
-        k_pe = k_pe.to(q.dtype.element_ty)
-        s = tl.dot(q_nope, tl.trans(kv), input_precision=PRECISION)
-        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
-        s = s * score_scale_log2
-        visible = row_ok[:, None] & key_ok[None, :]
-        if CAUSAL:
-            visible = visible & (pos[None, :] <= last_visible[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
-        alpha = tl.exp2(m_i - m_safe)
-        prob = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=PRECISION)
-        m_i = m_new
+    topk_row = topk + group.to(tl.int64) * stride_kt
+    MASK_R: tl.constexpr = BLOCK_R != RANK
+    MASK_P: tl.constexpr = BLOCK_P != ROPE
+    tail = start
+    if TMA:
+        # Dense, PAGE % BLOCK_N == 0: a tile is BLOCK_N contiguous rows of one page, copied by the
+        # tensor memory accelerator. Only whole tiles below seq_len (rows past it may hold
+        # anything, NaN included); the partial last tile goes through the gather path below.
+        tail = tl.maximum(end // BLOCK_N * BLOCK_N, start)
+        all_keys = tl.full([BLOCK_N], 1, tl.int1)
+        for n0 in range(start, tail, BLOCK_N):
+            row = tl.load(table + n0 // PAGE) * PAGE + n0 % PAGE
+            kv = kv_desc.load([row, 0])
+            k_pe = pe_desc.load([row, RANK])
+            pos = n0 + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _attend(
+                q_nope, q_pe, kv, k_pe, pos, all_keys, row_ok, last_visible, m_i, l_i, acc,
+                score_scale_log2, CAUSAL, PRECISION,
+            )
+    if PREFETCH:
+        # Registers double-buffer the tiles: tile i + 1 is in flight while tile i is computed
+        # (the converted fp8 tile is not a plain shared-memory operand, so the compiler's own
+        # pipelining does not cover it).
+        pos, key_ok, kv, k_pe = _gather_keys(
+            cache, table, topk_row, tail, end, seq_len, r, p, r_ok, p_ok, stride_cb, stride_cs,
+            RANK, BLOCK_N, PAGE, SPARSE, MASK_R, MASK_P,
+        )
+        for n0 in range(tail, end, BLOCK_N):
+            next_pos, next_ok, next_kv, next_pe = _gather_keys(
+                cache, table, topk_row, n0 + BLOCK_N, end, seq_len, r, p, r_ok, p_ok, stride_cb,
+                stride_cs, RANK, BLOCK_N, PAGE, SPARSE, MASK_R, MASK_P,
+            )
+            m_i, l_i, acc = _attend(
+                q_nope, q_pe, kv, k_pe, pos, key_ok, row_ok, last_visible, m_i, l_i, acc,
+                score_scale_log2, CAUSAL, PRECISION,
+            )
+            pos, key_ok, kv, k_pe = next_pos, next_ok, next_kv, next_pe
+    else:
+        for n0 in range(tail, end, BLOCK_N):
+            pos, key_ok, kv, k_pe = _gather_keys(
+                cache, table, topk_row, n0, end, seq_len, r, p, r_ok, p_ok, stride_cb, stride_cs,
+                RANK, BLOCK_N, PAGE, SPARSE, MASK_R, MASK_P,
+            )
+            m_i, l_i, acc = _attend(
+                q_nope, q_pe, kv, k_pe, pos, key_ok, row_ok, last_visible, m_i, l_i, acc,
+                score_scale_log2, CAUSAL, PRECISION,
+            )
 
     seen = l_i > 0.0
     denom = tl.where(seen, l_i, 1.0)
