@@ -9,7 +9,7 @@ import pytest
 import torch
 from jackfield.models.deepseek_v32 import DeepseekV32ForCausalLM
 from jackfield.models.hf_config import deepseek_arch, read_hf_config
-from paged_harness import TORCH_REF, generate, hf_reference, randomize_, save_hf_model
+from paged_harness import TORCH_REF, PagedRun, generate, hf_reference, randomize_, save_hf_model
 from transformers import DeepseekV32Config
 from transformers import DeepseekV32ForCausalLM as HFDeepseekV32
 
@@ -96,3 +96,12 @@ def test_bad_indexer_configs_fail_closed(changes: dict[str, object], message: st
     )
     with pytest.raises(ValueError, match=message):
         deepseek_arch(config)
+
+
+def test_indexer_rejects_out_of_range_slots(tmp_path: Path) -> None:
+    _, ours = build(tmp_path, 4)
+    run = PagedRun(ours, block_size=4, num_blocks=2)
+    run.add()
+    run.free = [5]  # a block id past the end of the 2-block caches
+    with pytest.raises(ValueError, match="out of range"):
+        run.step([(0, [1, 2, 3])])

@@ -123,3 +123,13 @@ def test_bad_pooling_in_config_fails_closed(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps({**data, "pooling": "max"}))
     with pytest.raises(ValueError, match="pooling 'max' is not one of"):
         pooling_of(read_hf_config(path).to_dict())
+
+
+def test_llm_embed_refuses_a_prompt_over_the_step_budget(tmp_path: Path) -> None:
+    from jackfield import LLM
+
+    _, path = write(tmp_path, "v2", "mean")
+    llm = LLM(path, backend="torch_ref", block_size=4, max_num_batched_tokens=6)
+    with pytest.raises(ValueError, match="exceeds engine.max_num_batched_tokens"):
+        llm.embed(PROMPTS)  # 9 tokens: embedding cannot chunk a prompt
+    assert llm.block_manager.num_free == llm.num_blocks

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from jackfield.attention.checks import check_slot_mapping
 from jackfield.attention.kv_cache import request_slots, write_slots
 from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata, KVCacheDType
 from jackfield.models.attention import AttentionBackends, StepContext
@@ -70,12 +71,13 @@ class Indexer(nn.Module):
             self.wk(x).float(), (self.dim,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6
         )
         k = self._rope(k.to(x.dtype).unsqueeze(1), positions, rope).squeeze(1)
-        write_slots(key_cache.flatten(0, 1), metadata.slot_mapping, k.to(key_cache.dtype))
+        flat = key_cache.flatten(0, 1)
+        check_slot_mapping(metadata.slot_mapping, t, flat.shape[0])
+        write_slots(flat, metadata.slot_mapping, k.to(key_cache.dtype))
         head_weights = F.linear(x.float(), self.weights_proj.weight) * self.heads**-0.5  # [T, H]
         width = min(self.topk, metadata.max_seq_len)
         out = torch.full((t, width), -1, dtype=torch.int32, device=x.device)
         qsl = metadata.query_start_loc_cpu.tolist()
-        flat = key_cache.flatten(0, 1)
         for b, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
             q0, q1 = qsl[b], qsl[b + 1]
             if q0 == q1:
