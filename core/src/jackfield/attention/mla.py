@@ -11,12 +11,12 @@ Subclasses implement `attend` (the absorbed kernel) and may override `prefill` /
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from jackfield.attention.checks import check_cache, check_kv_scale, check_slot_mapping, check_written_rows
-from jackfield.attention.kv_cache import dequantize, quantize, request_slots, write_slots
+from jackfield.attention.kv_cache import dequantize, quantize, write_slots
 from jackfield.attention.metadata import split_decode_prefill
 from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata
-from jackfield.ops.reference import varlen_attention
 
 
 class MLAImpl(AttentionImpl):
@@ -118,34 +118,52 @@ class MLAImpl(AttentionImpl):
         *,
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Expanded-form attention of prefill rows over each request's whole latent context."""
+        """Expanded-form attention of prefill rows over each request's whole latent context.
+
+        The requests are padded to one batch [B, H, rows, keys] and run through one SDPA call:
+        a plain causal call (flash on CUDA) when every request is a whole causal prompt, else an
+        explicit visibility mask. Padded rows and keys are never read back.
+        """
         w_uk, w_uv = self._weights()
         lay = self.layer
         check_cache(lay, kv_cache)
         check_kv_scale(kv_cache, kv_scale)
         block_size = kv_cache.shape[1]
-        flat = kv_cache.flatten(0, 1)
-        seq_lens = metadata.seq_lens_cpu.tolist()
-        slots = [request_slots(metadata.block_table[b], s, block_size) for b, s in enumerate(seq_lens)]
-        context = dequantize(flat[torch.cat(slots)], kv_scale)  # [sum(seq_lens), L+R]
-        kv_c, k_pe = context[:, : lay.kv_lora_rank], context[:, lay.kv_lora_rank :]
-        k_nope = torch.einsum("sl,hnl->shn", kv_c, w_uk)
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, lay.num_heads, -1)], dim=-1)
-        v = torch.einsum("sl,hlv->shv", kv_c, w_uv)
-        cu_k = [0]
-        for s in seq_lens:
-            cu_k.append(cu_k[-1] + s)
-        out, _ = varlen_attention(
-            q,
-            k,
-            v,
-            metadata.query_start_loc_cpu.tolist(),
-            cu_k,
-            lay.scale,
-            causal=metadata.causal,
-            sliding_window=lay.sliding_window,
-        )
-        return out.to(q.dtype)
+        if metadata.block_table.shape[1] * block_size < metadata.max_seq_len:
+            raise ValueError(
+                f"block_table has {metadata.block_table.shape[1]} blocks of {block_size}, "
+                f"too few for seq_len {metadata.max_seq_len}"
+            )
+        num_reqs, max_q, max_k = metadata.num_reqs, metadata.max_query_len, metadata.max_seq_len
+        device = q.device
+        # Every request's context through its block table: [B, S] slots, positions past seq_len -> 0.
+        pos = torch.arange(max_k, device=device)
+        slots = metadata.block_table[:, pos // block_size].long() * block_size + pos % block_size
+        slots = torch.where(pos < metadata.seq_lens[:, None], slots, 0)
+        context = dequantize(kv_cache.flatten(0, 1)[slots], kv_scale)  # [B, S, L+R] float32
+        kv_c, k_pe = context[..., : lay.kv_lora_rank], context[..., lay.kv_lora_rank :]
+        width = lay.qk_nope_head_dim + lay.qk_rope_head_dim
+        k = torch.cat(
+            [
+                torch.einsum("bsl,hnl->bhsn", kv_c, w_uk),
+                k_pe[:, None].expand(-1, lay.num_heads, -1, -1),
+            ],
+            dim=-1,
+        ).to(q.dtype)
+        # v padded to k's width: SDPA's fused kernels want one head size.
+        v = F.pad(torch.einsum("bsl,hlv->bhsv", kv_c, w_uv), (0, width - lay.v_head_dim)).to(q.dtype)
+        q_lens = metadata.query_start_loc_cpu.diff()
+        whole_prompts = bool((q_lens == metadata.seq_lens_cpu).all())
+        rows = _padded_rows(metadata.query_start_loc_cpu, max_q).to(device, non_blocking=True)
+        padded = q.new_zeros(num_reqs * max_q, lay.num_heads, width).index_copy_(0, rows, q)
+        padded = padded.view(num_reqs, max_q, lay.num_heads, width).transpose(1, 2)
+        if metadata.causal and lay.sliding_window is None and whole_prompts:
+            out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=lay.scale)
+        else:
+            visible = _visibility(metadata, max_q, max_k, lay.sliding_window)
+            out = F.scaled_dot_product_attention(padded, k, v, attn_mask=visible[:, None], scale=lay.scale)
+        out = out.transpose(1, 2).reshape(num_reqs * max_q, lay.num_heads, width)
+        return out[rows, :, : lay.v_head_dim]
 
     def write_kv(
         self,
@@ -165,3 +183,25 @@ class MLAImpl(AttentionImpl):
         check_slot_mapping(slot_mapping, num_tokens, kv_cache.shape[0] * kv_cache.shape[1])
         record = quantize(torch.cat([key.float(), value.float()], dim=-1), kv_cache.dtype, kv_scale)
         write_slots(kv_cache.flatten(0, 1), slot_mapping, record)
+
+
+def _padded_rows(query_start_loc_cpu: torch.Tensor, max_q: int) -> torch.Tensor:
+    """Where each packed query row sits in the [B * max_q] padded batch (host-side, int64)."""
+    q_lens = query_start_loc_cpu.diff().long()
+    req = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    return req * max_q + torch.arange(int(query_start_loc_cpu[-1])) - query_start_loc_cpu[req].long()
+
+
+def _visibility(metadata: AttentionMetadata, max_q: int, max_k: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, max_q, max_k] bool: query row i of request b (position seq_len - q_len + i) sees key j."""
+    device = metadata.seq_lens.device
+    seq_lens = metadata.seq_lens.long()[:, None, None]
+    q_lens = metadata.query_start_loc.diff().long()[:, None, None]
+    q_pos = seq_lens - q_lens + torch.arange(max_q, device=device)[None, :, None]
+    k_pos = torch.arange(max_k, device=device)[None, None, :]
+    visible = k_pos < seq_lens
+    if metadata.causal:
+        visible = visible & (k_pos <= q_pos)
+    if sliding_window is not None:
+        visible = visible & (k_pos > q_pos - sliding_window)
+    return visible

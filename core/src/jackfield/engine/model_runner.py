@@ -111,13 +111,15 @@ class ModelRunner:
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return StepResult([], [])
-        ends = common.query_start_loc_cpu[1:].tolist()
-        rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
-        logits = self.model.compute_logits(hidden[self._h2d(rows, torch.int64)])
-        out = self.sampler.sample(logits, self._sampling_metadata(sampling))
-        if out.invalid_rows is not None and bool(out.invalid_rows.any()):
+        if len(sampling) < hidden.shape[0]:  # else every row is a sampling decode, in order
+            ends = common.query_start_loc_cpu[1:].tolist()
+            rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
+            hidden = hidden[self._h2d(rows, torch.int64)]
+        out = self.sampler.sample(self.model.compute_logits(hidden), self._sampling_metadata(sampling))
+        tokens = out.token_ids if out.invalid_rows is None else torch.where(out.invalid_rows, -1, out.token_ids)
+        token_ids = tokens.tolist()  # the step's one host sync
+        if -1 in token_ids:
             raise FloatingPointError("the model produced no finite logit for a request (NaN/inf activations)")
-        token_ids = out.token_ids.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(sampling)
         if out.logprobs is not None and out.logprob_token_ids is not None:
             ids, values = out.logprob_token_ids.tolist(), out.logprobs.tolist()

@@ -30,9 +30,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class GatedMLP(nn.Module):
@@ -54,6 +53,7 @@ class RotaryEmbedding(nn.Module):
     interleaved: the rotated pairs are (x0, x1), (x2, x3), ...; else (x_i, x_{i + d/2}).
     Either way the output is in the half-split layout [rotated firsts ‖ rotated seconds]: q and
     k share it, so their dot products are those of the checkpoint's layout.
+    Every layer of a step passes the same positions tensor: its cos/sin rows are gathered once.
     """
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, interleaved: bool) -> None:
@@ -62,6 +62,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos() * scaling, persistent=False)
         self.register_buffer("sin", angles.sin() * scaling, persistent=False)
         self.interleaved = interleaved
+        self._positions: torch.Tensor | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, R], positions [T] -> rotated x (same dtype)."""
@@ -70,6 +72,12 @@ class RotaryEmbedding(nn.Module):
         else:
             half = x.shape[-1] // 2
             x1, x2 = x[..., :half].float(), x[..., half:].float()
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._tables(positions)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows [T, 1, rotary_dim / 2] of `positions` (reused while it is the same tensor)."""
+        if positions is not self._positions or self._rows is None:
+            self._positions = positions
+            self._rows = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return self._rows

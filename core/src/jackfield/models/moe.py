@@ -42,7 +42,13 @@ def route(logits: torch.Tensor, arch: DeepseekArch, bias: torch.Tensor | None) -
 
 
 class Experts(nn.Module):
-    """E gated MLPs stacked: w13 [E, 2I, D] (gate ‖ up), w2 [E, D, I]."""
+    """E gated MLPs stacked: w13 [E, 2I, D] (gate ‖ up), w2 [E, D, I].
+
+    Rows (token, choice) are sorted by expert. On CUDA (bf16) one grouped matmul per weight runs
+    every expert with the group offsets on the device: no host sync, a fixed number of kernels.
+    Elsewhere a loop runs one matmul pair per expert that has rows (its counts read on the host,
+    which costs nothing on the CPU).
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -50,13 +56,22 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Tokens sorted by expert, one matmul pair per expert that has tokens."""
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort()
         token_of_row = order // k
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()  # one sync per layer
+        counts = torch.bincount(flat, minlength=self.w13.shape[0])
         rows = x[token_of_row]
+        out = self._grouped(rows, counts) if use_grouped_mm(rows) else self._looped(rows, counts.tolist())
+        scaled = (out.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of_row, scaled)
+
+    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = counts.cumsum(0, dtype=torch.int32)  # end row of each expert's group
+        gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
+
+    def _looped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         out = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts):
@@ -66,8 +81,14 @@ class Experts(nn.Module):
             gate, up = F.linear(segment, self.w13[expert]).chunk(2, dim=-1)
             out[start : start + count] = F.linear(F.silu(gate) * up, self.w2[expert])
             start += count
-        scaled = (out.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of_row, scaled)
+        return out
+
+
+def use_grouped_mm(rows: torch.Tensor) -> bool:
+    """torch._grouped_mm's fast kernels: CUDA, bf16 (Hopper and newer)."""
+    return rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and (
+        torch.cuda.get_device_capability(rows.device)[0] >= 9
+    )
 
 
 class DeepseekMoE(nn.Module):
