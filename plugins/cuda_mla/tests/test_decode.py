@@ -178,7 +178,7 @@ def poison_unowned_rows(batch: dict) -> None:
     bits = cache.view(torch.uint8 if cache.element_size() == 1 else torch.int16)
     nan = torch.tensor(float("nan")).to(cache.dtype).view(bits.dtype)
     owned = torch.zeros(cache.shape[:2], dtype=torch.bool)
-    for pages, seq_len in zip(batch["block_table"].cpu(), batch["seq_lens"].cpu().tolist()):
+    for pages, seq_len in zip(batch["block_table"].cpu(), batch["seq_lens"].cpu().tolist(), strict=True):
         owned.view(-1)[(pages[:, None] * PAGE + torch.arange(PAGE)).flatten()[:seq_len]] = True
     bits[~owned.to(DEV)] = nan
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
+from jackfield_cuda_mla.kernels.decode import DecodeConfig
 from mla_reference import decode_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -31,7 +32,9 @@ def full_batch(seq_lens: list[int], q_lens: list[int], heads: int = HEADS, fp8: 
     )
 
 
-def check(batch: dict, causal: bool = True, topk: torch.Tensor | None = None) -> None:
+def check(
+    batch: dict, causal: bool = True, topk: torch.Tensor | None = None, config: DecodeConfig | None = None
+) -> None:
     out, lse = mla_decode(
         batch["query"],
         batch["kv_cache"],
@@ -45,6 +48,7 @@ def check(batch: dict, causal: bool = True, topk: torch.Tensor | None = None) ->
         causal=causal,
         kv_scale=batch["kv_scale"],
         topk_indices=topk,
+        config=config,
         out=torch.full(
             (batch["query"].shape[0], batch["query"].shape[1], RANK),
             float("nan"),
@@ -76,6 +80,20 @@ def check(batch: dict, causal: bool = True, topk: torch.Tensor | None = None) ->
 @pytest.mark.parametrize("causal", [True, False])
 def test_full_shape_bf16_decode_with_mtp(causal: bool) -> None:
     check(full_batch([1000, 4097, 64, 300], [1, 8, 2, 3]), causal)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        DecodeConfig(16, 64, 8, 3, tma=True),
+        DecodeConfig(16, 32, 4, 4, tma=True),
+        DecodeConfig(16, 64, 8, 1, prefetch=True),
+        DecodeConfig(16, 32, 8, 1, prefetch=True, tma=True),
+    ],
+)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_full_shape_tile_loaders(config: DecodeConfig, fp8: bool) -> None:
+    check(full_batch([1000, 4097, 64, 300, 0], [1, 1, 1, 1, 1], fp8=fp8), config=config)
 
 
 def test_full_shape_many_heads() -> None:
