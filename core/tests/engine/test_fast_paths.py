@@ -1,0 +1,127 @@
+"""The engine's fast paths against plain float64 references: routed experts (looped on the CPU,
+grouped matmul on CUDA), the batched SDPA MLA prefill (whole prompts of mixed lengths, chunked
+continuations, bidirectional), and the step's non-finite-logit check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from jackfield import LLM, SamplingParams
+from jackfield.attention.torch_ref import TorchRefMLAImpl
+from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
+from jackfield.models.moe import Experts, use_grouped_mm
+from jackfield.ops.reference import varlen_attention
+
+
+def _experts_reference(x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Token by token, chosen expert by chosen expert, in float64."""
+    w13, w2 = experts.w13.double(), experts.w2.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate, up = (w13[e] @ x[t].double()).chunk(2)
+            out[t] += w * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def _random_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str) -> Experts:
+    experts = Experts(num_experts, hidden, inter, dtype).to(device)
+    with torch.no_grad():
+        experts.w13.normal_(0, hidden**-0.5)
+        experts.w2.normal_(0, inter**-0.5)
+    return experts
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_looped_experts_match_float64(tokens: int) -> None:
+    torch.manual_seed(tokens)
+    experts = _random_experts(6, 32, 24, torch.float32, "cpu")
+    x = torch.randn(tokens, 32)
+    ids = torch.stack([torch.randperm(6)[:3] for _ in range(tokens)])  # expert 5 may get no row
+    weights = torch.rand(tokens, 3)
+    assert not use_grouped_mm(x)
+    got = experts(x, weights, ids)
+    torch.testing.assert_close(got.double(), _experts_reference(x, experts, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_grouped_experts_match_float64_on_cuda(tokens: int) -> None:
+    torch.manual_seed(tokens)
+    experts = _random_experts(16, 256, 128, torch.bfloat16, "cuda")
+    x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(15)[:4] for _ in range(tokens)]).cuda()  # expert 15 never chosen
+    weights = torch.rand(tokens, 4, device="cuda")
+    assert use_grouped_mm(x)
+    got = experts(x, weights, ids).double().cpu()
+    want = _experts_reference(x.cpu().float(), experts.cpu(), weights.cpu(), ids.cpu())
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+H, L, N, R, V, BLOCK = 3, 16, 8, 4, 6, 4
+SPEC = AttentionLayerSpec(num_heads=H, head_size=L + R, scale=1 / math.sqrt(N + R), kv_lora_rank=L,
+                          qk_nope_head_dim=N, qk_rope_head_dim=R, v_head_dim=V)
+
+
+@pytest.mark.parametrize(
+    "q_lens, seq_lens, causal",
+    [([5, 11, 2], [5, 11, 2], True),  # whole prompts of mixed lengths: the plain causal call
+     ([3, 1, 6], [9, 5, 6], True),  # chunked continuations: the visibility mask
+     ([4, 7], [4, 7], False)],  # bidirectional
+)
+def test_mla_prefill_matches_expanded_float64_attention(q_lens: list[int], seq_lens: list[int], causal: bool) -> None:
+    torch.manual_seed(len(q_lens) + sum(seq_lens))
+    impl = TorchRefMLAImpl(SPEC)
+    kv_b = torch.randn(H * (N + V), L)
+    impl.process_weights_after_loading({"kv_b_proj": kv_b})
+    width = max(-(-s // BLOCK) for s in seq_lens)
+    num_blocks = len(seq_lens) * width + 1
+    cache = torch.randn(num_blocks, BLOCK, L + R)
+    table = torch.randperm(num_blocks)[: len(seq_lens) * width].view(len(seq_lens), width).int()
+    qsl = torch.tensor([0, *q_lens]).cumsum(0).int()
+    metadata = AttentionMetadata(
+        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens).int(), block_table=table,
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), query_start_loc_cpu=qsl,
+        seq_lens_cpu=torch.tensor(seq_lens).int(), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        causal=causal,
+    )
+    q = torch.randn(sum(q_lens), H, N + R)
+    got = impl.prefill(q, cache, metadata)
+    # Expanded form from the checkpoint's kv_b_proj, one request at a time, in float64.
+    w = kv_b.double().view(H, N + V, L)
+    ks, vs = [], []
+    for b, s in enumerate(seq_lens):
+        pos = torch.arange(s)
+        rec = cache.flatten(0, 1)[table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK].double()
+        ks.append(torch.cat([torch.einsum("sl,hnl->shn", rec[:, :L], w[:, :N]), rec[:, None, L:].expand(-1, H, -1)], -1))
+        vs.append(torch.einsum("sl,hvl->shv", rec[:, :L], w[:, N:]))
+    want, _ = varlen_attention(q.double(), torch.cat(ks), torch.cat(vs), qsl.tolist(),
+                               [0, *torch.tensor(seq_lens).cumsum(0).tolist()], SPEC.scale, causal=causal)
+    assert got.shape == (sum(q_lens), H, V) and got.dtype == q.dtype
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)
+
+
+def test_mla_prefill_rejects_a_short_block_table() -> None:
+    impl = TorchRefMLAImpl(SPEC)
+    impl.process_weights_after_loading({"kv_b_proj": torch.randn(H * (N + V), L)})
+    qsl = torch.tensor([0, 9]).int()
+    metadata = AttentionMetadata(
+        query_start_loc=qsl, seq_lens=torch.tensor([9]).int(), block_table=torch.tensor([[0, 1]]).int(),
+        slot_mapping=torch.zeros(9, dtype=torch.int64), query_start_loc_cpu=qsl,
+        seq_lens_cpu=torch.tensor([9]).int(), max_query_len=9, max_seq_len=9,
+    )
+    with pytest.raises(ValueError, match="too few for seq_len 9"):
+        impl.prefill(torch.randn(9, H, N + R), torch.randn(4, BLOCK, L + R), metadata)
+
+
+def test_non_finite_logits_fail_the_step(v3_dir) -> None:
+    llm = LLM(v3_dir, backend="torch_ref", block_size=16)
+    with torch.no_grad():
+        llm.model.model.norm.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="no finite logit"):
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))
