@@ -28,27 +28,20 @@ FP8 = torch.float8_e4m3fn
 # --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma)
 SWEEPS = {
     "h16": [
-        (64, 8, 2, None, False, True),
-        (64, 8, 3, None, False, True),
-        (32, 8, 4, None, False, True),
-        (32, 4, 4, 2, False, True),
-        (32, 8, 4, None, False, False),
-        (64, 8, 1, None, True, False),
-        (32, 4, 3, 2, False, False),
+        (64, 8, 2, None, False, False),
+        (64, 8, 2, 2, False, True),
+        (64, 4, 2, None, False, True),
+        (64, 4, 3, None, False, True),
     ],
     "fp8": [
-        (64, 8, 1, None, True, False),
-        (32, 8, 1, None, True, False),
-        (64, 4, 1, 2, True, False),
-        (64, 8, 2, None, False, True),
-        (64, 8, 3, None, False, True),
-        (32, 8, 1, None, True, True),
+        (64, 8, 2, None, False, False),
+        (128, 8, 1, None, True, False),
+        (64, 16, 1, None, True, False),
+        (64, 4, 1, None, True, False),
     ],
     "h128": [
-        (64, 8, 2, None, False, True),
-        (64, 8, 3, None, False, True),
-        (32, 8, 3, None, False, False),
-        (32, 8, 3, None, False, True),
+        (64, 8, 2, None, False, False),
+        (64, 4, 2, None, False, True),
     ],
 }
 

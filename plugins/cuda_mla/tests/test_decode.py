@@ -189,7 +189,7 @@ def test_tile_loaders_agree_with_float64(prefetch: bool, tma: bool, cache_dtype:
     """Register prefetch and TMA pages (whole tiles; the partial tail goes through the gather)."""
     batch = make_batch([37, 80, 5, 16, 64, 0], [1, 4, 2, 3, 1, 1], torch.float16, cache_dtype)
     poison_unowned_rows(batch)
-    config = DecodeConfig(block_m=16, block_n=8, num_warps=4, num_stages=1, prefetch=prefetch, tma=tma)
+    config = DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, prefetch=prefetch, tma=tma)
     for causal, splits in ((True, 1), (False, 3)):
         out, lse = run_decode(batch, causal, num_splits=splits, config=config)
         assert_close(out, lse, *reference(batch, causal), TOL[torch.float16])

@@ -32,15 +32,18 @@ class DecodeConfig:
     tma: bool = False  # dense, 16-bit or fp8 cache with PAGE % block_n == 0: whole tiles by TMA
 
 
-def default_config(rows_per_group: int, on_gpu: bool) -> DecodeConfig:
+def default_config(rows_per_group: int, on_gpu: bool, fp8: bool = False) -> DecodeConfig:
     # Many rows (H=128): a 64-row tile keeps the 64 x 512 fp32 accumulator at 128 registers a thread
     # over 8 warps. Few rows (H=16, memory-bound): one program covers every head of a request, so
-    # each KV tile is read once. 64 keys x 8 warps x 2 stages won the H200 sweep in both regimes
-    # (PERF_NOTES.md).
+    # each KV tile is read once. H200 sweep (PERF_NOTES.md): 64 keys x 8 warps x 2 stages with TMA
+    # pages won for 16-bit caches (sparse decode falls back to the gather); fp8 won with register
+    # prefetch and no compiler pipelining.
     block_m = max(16, min(64, triton.next_power_of_2(rows_per_group)))
     if not on_gpu:
         return DecodeConfig(block_m, 16, 4, 1)
-    return DecodeConfig(block_m, 64, 8, 2)
+    if fp8:
+        return DecodeConfig(block_m, 64, 8, 1, prefetch=True)
+    return DecodeConfig(block_m, 64, 8, 2, tma=True)
 
 
 def plan_splits(programs: int, max_keys: int, block_n: int, num_sms: int) -> int:
@@ -156,7 +159,7 @@ def mla_decode(
         return out, lse
     groups = tokens if sparse else num_reqs
     rows_per_group = heads if sparse else max_query_len * heads
-    cfg = config or default_config(rows_per_group, device.type == "cuda")
+    cfg = config or default_config(rows_per_group, device.type == "cuda", kv_cache.dtype == FP8)
     row_blocks = triton.cdiv(rows_per_group, cfg.block_m)
     max_keys = topk_indices.shape[1] if sparse else max_seq_len
     splits = num_splits or plan_splits(groups * row_blocks, max_keys, cfg.block_n, _num_sms(device))
