@@ -3,14 +3,13 @@ rejecting a backend that lacks a needed feature with that reason."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from jackfield.builtins import TORCH_REF_CAPABILITIES
-from jackfield.commands import run as run_command
+from jackfield.cli import main
 from jackfield.config import JackfieldConfig
 from jackfield.contracts.attention import AttentionRequirements
 from jackfield.models.default_model import save_byte_tokenizer
@@ -102,25 +101,8 @@ def test_jackfield_run_task_embed(tmp_path: Path, capsys: pytest.CaptureFixture[
     hf_model = model_cls(config).eval()
     path = save_hf_model(hf_model, tmp_path / "embedder")
     save_byte_tokenizer(path)
-    parser = argparse.ArgumentParser()
-    run_command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(
-        [
-            "run",
-            "--model",
-            str(path),
-            "--task",
-            "embed",
-            "--attention-backend",
-            "torch_ref",
-            "--json",
-            "--prompt",
-            "jackfield",
-            "--prompt",
-            "embeddings",
-        ]
-    )
-    assert args.handler(args) == 0
+    argv = ["run", "--model", str(path), "--task", "embed", "--attention-backend", "torch_ref", "--json"]
+    assert main([*argv, "--prompt", "jackfield", "--prompt", "embeddings"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["pooling"] == "mean" and out["dim"] == DEEPSEEK_SMALL["hidden_size"]
     from transformers import AutoTokenizer
