@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -9,24 +11,29 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str | Callable[[], str]) -> None:
+    """Raise ValueError(message) unless ok; a callable message is only formatted on failure
+    (the checks run on every decode and insert call, so eager f-strings cost real host time)."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message() if callable(message) else message)
 
 
 def check_cache(kv_cache: torch.Tensor) -> None:
     require(
         kv_cache.dim() == 3,
-        f"kv_cache must be [num_blocks, block_size, width], got shape {tuple(kv_cache.shape)}",
+        lambda: f"kv_cache must be [num_blocks, block_size, width], got shape {tuple(kv_cache.shape)}",
     )
-    require(kv_cache.dtype in CACHE_DTYPES, f"kv_cache dtype {kv_cache.dtype} not in {CACHE_DTYPES}")
+    require(kv_cache.dtype in CACHE_DTYPES, lambda: f"kv_cache dtype {kv_cache.dtype} not in {CACHE_DTYPES}")
     require(
         kv_cache.stride(-1) == 1,
-        f"kv_cache rows must be contiguous (last stride 1), got strides {kv_cache.stride()}",
+        lambda: f"kv_cache rows must be contiguous (last stride 1), got strides {kv_cache.stride()}",
     )
     require(
         kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1),
-        f"kv_cache blocks must be dense (stride(0) == block_size * stride(1)), strides {kv_cache.stride()}",
+        lambda: (
+            "kv_cache blocks must be dense (stride(0) == block_size * stride(1)), "
+            f"strides {kv_cache.stride()}"
+        ),
     )
 
 
@@ -45,7 +52,7 @@ def check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.
     require(
         kv_scale.numel() == 1, f"kv_scale must hold one per-tensor value, got shape {tuple(kv_scale.shape)}"
     )
-    require(kv_scale.dtype == torch.float32, f"kv_scale dtype {kv_scale.dtype} must be float32")
+    require(kv_scale.dtype == torch.float32, lambda: f"kv_scale dtype {kv_scale.dtype} must be float32")
     check_device("kv_scale", kv_scale, kv_cache.device)
     return kv_scale
 

@@ -64,9 +64,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _check_int(name: str, t: torch.Tensor, dims: int, device: torch.device) -> None:
-    require(t.dim() == dims, f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
-    require(t.dtype == torch.int32, f"{name} dtype {t.dtype} must be int32")
-    require(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    require(t.dim() == dims, lambda: f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    require(t.dtype == torch.int32, lambda: f"{name} dtype {t.dtype} must be int32")
+    require(
+        t.stride(-1) == 1,
+        lambda: f"{name} must be contiguous in its last dimension, got strides {t.stride()}",
+    )
     check_device(name, t, device)
 
 
@@ -98,14 +101,16 @@ def mla_decode(
     """
     check_cache(kv_cache)
     device = kv_cache.device
-    require(query.dim() == 3, f"query must be [T, H, D], got shape {tuple(query.shape)}")
+    require(query.dim() == 3, lambda: f"query must be [T, H, D], got shape {tuple(query.shape)}")
     tokens, heads, width = query.shape
-    require(width == kv_cache.shape[2], f"query width {width} != cache record width {kv_cache.shape[2]}")
-    require(0 < kv_lora_rank < width, f"kv_lora_rank {kv_lora_rank} must lie in (0, {width})")
-    require(query.dtype in ACTIVATION_DTYPES, f"query dtype {query.dtype} must be bf16, fp16 or fp32")
+    require(
+        width == kv_cache.shape[2], lambda: f"query width {width} != cache record width {kv_cache.shape[2]}"
+    )
+    require(0 < kv_lora_rank < width, lambda: f"kv_lora_rank {kv_lora_rank} must lie in (0, {width})")
+    require(query.dtype in ACTIVATION_DTYPES, lambda: f"query dtype {query.dtype} must be bf16, fp16 or fp32")
     require(
         kv_cache.dtype in (query.dtype, FP8),
-        f"kv_cache dtype {kv_cache.dtype} must match query {query.dtype} or be fp8",
+        lambda: f"kv_cache dtype {kv_cache.dtype} must match query {query.dtype} or be fp8",
     )
     require(
         query.stride(-1) == 1, f"query must be contiguous in its last dimension, got strides {query.stride()}"
@@ -117,16 +122,16 @@ def mla_decode(
     num_reqs = seq_lens.numel()
     require(
         query_start_loc.numel() == num_reqs + 1,
-        f"query_start_loc must be [{num_reqs + 1}], got {query_start_loc.numel()}",
+        lambda: f"query_start_loc must be [{num_reqs + 1}], got {query_start_loc.numel()}",
     )
     require(
         block_table.shape[0] == num_reqs,
-        f"block_table has {block_table.shape[0]} rows for {num_reqs} requests",
+        lambda: f"block_table has {block_table.shape[0]} rows for {num_reqs} requests",
     )
     page = kv_cache.shape[1]
     require(
         max_seq_len <= block_table.shape[1] * page,
-        f"max_seq_len {max_seq_len} exceeds the block table's {block_table.shape[1]} x {page} slots",
+        lambda: f"max_seq_len {max_seq_len} exceeds the block table's {block_table.shape[1]} x {page} slots",
     )
     scale = check_scale(kv_cache, kv_scale)
     sparse = topk_indices is not None
@@ -134,7 +139,7 @@ def mla_decode(
         _check_int("topk_indices", topk_indices, 2, device)
         require(
             topk_indices.shape[0] == tokens,
-            f"topk_indices has {topk_indices.shape[0]} rows for {tokens} query tokens",
+            lambda: f"topk_indices has {topk_indices.shape[0]} rows for {tokens} query tokens",
         )
 
     if out is None:
@@ -144,11 +149,11 @@ def mla_decode(
     want = (tokens, heads, kv_lora_rank)
     require(
         tuple(out.shape) == want and out.dtype == query.dtype,
-        f"out must be {query.dtype} {list(want)}, got {out.dtype} {list(out.shape)}",
+        lambda: f"out must be {query.dtype} {list(want)}, got {out.dtype} {list(out.shape)}",
     )
     require(
         tuple(lse.shape) == want[:2] and lse.dtype == torch.float32,
-        f"lse must be float32 {list(want[:2])}, got {lse.dtype} {list(lse.shape)}",
+        lambda: f"lse must be float32 {list(want[:2])}, got {lse.dtype} {list(lse.shape)}",
     )
     require(
         out.stride(-1) == 1 and lse.stride(-1) == 1, "out and lse must be contiguous in their last dimension"

@@ -82,7 +82,9 @@ def _check_slot_range(slot_mapping: torch.Tensor, capacity: int, num_blocks: int
     top = int(slot_mapping.max().item())  # the one device sync
     require(
         top < capacity,
-        f"slot_mapping holds slot {top}, but the cache has {capacity} slots ({num_blocks} x {block_size})",
+        lambda: (
+            f"slot_mapping holds slot {top}, but the cache has {capacity} slots ({num_blocks} x {block_size})"
+        ),
     )
     last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
 
@@ -103,27 +105,32 @@ def mla_kv_insert(
     num_blocks, block_size, width = kv_cache.shape
     require(
         kv_c.dim() == 2 and k_pe.dim() == 2,
-        f"kv_c and k_pe must be 2-D [T, *], got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}",
+        lambda: f"kv_c and k_pe must be 2-D [T, *], got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}",
     )
     tokens, rank = kv_c.shape
     rope = k_pe.shape[1]
-    require(k_pe.shape[0] == tokens, f"kv_c has {tokens} tokens but k_pe has {k_pe.shape[0]}")
-    require(rank + rope == width, f"kv_c width {rank} + k_pe width {rope} != cache record width {width}")
+    require(k_pe.shape[0] == tokens, lambda: f"kv_c has {tokens} tokens but k_pe has {k_pe.shape[0]}")
+    require(
+        rank + rope == width, lambda: f"kv_c width {rank} + k_pe width {rope} != cache record width {width}"
+    )
     require(
         slot_mapping.dim() == 1 and slot_mapping.numel() == tokens,
-        f"slot_mapping must be [{tokens}], got {tuple(slot_mapping.shape)}",
+        lambda: f"slot_mapping must be [{tokens}], got {tuple(slot_mapping.shape)}",
     )
     require(
         slot_mapping.dtype in (torch.int32, torch.int64),
-        f"slot_mapping dtype {slot_mapping.dtype} must be int32 or int64",
+        lambda: f"slot_mapping dtype {slot_mapping.dtype} must be int32 or int64",
     )
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
         require(
             t.dtype in (torch.bfloat16, torch.float16, torch.float32),
-            f"{name} dtype {t.dtype} must be bf16, fp16 or fp32",
+            lambda name=name, t=t: f"{name} dtype {t.dtype} must be bf16, fp16 or fp32",
         )
         require(
-            t.stride(-1) == 1, f"{name} rows must be contiguous (last stride 1), got strides {t.stride()}"
+            t.stride(-1) == 1,
+            lambda name=name, t=t: (
+                f"{name} rows must be contiguous (last stride 1), got strides {t.stride()}"
+            ),
         )
         check_device(name, t, kv_cache.device)
     check_device("slot_mapping", slot_mapping, kv_cache.device)
