@@ -85,6 +85,7 @@ def default_hf_config() -> dict[str, object]:
 
 def build_default_model(directory: Path) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.utils import logging as hf_logging
 
     config = DeepseekV3Config(**TINY_CONFIG)
     with torch.random.fork_rng(devices=[]):
@@ -93,7 +94,13 @@ def build_default_model(directory: Path) -> None:
         with torch.no_grad():  # a live router: transformers starts the expert bias at zero
             for layer in model.model.layers[config.first_k_dense_replace :]:
                 layer.mlp.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
-    model.save_pretrained(str(directory))
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # `jackfield run` shows its own progress line
+    try:
+        model.save_pretrained(str(directory))
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
     save_byte_tokenizer(directory)
 
 
