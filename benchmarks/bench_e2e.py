@@ -68,6 +68,30 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> float
     return time.perf_counter() - t
 
 
+def agreement(llm, hf, prompt: torch.Tensor, device: str) -> float:
+    """Max |logprob difference| over Jackfield's top-5 first tokens vs transformers' (same weights)."""
+    from jackfield import SamplingParams
+
+    out = llm.generate([prompt.tolist()], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))[0]
+    with torch.no_grad():
+        logits = hf(prompt[None].to(device)).logits[0, -1].float()
+    want = torch.log_softmax(logits, dim=-1).cpu()
+    return max(abs(value - float(want[token])) for token, value in out.logprobs[0].items())
+
+
+def profile_decode(llm, prompts: torch.Tensor, device: str) -> None:
+    """Host time per op over a prefill and 4 decode steps (where the step's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from jackfield import SamplingParams
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        llm.generate([p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        sync(device)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=40))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -77,6 +101,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--json-out")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print a torch.profiler table of a few decode steps at the largest batch")
     args = parser.parse_args()
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -97,6 +123,8 @@ def main() -> None:
                             "engine.max_num_batched_tokens": 8192, "engine.enable_prefix_caching": False})
     backend = llm.backend_choices["decode"].name
     gen = torch.Generator().manual_seed(1)
+    check = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=gen)
+    print(f"top-5 first-token logprobs vs transformers: max |diff| {agreement(llm, hf, check, device):.4f}")
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=gen)
@@ -132,6 +160,8 @@ def main() -> None:
         print(f"| {r['batch']} | {r['jf_ttft_ms']:.1f} | {r['hf_ttft_ms']:.1f} | {r['jf_decode_tok_s']:.1f} | "
               f"{r['hf_decode_tok_s']:.1f} | {r['decode_speedup']:.2f} | {r['ttft_speedup']:.2f} | "
               f"{r['decode_vs_bandwidth_ceiling']:.3f} |")
+    if args.profile:
+        profile_decode(llm, prompts, device)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(dict(device=name, dtype=str(dtype), backend=backend, weight_bytes=weight_bytes,

@@ -82,6 +82,8 @@ class MLAImpl(AttentionImpl):
             return self._absorbed(q, kv_cache, metadata, kv_scale, topk_indices)
         decode, prefill = split_decode_prefill(metadata)
         nd = metadata.num_decode_tokens
+        if prefill is None and decode is not None:  # a decode-only step: no copy into `out`
+            return self._absorbed(q, kv_cache, decode, kv_scale, None)
         out = q.new_empty(q.shape[0], lay.num_heads, lay.v_head_dim)
         if decode is not None:
             out[:nd] = self._absorbed(q[:nd], kv_cache, decode, kv_scale, None)
@@ -140,21 +142,17 @@ class MLAImpl(AttentionImpl):
         pos = torch.arange(max_k, device=device)
         slots = metadata.block_table[:, pos // block_size].long() * block_size + pos % block_size
         slots = torch.where(pos < metadata.seq_lens[:, None], slots, 0)
-        context = dequantize(kv_cache.flatten(0, 1)[slots], kv_scale)  # [B, S, L+R] float32
+        # Expanded in the activation dtype (float32 on the CPU, bf16 on GPUs: the checkpoint's own).
+        context = dequantize(kv_cache.flatten(0, 1)[slots], kv_scale).to(q.dtype)  # [B, S, L+R]
         kv_c, k_pe = context[..., : lay.kv_lora_rank], context[..., lay.kv_lora_rank :]
         width = lay.qk_nope_head_dim + lay.qk_rope_head_dim
-        k = torch.cat(
-            [
-                torch.einsum("bsl,hnl->bhsn", kv_c, w_uk),
-                k_pe[:, None].expand(-1, lay.num_heads, -1, -1),
-            ],
-            dim=-1,
-        ).to(q.dtype)
+        k_nope = torch.einsum("bsl,hnl->bhsn", kv_c, w_uk.to(q.dtype))
+        k = torch.cat([k_nope, k_pe[:, None].expand(-1, lay.num_heads, -1, -1)], dim=-1)
         # v padded to k's width: SDPA's fused kernels want one head size.
-        v = F.pad(torch.einsum("bsl,hlv->bhsv", kv_c, w_uv), (0, width - lay.v_head_dim)).to(q.dtype)
+        v = F.pad(torch.einsum("bsl,hlv->bhsv", kv_c, w_uv.to(q.dtype)), (0, width - lay.v_head_dim))
         q_lens = metadata.query_start_loc_cpu.diff()
         whole_prompts = bool((q_lens == metadata.seq_lens_cpu).all())
-        rows = _padded_rows(metadata.query_start_loc_cpu, max_q).to(device, non_blocking=True)
+        rows = _padded_rows(metadata.query_start_loc, q.shape[0], max_q)
         padded = q.new_zeros(num_reqs * max_q, lay.num_heads, width).index_copy_(0, rows, q)
         padded = padded.view(num_reqs, max_q, lay.num_heads, width).transpose(1, 2)
         if metadata.causal and lay.sliding_window is None and whole_prompts:
@@ -185,11 +183,12 @@ class MLAImpl(AttentionImpl):
         write_slots(kv_cache.flatten(0, 1), slot_mapping, record)
 
 
-def _padded_rows(query_start_loc_cpu: torch.Tensor, max_q: int) -> torch.Tensor:
-    """Where each packed query row sits in the [B * max_q] padded batch (host-side, int64)."""
-    q_lens = query_start_loc_cpu.diff().long()
-    req = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
-    return req * max_q + torch.arange(int(query_start_loc_cpu[-1])) - query_start_loc_cpu[req].long()
+def _padded_rows(query_start_loc: torch.Tensor, num_rows: int, max_q: int) -> torch.Tensor:
+    """Where each packed query row sits in the [B * max_q] padded batch (on the device, no sync)."""
+    device = query_start_loc.device
+    q_lens = query_start_loc.diff()
+    req = torch.repeat_interleave(torch.arange(q_lens.numel(), device=device), q_lens, output_size=num_rows)
+    return req * max_q + torch.arange(num_rows, device=device) - query_start_loc[req].long()
 
 
 def _visibility(metadata: AttentionMetadata, max_q: int, max_k: int, sliding_window: int | None) -> torch.Tensor:
