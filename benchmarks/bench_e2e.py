@@ -1,8 +1,9 @@
 """End-to-end generation: Jackfield vs transformers' generate on the same random DeepSeek-V3 weights.
 
 Per batch size: time to first token (all requests submitted at once; Jackfield: mean over
-requests, transformers: generate with max_new_tokens=1) and decode tokens/s (tokens after the
-first over the time after the first). Ceilings measured in the same run: the dense matmul rate
+requests) and decode tokens/s (tokens after the
+first over the time after the first; transformers' times come from its streamer hook, which
+generate calls with each step's tokens). Ceilings measured in the same run: the dense matmul rate
 and the memory copy bandwidth; decode is compared with the bandwidth ceiling (every step reads
 all weights once: ceiling tokens/s = batch * bandwidth / weight bytes).
 
@@ -59,13 +60,30 @@ def ceilings(device: str, dtype: torch.dtype) -> tuple[float, float]:
     return flops, bandwidth
 
 
-def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> float:
+def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple[float, float]:
+    """(time to first token, decode time after it) of one generate call, from the times its
+    streamer is handed each step's tokens (generate reads every step's tokens on the host)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    clock = Clock()
     sync(device)
-    t = time.perf_counter()
+    start = time.perf_counter()
     model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, eos_token_id=None, pad_token_id=0)
+                   do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
     sync(device)
-    return time.perf_counter() - t
+    end = time.perf_counter()
+    first = clock.times[1]  # times[0]: the prompt
+    return first - start, end - first
 
 
 def agreement(llm, hf, prompt: torch.Tensor, device: str) -> float:
@@ -140,9 +158,8 @@ def main() -> None:
         jf_decode = batch * (args.new_tokens - 1) / (total - last_first)
         hf_prompts = prompts.to(device)
         time_hf(hf, hf_prompts[:1], 2, device)  # warm-up
-        hf_ttft = time_hf(hf, hf_prompts, 1, device)
-        hf_total = time_hf(hf, hf_prompts, args.new_tokens, device)
-        hf_decode = batch * (args.new_tokens - 1) / (hf_total - hf_ttft)
+        hf_ttft, hf_decode_s = time_hf(hf, hf_prompts, args.new_tokens, device)
+        hf_decode = batch * (args.new_tokens - 1) / hf_decode_s
         ceiling = batch * bandwidth / weight_bytes
         rows.append(dict(batch=batch, jf_ttft_ms=jf_ttft * 1e3, hf_ttft_ms=hf_ttft * 1e3,
                          jf_decode_tok_s=jf_decode, hf_decode_tok_s=hf_decode,
