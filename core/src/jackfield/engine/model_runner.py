@@ -97,7 +97,7 @@ class ModelRunner:
             max_num_logprobs=max(asked) if asked else None,
         )
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Final hidden states [T, D] of every query row (writing their KV), and the step's metadata."""
         common, input_ids, positions = self._metadata(chunks)
@@ -105,7 +105,7 @@ class ModelRunner:
         hidden = self.model(self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64), context)
         return hidden, common
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk]) -> StepResult:
         hidden, common = self.forward(chunks)
         sampling = [c for c in chunks if c.samples]
