@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-
 from jackfield import LLM, SamplingParams
 from jackfield.attention.torch_ref import TorchRefMLAImpl
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
@@ -16,12 +15,14 @@ from jackfield.models.moe import Experts, use_grouped_mm
 from jackfield.ops.reference import varlen_attention
 
 
-def _experts_reference(x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _experts_reference(
+    x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """Token by token, chosen expert by chosen expert, in float64."""
     w13, w2 = experts.w13.double(), experts.w2.double()
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
-        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist(), strict=True):
             gate, up = (w13[e] @ x[t].double()).chunk(2)
             out[t] += w * (w2[e] @ (torch.nn.functional.silu(gate) * up))
     return out
@@ -44,7 +45,9 @@ def test_looped_experts_match_float64(tokens: int) -> None:
     weights = torch.rand(tokens, 3)
     assert not use_grouped_mm(x)
     got = experts(x, weights, ids)
-    torch.testing.assert_close(got.double(), _experts_reference(x, experts, weights, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got.double(), _experts_reference(x, experts, weights, ids), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.gpu
@@ -64,17 +67,28 @@ def test_grouped_experts_match_float64_on_cuda(tokens: int) -> None:
 
 
 H, L, N, R, V, BLOCK = 3, 16, 8, 4, 6, 4
-SPEC = AttentionLayerSpec(num_heads=H, head_size=L + R, scale=1 / math.sqrt(N + R), kv_lora_rank=L,
-                          qk_nope_head_dim=N, qk_rope_head_dim=R, v_head_dim=V)
+SPEC = AttentionLayerSpec(
+    num_heads=H,
+    head_size=L + R,
+    scale=1 / math.sqrt(N + R),
+    kv_lora_rank=L,
+    qk_nope_head_dim=N,
+    qk_rope_head_dim=R,
+    v_head_dim=V,
+)
 
 
 @pytest.mark.parametrize(
     "q_lens, seq_lens, causal",
-    [([5, 11, 2], [5, 11, 2], True),  # whole prompts of mixed lengths: the plain causal call
-     ([3, 1, 6], [9, 5, 6], True),  # chunked continuations: the visibility mask
-     ([4, 7], [4, 7], False)],  # bidirectional
+    [
+        ([5, 11, 2], [5, 11, 2], True),  # whole prompts of mixed lengths: the plain causal call
+        ([3, 1, 6], [9, 5, 6], True),  # chunked continuations: the visibility mask
+        ([4, 7], [4, 7], False),
+    ],  # bidirectional
 )
-def test_mla_prefill_matches_expanded_float64_attention(q_lens: list[int], seq_lens: list[int], causal: bool) -> None:
+def test_mla_prefill_matches_expanded_float64_attention(
+    q_lens: list[int], seq_lens: list[int], causal: bool
+) -> None:
     torch.manual_seed(len(q_lens) + sum(seq_lens))
     impl = TorchRefMLAImpl(SPEC)
     kv_b = torch.randn(H * (N + V), L)
@@ -85,9 +99,14 @@ def test_mla_prefill_matches_expanded_float64_attention(q_lens: list[int], seq_l
     table = torch.randperm(num_blocks)[: len(seq_lens) * width].view(len(seq_lens), width).int()
     qsl = torch.tensor([0, *q_lens]).cumsum(0).int()
     metadata = AttentionMetadata(
-        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens).int(), block_table=table,
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), query_start_loc_cpu=qsl,
-        seq_lens_cpu=torch.tensor(seq_lens).int(), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens).int(),
+        block_table=table,
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=torch.tensor(seq_lens).int(),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
         causal=causal,
     )
     q = torch.randn(sum(q_lens), H, N + R)
@@ -98,10 +117,21 @@ def test_mla_prefill_matches_expanded_float64_attention(q_lens: list[int], seq_l
     for b, s in enumerate(seq_lens):
         pos = torch.arange(s)
         rec = cache.flatten(0, 1)[table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK].double()
-        ks.append(torch.cat([torch.einsum("sl,hnl->shn", rec[:, :L], w[:, :N]), rec[:, None, L:].expand(-1, H, -1)], -1))
+        ks.append(
+            torch.cat(
+                [torch.einsum("sl,hnl->shn", rec[:, :L], w[:, :N]), rec[:, None, L:].expand(-1, H, -1)], -1
+            )
+        )
         vs.append(torch.einsum("sl,hvl->shv", rec[:, :L], w[:, N:]))
-    want, _ = varlen_attention(q.double(), torch.cat(ks), torch.cat(vs), qsl.tolist(),
-                               [0, *torch.tensor(seq_lens).cumsum(0).tolist()], SPEC.scale, causal=causal)
+    want, _ = varlen_attention(
+        q.double(),
+        torch.cat(ks),
+        torch.cat(vs),
+        qsl.tolist(),
+        [0, *torch.tensor(seq_lens).cumsum(0).tolist()],
+        SPEC.scale,
+        causal=causal,
+    )
     assert got.shape == (sum(q_lens), H, V) and got.dtype == q.dtype
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)
 
@@ -111,17 +141,50 @@ def test_mla_prefill_rejects_a_short_block_table() -> None:
     impl.process_weights_after_loading({"kv_b_proj": torch.randn(H * (N + V), L)})
     qsl = torch.tensor([0, 9]).int()
     metadata = AttentionMetadata(
-        query_start_loc=qsl, seq_lens=torch.tensor([9]).int(), block_table=torch.tensor([[0, 1]]).int(),
-        slot_mapping=torch.zeros(9, dtype=torch.int64), query_start_loc_cpu=qsl,
-        seq_lens_cpu=torch.tensor([9]).int(), max_query_len=9, max_seq_len=9,
+        query_start_loc=qsl,
+        seq_lens=torch.tensor([9]).int(),
+        block_table=torch.tensor([[0, 1]]).int(),
+        slot_mapping=torch.zeros(9, dtype=torch.int64),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=torch.tensor([9]).int(),
+        max_query_len=9,
+        max_seq_len=9,
     )
     with pytest.raises(ValueError, match="too few for seq_len 9"):
         impl.prefill(torch.randn(9, H, N + R), torch.randn(4, BLOCK, L + R), metadata)
 
 
-def test_non_finite_logits_fail_the_step(v3_dir) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 0.7])  # the greedy shortcut and the sampler
+def test_non_finite_logits_fail_the_step(v3_dir, temperature: float) -> None:
     llm = LLM(v3_dir, backend="torch_ref", block_size=16)
     with torch.no_grad():
         llm.model.model.norm.weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="no finite logit"):
-        llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=temperature, max_tokens=2))
+
+
+def test_greedy_steps_match_the_sampler_and_flag_rows_with_no_finite_logit() -> None:
+    from jackfield.contracts.sampler import SamplingMetadata
+    from jackfield.engine.model_runner import greedy
+    from jackfield.sampling.samplers import Murmur3Sampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300)
+    logits[1, 7] = logits[1, 9] = 50.0  # a tie: the lowest index wins
+    logits[2, :] = float("-inf")
+    logits[3, 4] = float("nan")
+    rows = logits.shape[0]
+    meta = SamplingMetadata(
+        temperature=torch.zeros(rows),
+        top_k=torch.zeros(rows, dtype=torch.int64),
+        top_p=torch.ones(rows),
+        min_p=torch.zeros(rows),
+        seeds=torch.arange(rows),
+        positions=torch.arange(rows),
+    )
+    want = Murmur3Sampler().sample(logits, meta)
+    got = greedy(logits)
+    assert got.invalid_rows.tolist() == want.invalid_rows.tolist() == [False, False, True, False, False]
+    valid = ~got.invalid_rows
+    assert got.token_ids[valid].tolist() == want.token_ids[valid].tolist()
+    assert got.token_ids[1] == 7

@@ -191,7 +191,9 @@ def _padded_rows(query_start_loc: torch.Tensor, num_rows: int, max_q: int) -> to
     return req * max_q + torch.arange(num_rows, device=device) - query_start_loc[req].long()
 
 
-def _visibility(metadata: AttentionMetadata, max_q: int, max_k: int, sliding_window: int | None) -> torch.Tensor:
+def _visibility(
+    metadata: AttentionMetadata, max_q: int, max_k: int, sliding_window: int | None
+) -> torch.Tensor:
     """[B, max_q, max_k] bool: query row i of request b (position seq_len - q_len + i) sees key j."""
     device = metadata.seq_lens.device
     seq_lens = metadata.seq_lens.long()[:, None, None]

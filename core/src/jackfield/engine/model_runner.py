@@ -13,7 +13,7 @@ from torch import nn
 
 from jackfield.attention.metadata import split_decode_prefill
 from jackfield.contracts.attention import AttentionMetadata
-from jackfield.contracts.sampler import Sampler, SamplingMetadata
+from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import AttentionBackends, StepContext
 from jackfield.ops.staging import async_tensor_h2d
@@ -23,6 +23,14 @@ from jackfield.ops.staging import async_tensor_h2d
 class StepResult:
     token_ids: list[int]  # one per sampling chunk, in chunk order
     logprobs: list[dict[int, float] | None]
+
+
+def greedy(logits: torch.Tensor) -> SamplerOutput:
+    """An all-greedy step needs no sampler (nor its noise over the vocabulary): per row the first
+    maximum of the finite logits, as every sampler's temperature-0 rows; invalid: none finite."""
+    finite = torch.isfinite(logits)
+    tokens = logits.masked_fill(~finite, float("-inf")).argmax(dim=1)
+    return SamplerOutput(tokens, invalid_rows=~finite.any(dim=1))
 
 
 class ModelRunner:
@@ -115,8 +123,14 @@ class ModelRunner:
             ends = common.query_start_loc_cpu[1:].tolist()
             rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
             hidden = hidden[self._h2d(rows, torch.int64)]
-        out = self.sampler.sample(self.model.compute_logits(hidden), self._sampling_metadata(sampling))
-        tokens = out.token_ids if out.invalid_rows is None else torch.where(out.invalid_rows, -1, out.token_ids)
+        logits = self.model.compute_logits(hidden)
+        if all(c.seq.params.temperature == 0 and c.seq.params.logprobs is None for c in sampling):
+            out = greedy(logits)
+        else:
+            out = self.sampler.sample(logits, self._sampling_metadata(sampling))
+        tokens = out.token_ids
+        if out.invalid_rows is not None:
+            tokens = torch.where(out.invalid_rows, -1, tokens)
         token_ids = tokens.tolist()  # the step's one host sync
         if -1 in token_ids:
             raise FloatingPointError("the model produced no finite logit for a request (NaN/inf activations)")

@@ -10,7 +10,9 @@ from jackfield.models.hf_config import DeepseekArch
 from jackfield.models.layers import GatedMLP
 
 
-def route(logits: torch.Tensor, arch: DeepseekArch, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, arch: DeepseekArch, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k]).
 
     V3 (sigmoid, noaux_tc): groups ranked by the sum of their top-2 biased scores, the
@@ -50,9 +52,13 @@ class Experts(nn.Module):
     which costs nothing on the CPU).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), False)
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), False
+        )
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -86,8 +92,11 @@ class Experts(nn.Module):
 
 def use_grouped_mm(rows: torch.Tensor) -> bool:
     """torch._grouped_mm's fast kernels: CUDA, bf16 (Hopper and newer)."""
-    return rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and (
-        torch.cuda.get_device_capability(rows.device)[0] >= 9
+    return (
+        rows.is_cuda
+        and rows.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and (torch.cuda.get_device_capability(rows.device)[0] >= 9)
     )
 
 
@@ -100,9 +109,13 @@ class DeepseekMoE(nn.Module):
         self.arch = arch
         # The router runs in float32 whatever the activation dtype (as the reference does).
         self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.empty(num_experts, arch.hidden_size, dtype=torch.float32), False)
+        self.gate.weight = nn.Parameter(
+            torch.empty(num_experts, arch.hidden_size, dtype=torch.float32), False
+        )
         if arch.moe_scoring == "sigmoid":
-            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), False)
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), False
+            )
         self.experts = Experts(num_experts, arch.hidden_size, arch.moe_intermediate_size, dtype)
         self.shared_experts = (
             GatedMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts, dtype)
