@@ -10,6 +10,7 @@ cache bytes a decode must read (B * S * 576 * 2) over the step time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import statistics
 import time
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--group-keys", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--chunk-keys", type=int, nargs="+", default=[1024])
+    parser.add_argument("--kernels", nargs="+", default=["chunked"], choices=["chunked", "bmm"])
     parser.add_argument("--paths", nargs="+", default=None, help="compute paths (default: the detected one)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--ref-iters", type=int, default=2)
@@ -102,8 +105,8 @@ def main() -> None:
         f"B={args.batch}, S={args.seq}, block {args.block_size}, kv_lora_rank {KV_LORA_RANK} + rope {ROPE}, bf16 cache"
     )
     rows = [
-        "| H | backend | group keys | step ms | tokens/s | eff. GB/s | % of copy BW | x torch_ref |",
-        "|---|---|---|---|---|---|---|---|",
+        "| H | backend | kernel | group keys | chunk keys | step ms | tokens/s | eff. GB/s | % of copy BW | x torch_ref |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     print(header)
     for heads in args.heads:
@@ -119,14 +122,15 @@ def main() -> None:
 
         ref_impl = TorchRefBackend.make_impl(layer)
         ref_s = timed(lambda: ref_impl.attend(query, kv_cache, metadata, return_lse=True), args.ref_iters)
-        rows.append(row("torch_ref", "-", ref_s, ref_s))
+        rows.append(row("torch_ref", "- | - | -", ref_s, ref_s))
         print(rows[-1], flush=True)
-        for path in paths:
-            impl = CpuAmxMLAImpl(layer, path=path)
-            for group_keys in args.group_keys:
-                built = CpuAmxMetadataBuilder(group_keys).build(metadata)
+        for path, kernel, group_keys in itertools.product(paths, args.kernels, args.group_keys):
+            impl = CpuAmxMLAImpl(layer, path=path, kernel=kernel)
+            for chunk_keys in args.chunk_keys if kernel == "chunked" else [0]:
+                built = CpuAmxMetadataBuilder(group_keys, chunk_keys).build(metadata)
                 s = timed(lambda: impl.attend(query, kv_cache, built, return_lse=True), args.iters)
-                rows.append(row(f"cpu_amx {path}", str(group_keys), s, ref_s))
+                keys = f"{kernel} | {group_keys} | {chunk_keys if kernel == 'chunked' else '-'}"
+                rows.append(row(f"cpu_amx {path}", keys, s, ref_s))
                 print(rows[-1], flush=True)
     if args.append:
         command = "python benchmarks/bench_cpu_mla.py " + " ".join(

@@ -20,16 +20,17 @@ from jackfield_cpu_amx.capabilities import (
     availability,
     detected_amx_status,
 )
-from jackfield_cpu_amx.kernels import attend_group, gather_group_cache
-from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder, Scratch, StepPlan, plan_key
+from jackfield_cpu_amx.kernels import attend_group, attend_group_chunked, gather_group_cache
+from jackfield_cpu_amx.plan import CHUNK_KEYS, PLANS_KEY, CpuAmxMetadataBuilder, Scratch, StepPlan, plan_key
 
 COMPUTE_DTYPES: dict[ComputePath, torch.dtype] = {"amx_bf16": torch.bfloat16, "avx512_fp32": torch.float32}
 CACHE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class CpuAmxMLAImpl(MLAImpl):
-    def __init__(self, layer: AttentionLayerSpec, path: ComputePath | None = None) -> None:
+    def __init__(self, layer: AttentionLayerSpec, path: ComputePath | None = None, kernel: str = "chunked") -> None:
         super().__init__(layer)
+        self.kernel = kernel
         self.path: ComputePath = detected_amx_status().path if path is None else path
         self.compute_dtype = COMPUTE_DTYPES[self.path]
         self.w_uk_bmm: torch.Tensor | None = None  # [H, N, L] compute dtype: q_nope -> latent, one bmm
@@ -84,8 +85,16 @@ class CpuAmxMLAImpl(MLAImpl):
         # NaN-filled (cheap next to the cache read) so a row no group wrote cannot pass as a result.
         out = query.new_full((query.shape[0], lay.num_heads, lay.kv_lora_rank), float("nan"))
         lse = torch.full(query.shape[:2], float("nan"), dtype=torch.float32)
+        chunk_keys = metadata.extra.get(CHUNK_KEYS, 1024)
         for group in plan.groups:
             t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
+            if self.kernel == "chunked":
+                chunks = group.key_chunks(kv_cache.shape[1], chunk_keys)
+                keys = gather_group_cache(kv_cache, group, self.compute_dtype, scratch, chunks)
+                attend_group_chunked(
+                    query[t0:t1], keys, group, chunks, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1]
+                )
+                continue
             keys = gather_group_cache(kv_cache, group, self.compute_dtype, scratch)
             attend_group(query[t0:t1], keys, group, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1])
         return AttentionOutput(out, lse if return_lse else None)

@@ -17,6 +17,7 @@ import torch
 from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
 
 PLANS_KEY = "cpu_amx_plans"
+CHUNK_KEYS = "cpu_amx_chunk_keys"
 PlanKey = tuple[int, int, int]  # (num_reqs, num_tokens, num_decodes) of the metadata a plan serves
 
 
@@ -49,6 +50,7 @@ class RequestGroup:
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32 rows of this group
     seq_lens: torch.Tensor  # [num_reqs] int64
     _block_ids: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _chunks: dict[tuple[int, int], KeyChunks] = field(default_factory=dict, compare=False, repr=False)
 
     def block_ids(self, block_size: int) -> torch.Tensor:
         """[num_reqs * ceil(num_keys / block_size)] int64 physical blocks to gather, memoized per block size.
@@ -69,13 +71,48 @@ class RequestGroup:
             self._block_ids[block_size] = ids
         return ids
 
-    def stale_rows(self, block_size: int) -> torch.Tensor:
-        """Rows of the gathered [num_reqs * blocks * block_size] records past each request's seq_len
-        but inside num_keys: never-written slots (maybe NaN) that must be zeroed, since 0 * NaN = NaN."""
-        gathered = -(-self.num_keys // block_size) * block_size
-        pos = torch.arange(self.num_keys)
+    def key_chunks(self, block_size: int, chunk_keys: int) -> KeyChunks:
+        """Each request's keys cut into equal chunks of whole blocks, about `chunk_keys` keys each,
+        memoized per (block size, chunk_keys)."""
+        chunks = self._chunks.get((block_size, chunk_keys))
+        if chunks is None:
+            chunks = _key_chunks(self, block_size, chunk_keys)
+            self._chunks[(block_size, chunk_keys)] = chunks
+        return chunks
+
+    def stale_rows(self, block_size: int, blocks_per_req: int | None = None) -> torch.Tensor:
+        """Rows of the gathered [num_reqs * blocks_per_req * block_size] records at or past each
+        request's seq_len (inside num_keys when blocks_per_req is None): never-written slots (maybe
+        NaN) that must be zeroed, since a masked key still multiplies its value by 0 and 0 * NaN = NaN."""
+        gathered = (blocks_per_req or -(-self.num_keys // block_size)) * block_size
+        pos = torch.arange(self.num_keys if blocks_per_req is None else gathered)
         stale = pos[None, :] >= self.seq_lens[:, None]
         return (torch.arange(self.num_reqs)[:, None] * gathered + pos[None, :])[stale]
+
+
+@dataclass(frozen=True)
+class KeyChunks:
+    """A group's keys as num_chunks equal chunks per request (the last padded with a repeated block)."""
+
+    num_chunks: int
+    blocks_per_req: int  # num_chunks * blocks per chunk
+    block_ids: torch.Tensor  # [num_reqs * blocks_per_req] int64
+    mask: torch.Tensor  # [num_reqs, num_chunks, q_len, chunk keys] float32: 0 visible, -inf hidden
+    chunk_bias: torch.Tensor  # [num_reqs, num_chunks, q_len, 1] float32: -inf where a row sees no key
+
+
+def _key_chunks(group: RequestGroup, block_size: int, chunk_keys: int) -> KeyChunks:
+    num_blocks = -(-group.num_keys // block_size)
+    num_chunks = -(-num_blocks // max(1, chunk_keys // block_size))
+    padded = num_chunks * -(-num_blocks // num_chunks)  # balanced chunks, fewest padding blocks
+    ids = group.block_ids(block_size).view(group.num_reqs, num_blocks)
+    ids = torch.cat([ids, ids[:, :1].expand(-1, padded - num_blocks)], dim=1)
+    bias = torch.nn.functional.pad(
+        group.key_bias.squeeze(2), (0, padded * block_size - group.num_keys), value=float("-inf")
+    )
+    mask = bias.view(group.num_reqs, group.q_len, num_chunks, -1).transpose(1, 2).contiguous()
+    chunk_bias = torch.zeros(mask.shape[:3] + (1,)).masked_fill_((mask == float("-inf")).all(-1, keepdim=True), float("-inf"))
+    return KeyChunks(num_chunks, padded, ids.reshape(-1), mask, chunk_bias)
 
 
 @dataclass(frozen=True)
@@ -100,8 +137,9 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
     """Builds the step's plans: for the whole batch and for its decode and prefill halves
     (MLAImpl.forward hands `attend` one half; the conformance kit hands it the whole)."""
 
-    def __init__(self, group_keys: int = 16384) -> None:
+    def __init__(self, group_keys: int = 16384, chunk_keys: int = 1024) -> None:
         self.group_keys = group_keys  # keys gathered per group: bounds the working set
+        self.chunk_keys = chunk_keys  # keys per independent attention task (split-K)
         self.scratch = Scratch()
 
     def build(self, common: AttentionMetadata, for_capture: bool = False) -> AttentionMetadata:
@@ -137,7 +175,9 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
                 prefill, common.num_reqs - nd, common.num_tokens - ndt
             )
         scratch = Scratch() if for_capture else self.scratch
-        return common.replace(extra={**common.extra, PLANS_KEY: plans, "cpu_amx_scratch": scratch})
+        return common.replace(
+            extra={**common.extra, PLANS_KEY: plans, "cpu_amx_scratch": scratch, CHUNK_KEYS: self.chunk_keys}
+        )
 
     def _groups(self, q_lens: list[int], seq_lens: list[int], num_decodes: int) -> list[tuple[int, int]]:
         """[start, end) request ranges: equal q_len, one side of the decode boundary, within budget."""
@@ -168,4 +208,5 @@ def _shifted(group: RequestGroup, req_offset: int, token_offset: int) -> Request
         block_table=group.block_table,
         seq_lens=group.seq_lens,
         _block_ids=group._block_ids,
+        _chunks=group._chunks,
     )
