@@ -101,6 +101,18 @@ def test_slot_range_is_checked_per_tensor_version_and_cache() -> None:
         mla_kv_insert(*rows(3), big, slots)
 
 
+def test_inference_mode_slots_are_checked_on_every_call() -> None:
+    """Inference tensors have no version counter: nothing is remembered, each call checks."""
+    cache = poisoned_cache(2, torch.float32)
+    with torch.inference_mode():
+        slots = torch.tensor([0, 1, 2], device=DEV)
+        kv_c, k_pe = torch.randn(3, RANK, device=DEV), torch.randn(3, ROPE, device=DEV)
+        mla_kv_insert(kv_c, k_pe, cache, slots)
+        slots[1] = 2 * PAGE  # in place, untracked
+        with pytest.raises(ValueError, match=f"slot_mapping holds slot {2 * PAGE}"):
+            mla_kv_insert(kv_c, k_pe, cache, slots)
+
+
 def test_kernel_skips_slots_past_the_cache_even_unchecked() -> None:
     """A write through .data does not move the version counter: the kernel's own bound holds."""
     buffer = poisoned_cache(3, torch.float32)

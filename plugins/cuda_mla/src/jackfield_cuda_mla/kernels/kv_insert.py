@@ -72,8 +72,11 @@ class _CheckedSlots:
 
 def _check_slot_range(slot_mapping: torch.Tensor, capacity: int, num_blocks: int, block_size: int) -> None:
     last = _CheckedSlots
+    # Inference-mode tensors carry no version counter: they are checked on every call.
+    remembered = not slot_mapping.is_inference()
     if (
-        last.tensor is not None
+        remembered
+        and last.tensor is not None
         and last.tensor() is slot_mapping
         and last.version == slot_mapping._version
         and last.capacity == capacity
@@ -86,7 +89,8 @@ def _check_slot_range(slot_mapping: torch.Tensor, capacity: int, num_blocks: int
             f"slot_mapping holds slot {top}, but the cache has {capacity} slots ({num_blocks} x {block_size})"
         ),
     )
-    last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
+    if remembered:
+        last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
 
 
 def mla_kv_insert(
