@@ -103,3 +103,28 @@ def test_bad_engine_configs_fail_before_loading(v3_dir) -> None:
         LLM(v3_dir, backend="torch_ref", cpu_kv_cache_gib=1e-9)
     with pytest.raises(ValueError, match="needs 6 KV blocks; the cache has 4"):
         LLM(v3_dir, backend="torch_ref", cpu_kv_cache_gib=4 * 7680 / 2**30).generate([[1] * 70], GREEDY)
+
+
+def test_logit_bias_and_allowed_tokens_steer_generation(llm: LLM) -> None:
+    prompt = _prompts(5, (9,))[0]
+    favourite = int(torch.randint(0, 256, (1,)))
+    biased = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={favourite: 1e4})
+    assert llm.generate([prompt], biased)[0].token_ids == [favourite] * 6
+    allowed = tuple(torch.randperm(256)[:3].tolist())
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(temperature=1.5, seed=4, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed),
+    ):
+        assert set(llm.generate([prompt], params)[0].token_ids) <= set(allowed)
+    # greedy over the allowed set is the argmax of the raw logits restricted to it
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=320))[0]
+    first = free.logprobs[0]
+    restricted = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=allowed))[0]
+    assert restricted.token_ids[0] == max(allowed, key=lambda t: first[t])
+
+
+def test_bias_or_allowed_token_outside_the_vocab_fails_before_anything_runs(llm: LLM) -> None:
+    for params in (SamplingParams(logit_bias={10_000: 1.0}), SamplingParams(allowed_token_ids=(1, 10_000))):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[1, 2], [3, 4]], [GREEDY, params])
+    assert not llm.scheduler.has_work()

@@ -163,6 +163,10 @@ class LLM:
         if needed > self.num_blocks:
             raise ValueError(f"a request of {len(ids)} + {params.max_tokens} tokens needs {needed} KV blocks; "
                              f"the cache has {self.num_blocks} (raise the KV budget)")
+        vocab = self.model.arch.vocab_size
+        named = [*(params.logit_bias or {}), *(params.allowed_token_ids or ())]
+        if any(int(t) >= vocab for t in named):
+            raise ValueError(f"logit_bias/allowed_token_ids name token ids outside the vocabulary [0, {vocab})")
         seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
         seq = Sequence(self._next_id, len(ids), ids, params, seed)
         self._next_id += 1

@@ -13,10 +13,11 @@ from torch import nn
 
 from jackfield.attention.metadata import split_decode_prefill
 from jackfield.contracts.attention import AttentionMetadata
-from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata
+from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import AttentionBackends, StepContext
 from jackfield.ops.staging import async_tensor_h2d
+from jackfield.sampling.processors import bias_and_mask_from_params
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class ModelRunner:
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
         params = [c.seq.params for c in sampling]
         asked = [p.logprobs for p in params if p.logprobs is not None]
+        bias, allowed = bias_and_mask_from_params(params, self.model.arch.vocab_size, self.device)
         return SamplingMetadata(
             temperature=self._h2d([p.temperature for p in params], torch.float32),
             top_k=self._h2d([max(p.top_k, 0) for p in params], torch.int64),
@@ -103,6 +105,8 @@ class ModelRunner:
             seeds=self._h2d([c.seq.seed for c in sampling], torch.int64),
             positions=self._h2d([c.seq.num_tokens for c in sampling], torch.int64),
             max_num_logprobs=max(asked) if asked else None,
+            logit_bias=bias,
+            allowed_token_mask=allowed,
         )
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
@@ -124,7 +128,7 @@ class ModelRunner:
             rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
             hidden = hidden[self._h2d(rows, torch.int64)]
         logits = self.model.compute_logits(hidden)
-        if all(c.seq.params.temperature == 0 and c.seq.params.logprobs is None for c in sampling):
+        if all(_plain_greedy(c.seq.params) for c in sampling):
             out = greedy(logits)
         else:
             out = self.sampler.sample(logits, self._sampling_metadata(sampling))
@@ -142,3 +146,13 @@ class ModelRunner:
                 if k is not None:
                     logprobs[i] = dict(zip(ids[i][:k], values[i][:k]))
         return StepResult(token_ids, logprobs)
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Argmax of the raw logits is the whole answer (no logprobs, bias or allowed-token list)."""
+    return (
+        params.temperature == 0
+        and params.logprobs is None
+        and not params.logit_bias
+        and params.allowed_token_ids is None
+    )
