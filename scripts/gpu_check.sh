@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install the working tree (no network there), run every
+# GPU-marked test and the GPU benchmarks, and leave logs in $OUT (the device tool's folder).
+set -uo pipefail
+out="${OUT:-/tmp/jackfield-gpu}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 JACKFIELD_CACHE=/tmp/jackfield-cache
+python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/cuda_mla -e plugins/cpu_amx \
+    > "$out/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$out/pip.log"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python3 -m jackfield.cli plugins > "$out/plugins.txt" 2>&1; grep -A1 "cuda_mla " "$out/plugins.txt"
+timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider core plugins tests \
+    > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
+timeout 60 python3 -m jackfield.cli run --max-tokens 32 > "$out/run.txt" 2>&1; tail -4 "$out/run.txt"
+for bench in ${BENCHES:-bench_e2e bench_sampler}; do
+    timeout "${BENCH_TIMEOUT:-240}" python3 "benchmarks/$bench.py" > "$out/$bench.txt" 2>&1
+    echo "== $bench (rc=$?)"; tail -25 "$out/$bench.txt"
+done
