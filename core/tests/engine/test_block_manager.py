@@ -24,19 +24,19 @@ def test_shared_prefix_reuses_full_blocks_and_counts_references() -> None:
     a = _seq(0, list(range(10)))  # 2 full blocks + 2 tokens
     _run_prefill(bm, a)
     b = _seq(1, list(range(8)) + [99, 98, 97])
-    hits = bm.match_prefix(b)
-    assert hits == a.block_table[:2]
+    hits = bm.match_prefix(b)  # one table per KV cache group
+    assert hits == [a.block_table[:2]]
     bm.admit(b, hits)
     assert b.num_computed == 8
-    assert all(bm.blocks[i].ref_count == 2 for i in hits)
+    assert all(bm.blocks[i].ref_count == 2 for i in hits[0])
     bm.release(a)
-    assert all(bm.blocks[i].ref_count == 1 for i in hits)
+    assert all(bm.blocks[i].ref_count == 1 for i in hits[0])
 
 
 def test_the_last_prompt_token_is_never_served_from_cache() -> None:
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     _run_prefill(bm, _seq(0, list(range(8))))
-    assert len(bm.match_prefix(_seq(1, list(range(8))))) == 1  # block 2 holds the last token: recomputed
+    assert len(bm.match_prefix(_seq(1, list(range(8))))[0]) == 1  # block 2 holds the last token: recomputed
 
 
 def test_freed_blocks_stay_cached_until_reused_and_different_prefixes_miss() -> None:
@@ -46,18 +46,18 @@ def test_freed_blocks_stay_cached_until_reused_and_different_prefixes_miss() -> 
     bm.release(a)
     assert bm.num_free == 3
     again = _seq(1, list(range(9)))
-    assert len(bm.match_prefix(again)) == 2
-    assert bm.match_prefix(_seq(2, [7] + list(range(1, 9)))) == []  # first block differs: chain breaks
+    assert len(bm.match_prefix(again)[0]) == 2
+    assert bm.match_prefix(_seq(2, [7] + list(range(1, 9)))) == [[]]  # first block differs: chain breaks
     other = _seq(3, [50 + i for i in range(12)])
-    bm.admit(other, [])
+    bm.admit(other, [[]])
     bm.grow(other, 12)  # takes every block, evicting the cached ones
-    assert bm.match_prefix(again) == []
+    assert bm.match_prefix(again) == [[]]
 
 
 def test_disabled_prefix_caching_never_matches() -> None:
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     _run_prefill(bm, _seq(0, list(range(10))))
-    assert bm.match_prefix(_seq(1, list(range(10)))) == []
+    assert bm.match_prefix(_seq(1, list(range(10)))) == [[]]
 
 
 def test_bad_sizes_are_rejected() -> None:

@@ -1,16 +1,26 @@
 """Paged KV blocks: a pool with reference counts, per-request block tables, prefix caching.
 
+Each request holds one block table per KV cache group (see kv_groups.py); all groups draw from
+one pool. A sliding-window group of window W drops the blocks that every future query of the
+request has left behind (all their positions < num_computed - W + 1): their table entries become
+the null block, which is never written and is masked out by the window.
+
 A full block is identified by a chained hash (its tokens and the hash of the block before it),
-so equal hashes mean equal prefixes. Freed blocks keep their hash and stay findable until the
-pool reuses them (least recently freed first).
+so equal hashes mean equal prefixes; the cache is keyed by (group, hash). Freed blocks keep
+their hash and stay findable until the pool reuses them (least recently freed first). A prefix
+hit of k blocks counts only where every group holds what computing from token k * block_size on
+needs: full groups all k blocks, a window group the blocks of the last W - 1 tokens.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from jackfield.engine.sequence import Sequence
+
+NULL_BLOCK = 0  # reserved when some group has a window: the entry of a dropped block
 
 
 def block_hash(parent: int | None, tokens: list[int]) -> int:
@@ -21,19 +31,36 @@ def block_hash(parent: int | None, tokens: list[int]) -> int:
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    key: tuple[int, int] | None = None  # (group, chained hash) once registered in the cache
     tokens: list[int] = field(default_factory=list)  # kept to rule out hash collisions
 
 
+def max_request_blocks(windows: Seq[int | None], block_size: int, num_tokens: int, max_chunk: int) -> int:
+    """Most blocks one request of `num_tokens` holds at once over all KV cache groups, running in
+    chunks of at most `max_chunk` tokens: a window group never more than its window plus a chunk."""
+    whole = -(-num_tokens // block_size)
+    return sum(whole if w is None else min(whole, -(-(w - 1 + max_chunk) // block_size) + 1) for w in windows)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    """`windows`: one entry per KV cache group, its sliding window (None: full attention)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 windows: Seq[int | None] = (None,)) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        if not windows or any(w is not None and w <= 0 for w in windows):
+            raise ValueError(f"need one window per KV cache group, each None or positive, got {windows}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)
+        self.has_null_block = any(w is not None for w in self.windows)
+        if self.has_null_block and num_blocks < 2:
+            raise ValueError("a sliding-window model needs at least 2 blocks (one is the null block)")
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # hash -> block id
+        first = 1 if self.has_null_block else 0
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, num_blocks))
+        self.cached: dict[tuple[int, int], int] = {}  # (group, hash) -> block id
         self.hashes: dict[int, list[int]] = {}  # request id -> hashes of its full, computed blocks
 
     @property
@@ -43,54 +70,98 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks that hold a prefix of `seq` (never its last token: that one is computed)."""
+    @property
+    def num_usable(self) -> int:
+        """Blocks requests can hold (all but the null block)."""
+        return len(self.blocks) - self.has_null_block
+
+    def _first_needed(self, group: int, num_computed: int) -> int:
+        """Index of the first block a query at position `num_computed` (or later) still reads."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+
+    def _chain(self, seq: Sequence, num_blocks: int) -> tuple[list[list[int]], list[int]]:
+        """Tokens and chained hashes of the first `num_blocks` blocks of `seq`."""
+        bs = self.block_size
+        chunks = [seq.token_ids[i * bs : (i + 1) * bs] for i in range(num_blocks)]
+        hashes: list[int] = []
+        for tokens in chunks:
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens))
+        return chunks, hashes
+
+    def _lookup(self, group: int, h: int, tokens: list[int]) -> int | None:
+        block_id = self.cached.get((group, h))
+        return block_id if block_id is not None and self.blocks[block_id].tokens == tokens else None
+
+    def match_prefix(self, seq: Sequence) -> list[list[int]]:
+        """Per group, the table of cached blocks that hold a prefix of `seq` (never its last
+        token: that one is computed); all tables cover the same number of blocks."""
+        none: list[list[int]] = [[] for _ in self.windows]
         if not self.enable_prefix_caching:
-            return []
-        found: list[int] = []
-        parent: int | None = None
-        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
-            tokens = seq.token_ids[start : start + self.block_size]
-            h = block_hash(parent, tokens)
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].tokens != tokens:
-                break
-            found.append(block_id)
-            parent = h
-        return found
+            return none
+        chunks, hashes = self._chain(seq, (seq.num_tokens - 1) // self.block_size)
+        for k in range(len(hashes), 0, -1):  # the longest hit every group can serve
+            tables = []
+            for group in range(len(self.windows)):
+                first = self._first_needed(group, k * self.block_size)
+                ids = [self._lookup(group, hashes[i], chunks[i]) for i in range(first, k)]
+                if None in ids:
+                    break
+                tables.append([NULL_BLOCK] * first + ids)  # type: ignore[list-item]
+            else:
+                return tables
+        return none
 
-    def can_admit(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> bool:
+    def can_admit(self, seq: Sequence, num_new_tokens: int, hits: list[list[int]]) -> bool:
         """Whether blocks for the cached prefix plus `num_new_tokens` can be had."""
-        fresh = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # hits that sit in the free pool
-        return fresh <= self.num_free - reclaimed
+        cached = len(hits[0]) * self.block_size
+        fresh = sum(self.blocks_needed(cached + num_new_tokens) - len(table) for table in hits)
+        reclaimed = sum(1 for table in hits for b in self._real(table) if self.blocks[b].ref_count == 0)
+        return fresh <= self.num_free - reclaimed  # hits that sit in the free pool are not fresh
 
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
+    def admit(self, seq: Sequence, hits: list[list[int]]) -> None:
         """Take the cached prefix blocks for `seq` (its computation starts after them)."""
-        for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free[block_id]
-            block.ref_count += 1
-        seq.block_table = list(hits)
-        seq.num_computed = len(hits) * self.block_size
-        self.hashes[seq.request_id] = [self.blocks[b].hash for b in hits]  # type: ignore[misc]
+        for table in hits:
+            for block_id in self._real(table):
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free[block_id]
+                block.ref_count += 1
+        seq.block_tables = [list(table) for table in hits]
+        seq.num_computed = len(hits[0]) * self.block_size
+        self.hashes[seq.request_id] = self._chain(seq, len(hits[0]))[1]
+
+    def trim(self, seq: Sequence) -> None:
+        """Hand back window-group blocks no query of `seq` from num_computed on can see."""
+        for group, table in enumerate(seq.block_tables):
+            end = min(self._first_needed(group, seq.num_computed), len(table))
+            start = end
+            while start > 0 and table[start - 1] != NULL_BLOCK:  # earlier ones were dropped before
+                start -= 1
+            for i in range(start, end):
+                self._unref(table[i])
+                table[i] = NULL_BLOCK
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free
+        tables = seq.block_tables or [[] for _ in self.windows]
+        return sum(self.blocks_needed(num_tokens) - len(table) for table in tables) <= self.num_free
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
-        """Give `seq` blocks for its first `num_tokens` tokens."""
-        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
-            block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None and self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-            block.hash, block.tokens, block.ref_count = None, [], 1
-            seq.block_table.append(block_id)
+        """Give `seq` blocks for its first `num_tokens` tokens in every group."""
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.windows]
+        for table in seq.block_tables:
+            for _ in range(self.blocks_needed(num_tokens) - len(table)):
+                block_id, _ = self.free.popitem(last=False)
+                block = self.blocks[block_id]
+                if block.key is not None and self.cached.get(block.key) == block_id:
+                    del self.cached[block.key]
+                block.key, block.tokens, block.ref_count = None, [], 1
+                table.append(block_id)
 
     def commit(self, seq: Sequence) -> None:
-        """Register the full blocks whose KV is now computed so later requests can share them."""
+        """Register the full blocks whose KV is now computed so later requests can share them.
+        (Runs after every step, before the next `trim`, so no window has dropped them yet.)"""
         if not self.enable_prefix_caching:
             return
         hashes = self.hashes.setdefault(seq.request_id, [])
@@ -98,17 +169,26 @@ class BlockManager:
             tokens = seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
             h = block_hash(hashes[-1] if hashes else None, tokens)
             hashes.append(h)
-            block = self.blocks[seq.block_table[index]]
-            if block.hash is None and h not in self.cached:
-                block.hash, block.tokens = h, tokens
-                self.cached[h] = block.block_id
+            for group, table in enumerate(seq.block_tables):
+                block = self.blocks[table[index]]
+                if block.key is None and (group, h) not in self.cached:
+                    block.key, block.tokens = (group, h), tokens
+                    self.cached[group, h] = block.block_id
 
     def release(self, seq: Sequence) -> None:
         """Return `seq`'s blocks (last first, so a prefix's head outlives its tail in the pool)."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-        seq.block_table = []
+        for table in seq.block_tables:
+            for block_id in reversed(self._real(table)):
+                self._unref(block_id)
+        seq.block_tables = []
         self.hashes.pop(seq.request_id, None)
+
+    def _real(self, table: list[int]) -> list[int]:
+        """The table's blocks, less null entries."""
+        return [b for b in table if b != NULL_BLOCK] if self.has_null_block else table
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None

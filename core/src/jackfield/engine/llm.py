@@ -12,8 +12,10 @@ import torch
 
 from jackfield.attention.kv_cache import allocate_kv_cache, cache_dtype, cache_shape
 from jackfield.config import ConfigError, JackfieldConfig, load_config
+from jackfield.contracts.attention import AttentionLayerSpec
 from jackfield.contracts.sampler import Sampler, SamplingParams
-from jackfield.engine.block_manager import BlockManager
+from jackfield.engine.block_manager import BlockManager, max_request_blocks
+from jackfield.engine.kv_groups import plan_kv_cache_groups
 from jackfield.engine.model_runner import ModelRunner
 from jackfield.engine.outputs import RequestOutput, RequestTimings
 from jackfield.engine.scheduler import ScheduledChunk, Scheduler
@@ -98,13 +100,17 @@ class LLM:
         self.pooling = pooling_of(read_hf_config(self.model_dir))
         engine = config.engine
         self.max_model_len = min(engine.max_model_len or self.model.max_model_len, self.model.max_model_len)
-        self.num_blocks = self._num_blocks()
         layers = self.model.kv_cache_layers
-        kv_caches = [allocate_kv_cache(layer, self.num_blocks, engine.block_size, self.dtype, self.device)
-                     for layer in layers]
-        self.block_manager = BlockManager(self.num_blocks, engine.block_size, engine.enable_prefix_caching)
+        self.kv_groups = plan_kv_cache_groups(layers)
+        self.num_blocks = self._num_blocks()
+        tensors = {t: allocate_kv_cache(layer, self.num_blocks, engine.block_size, self.dtype, self.device)
+                   for t, layer in self._layer_of_tensor().items()}
+        kv_caches = [tensors[t] for t in self.kv_groups.layer_tensor]
+        self.block_manager = BlockManager(self.num_blocks, engine.block_size, engine.enable_prefix_caching,
+                                          self.kv_groups.windows)
         self.scheduler = Scheduler(self.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, backends, self._sampler(), kv_caches, engine.block_size, self.device)
+        self.runner = ModelRunner(self.model, backends, self._sampler(), kv_caches, engine.block_size, self.device,
+                                  self.kv_groups)
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
 
@@ -120,13 +126,18 @@ class LLM:
             ids.add(int(self.tokenizer.eos_token_id))
         return {int(i) for i in ids}
 
+    def _layer_of_tensor(self) -> dict[int, AttentionLayerSpec]:
+        """Per cache tensor, a layer it serves (the layers sharing one have one layout)."""
+        return {t: layer for layer, t in zip(self.model.kv_cache_layers, self.kv_groups.layer_tensor, strict=True)}
+
     def _num_blocks(self) -> int:
-        """Blocks the budget pays for, capped at what max_num_seqs full-length requests can use."""
+        """Blocks the budget pays for, capped at what max_num_seqs full-length requests can use.
+        A block id holds one block in each cache tensor (with KV cache groups, fewer than layers)."""
         engine = self.config.engine
         per_block = sum(
             torch.Size(cache_shape(layer, 1, engine.block_size)).numel()
             * cache_dtype(layer.kv_cache_dtype, self.dtype).itemsize
-            for layer in self.model.kv_cache_layers
+            for layer in self._layer_of_tensor().values()
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -135,7 +146,10 @@ class LLM:
         else:
             budget = engine.cpu_kv_cache_gib * 2**30
             where = f"engine.cpu_kv_cache_gib = {engine.cpu_kv_cache_gib}"
-        useful = engine.max_num_seqs * -(-self.max_model_len // engine.block_size)
+        windows = self.kv_groups.windows
+        useful = engine.max_num_seqs * max_request_blocks(
+            windows, engine.block_size, self.max_model_len, engine.max_num_batched_tokens
+        ) + any(w is not None for w in windows)  # the null block
         num_blocks = min(int(budget // per_block), useful)
         if num_blocks < 1:
             raise ConfigError([f"the KV cache budget ({where}) does not fit one block of {per_block} bytes"])
@@ -159,10 +173,12 @@ class LLM:
             raise ValueError("empty prompt")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_model_len {self.max_model_len}")
-        needed = self.block_manager.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
-        if needed > self.num_blocks:
+        engine = self.config.engine
+        needed = max_request_blocks(self.kv_groups.windows, engine.block_size,
+                                    min(len(ids) + params.max_tokens, self.max_model_len), engine.max_num_batched_tokens)
+        if needed > self.block_manager.num_usable:
             raise ValueError(f"a request of {len(ids)} + {params.max_tokens} tokens needs {needed} KV blocks; "
-                             f"the cache has {self.num_blocks} (raise the KV budget)")
+                             f"the cache has {self.block_manager.num_usable} (raise the KV budget)")
         vocab = self.model.arch.vocab_size
         named = [*(params.logit_bias or {}), *(params.allowed_token_ids or ())]
         if any(int(t) >= vocab for t in named):

@@ -6,6 +6,7 @@ of its request's known tokens).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from jackfield.attention.metadata import split_decode_prefill
 from jackfield.contracts.attention import AttentionMetadata
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
+from jackfield.engine.kv_groups import KVCacheGroups
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import AttentionBackends, StepContext
 from jackfield.ops.staging import async_tensor_h2d
@@ -36,42 +38,38 @@ def greedy(logits: torch.Tensor) -> SamplerOutput:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, backends: AttentionBackends, sampler: Sampler,
-                 kv_caches: list[torch.Tensor], block_size: int, device: torch.device) -> None:
+                 kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
+                 groups: KVCacheGroups) -> None:
+        """`kv_caches`: one per layer (with several KV cache groups, a tensor serves one layer of each)."""
         self.model, self.backends, self.sampler = model, backends, sampler
         self.kv_caches, self.block_size, self.device = kv_caches, block_size, device
+        self.groups = groups
         self.decode_builder = backends.decode.metadata_builder()
         self.prefill_builder = backends.prefill.metadata_builder() if backends.split else self.decode_builder
 
     def _h2d(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return async_tensor_h2d(data, dtype, self.device, pin_memory=True)
 
-    def _metadata(self, chunks: list[ScheduledChunk]) -> tuple[AttentionMetadata, list[int], list[int]]:
-        """(common metadata, input ids, positions) for the step's flat batch."""
+    def _metadata(self, chunks: list[ScheduledChunk]) -> tuple[list[AttentionMetadata], list[int], list[int]]:
+        """(metadata per KV cache group, input ids, positions) for the step's flat batch. The
+        groups' metadata differ only in block tables and slots."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        bs = self.block_size
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed
             end = start + chunk.num_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(query_start[-1] + chunk.num_tokens)
             seq_lens.append(end)
-        width = max(len(c.seq.block_table) for c in chunks)
-        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in chunks]
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)  # the scheduler put them first
         qsl_cpu = torch.tensor(query_start, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-        common = AttentionMetadata(
+        shared = dict(
             query_start_loc=self._h2d(qsl_cpu, torch.int32),
             seq_lens=self._h2d(seq_lens_cpu, torch.int32),
-            block_table=self._h2d(tables, torch.int32),
-            slot_mapping=self._h2d(slots, torch.int64),
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
             max_query_len=max(c.num_tokens for c in chunks),
@@ -80,9 +78,22 @@ class ModelRunner:
             num_decode_tokens=num_decodes,
             causal=not getattr(self.model, "non_causal", False),
         )
-        return common, input_ids, positions
+        bs = self.block_size
+        per_group = []
+        for group in range(len(self.groups.windows)):
+            tables = [c.seq.block_tables[group] for c in chunks]
+            slots: list[int] = []
+            for chunk, table in zip(chunks, tables):
+                start = chunk.seq.num_computed
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + chunk.num_tokens)]
+            width = max(len(table) for table in tables)
+            padded = [table + [0] * (width - len(table)) for table in tables]
+            per_group.append(AttentionMetadata(block_table=self._h2d(padded, torch.int32),
+                                               slot_mapping=self._h2d(slots, torch.int64), **shared))  # type: ignore[arg-type]
+        return per_group, input_ids, positions
 
-    def _step_context(self, common: AttentionMetadata) -> StepContext:
+    def _group_context(self, common: AttentionMetadata) -> StepContext:
+        """One group's context: its metadata through the backends' builders (per role when split)."""
         if not self.backends.split:
             return StepContext(self.kv_caches, metadata=self.decode_builder.build(common))
         decode, prefill = split_decode_prefill(common)
@@ -92,6 +103,12 @@ class ModelRunner:
             prefill=self.prefill_builder.build(prefill) if prefill is not None else None,
             num_decode_tokens=common.num_decode_tokens,
         )
+
+    def _step_context(self, per_group: list[AttentionMetadata]) -> StepContext:
+        if not self.groups.hybrid:
+            return self._group_context(per_group[0])
+        contexts = tuple(self._group_context(common) for common in per_group)
+        return dataclasses.replace(contexts[0], groups=contexts, layer_group=self.groups.layer_group)
 
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
         params = [c.seq.params for c in sampling]
@@ -112,10 +129,10 @@ class ModelRunner:
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Final hidden states [T, D] of every query row (writing their KV), and the step's metadata."""
-        common, input_ids, positions = self._metadata(chunks)
-        context = self._step_context(common)
+        per_group, input_ids, positions = self._metadata(chunks)
+        context = self._step_context(per_group)
         hidden = self.model(self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64), context)
-        return hidden, common
+        return hidden, per_group[0]
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk]) -> StepResult:

@@ -4,7 +4,8 @@ Each step first continues the running requests in admission order (decodes and u
 prefill chunks), then admits waiting requests while the budget, `max_num_seqs` and the block
 pool allow. When a running request needs a block and none is free, the newest running request
 is preempted: its blocks are released and it goes back to the front of the queue, to be
-recomputed (prompt and generated tokens) later.
+recomputed (prompt and generated tokens) later. Before any of that, running requests hand back
+the sliding-window blocks their next queries no longer see.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
+        for seq in self.running:
+            self.blocks.trim(seq)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -64,7 +67,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             hits = self.blocks.match_prefix(seq)
-            count = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
+            count = min(seq.num_tokens - len(hits[0]) * self.blocks.block_size, budget)
             if not self.blocks.can_admit(seq, count, hits):
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()

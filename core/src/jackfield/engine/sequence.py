@@ -27,7 +27,7 @@ class Sequence:
     seed: int
     status: Status = Status.WAITING
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV cache group; [] when none held
     num_cached_prefix: int = 0  # tokens served by the prefix cache on the first admission
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -43,6 +43,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV cache group's table (the only one unless the model has sliding windows)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_uncomputed(self) -> int:

@@ -2,7 +2,9 @@
 
 A layer holds one impl per role: decode rows (the first `num_decode_tokens`) go to the decode
 backend's impl and the rest to the prefill backend's. When both roles name one backend they are
-the same impl and the whole batch goes through it in one call.
+the same impl and the whole batch goes through it in one call. A model with KV cache groups
+(sliding-window layers beside full ones) has one step context per group: each layer reads its
+group's metadata (its block tables and slots differ; positions and lengths do not).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ class StepContext:
     decode: AttentionMetadata | None = None  # split roles: the decode half (None: no decodes)
     prefill: AttentionMetadata | None = None  # split roles: the prefill half (None: no prefills)
     num_decode_tokens: int = 0
+    groups: tuple[StepContext, ...] = ()  # per KV cache group (empty: one group, this context)
+    layer_group: tuple[int, ...] = ()  # per layer: its index in `groups`
+
+    def of_layer(self, layer_index: int) -> StepContext:
+        return self.groups[self.layer_group[layer_index]] if self.groups else self
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class RoleImpls(nn.Module):
         """impl.forward(*rows, cache, metadata, **layer_args) over the whole batch, or per role half.
         `rows` are split between the halves; `layer_args` (per-layer tensors: sinks) are not."""
         cache = step.kv_caches[layer_index]
+        step = step.of_layer(layer_index)
         if step.metadata is not None:
             return self.decode_impl.forward(*rows, cache, step.metadata, **layer_args)  # type: ignore[attr-defined]
         nd = step.num_decode_tokens
