@@ -84,9 +84,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--group-keys", type=int, nargs="+", default=[4096, 16384, 65536])
-    parser.add_argument("--chunk-keys", type=int, nargs="+", default=[1024])
-    parser.add_argument("--kernels", nargs="+", default=["chunked"], choices=["chunked", "bmm"])
+    parser.add_argument("--group-keys", type=int, nargs="+", default=[4096, 65536])
+    parser.add_argument("--chunk-keys", type=int, nargs="+", default=[0], help="0: by thread count")
     parser.add_argument("--paths", nargs="+", default=None, help="compute paths (default: the detected one)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--ref-iters", type=int, default=2)
@@ -102,11 +101,13 @@ def main() -> None:
     header = (
         f"CPU: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; detected path: "
         f"{status.path} ({status.reason})\nhost copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s; "
-        f"B={args.batch}, S={args.seq}, block {args.block_size}, kv_lora_rank {KV_LORA_RANK} + rope {ROPE}, bf16 cache"
+        f"B={args.batch}, S={args.seq}, block {args.block_size}, "
+        f"kv_lora_rank {KV_LORA_RANK} + rope {ROPE}, bf16 cache"
     )
     rows = [
-        "| H | backend | kernel | group keys | chunk keys | step ms | tokens/s | eff. GB/s | % of copy BW | x torch_ref |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| H | backend | group keys | chunk keys | step ms | tokens/s | eff. GB/s | % of copy BW "
+        "| x torch_ref |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     print(header)
     for heads in args.heads:
@@ -122,16 +123,15 @@ def main() -> None:
 
         ref_impl = TorchRefBackend.make_impl(layer)
         ref_s = timed(lambda: ref_impl.attend(query, kv_cache, metadata, return_lse=True), args.ref_iters)
-        rows.append(row("torch_ref", "- | - | -", ref_s, ref_s))
+        rows.append(row("torch_ref", "- | -", ref_s, ref_s))
         print(rows[-1], flush=True)
-        for path, kernel, group_keys in itertools.product(paths, args.kernels, args.group_keys):
-            impl = CpuAmxMLAImpl(layer, path=path, kernel=kernel)
-            for chunk_keys in args.chunk_keys if kernel == "chunked" else [0]:
-                built = CpuAmxMetadataBuilder(group_keys, chunk_keys).build(metadata)
-                s = timed(lambda: impl.attend(query, kv_cache, built, return_lse=True), args.iters)
-                keys = f"{kernel} | {group_keys} | {chunk_keys if kernel == 'chunked' else '-'}"
-                rows.append(row(f"cpu_amx {path}", keys, s, ref_s))
-                print(rows[-1], flush=True)
+        for path, group_keys, chunk_keys in itertools.product(paths, args.group_keys, args.chunk_keys):
+            impl = CpuAmxMLAImpl(layer, path=path)
+            built = CpuAmxMetadataBuilder(group_keys, chunk_keys or None).build(metadata)
+            s = timed(lambda: impl.attend(query, kv_cache, built, return_lse=True), args.iters)
+            keys = f"{group_keys} | {chunk_keys or 'auto'}"
+            rows.append(row(f"cpu_amx {path}", keys, s, ref_s))
+            print(rows[-1], flush=True)
     if args.append:
         command = "python benchmarks/bench_cpu_mla.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"

@@ -18,12 +18,19 @@ PATHS = [
 ]
 
 
-def run_attend(path: str, problem: Problem, group_keys: int | None = None) -> AttentionOutput:
-    builder = CpuAmxBackend.metadata_builder() if group_keys is None else CpuAmxMetadataBuilder(group_keys)
+def run_attend(
+    path: str, problem: Problem, group_keys: int | None = None, chunk_keys: int | None = None
+) -> AttentionOutput:
+    builder = (
+        CpuAmxBackend.metadata_builder()
+        if group_keys is None
+        else CpuAmxMetadataBuilder(group_keys, chunk_keys)
+    )
     impl = CpuAmxMLAImpl(problem.layer, path=path)
     return impl.attend(problem.query, problem.kv_cache, builder.build(problem.metadata), return_lse=True)
 
 
+@pytest.mark.parametrize("chunk_keys", [8, None])
 @pytest.mark.parametrize("path,dtype,atol,lse_atol", PATHS)
 @pytest.mark.parametrize(
     "q_lens,seq_lens,block_size,causal",
@@ -34,11 +41,14 @@ def run_attend(path: str, problem: Problem, group_keys: int | None = None) -> At
         ([3, 3, 6], [10, 7, 6], 4, False),  # non-causal
     ],
 )
-def test_attend_matches_float64(path, dtype, atol, lse_atol, q_lens, seq_lens, block_size, causal) -> None:
+def test_attend_matches_float64(
+    path, dtype, atol, lse_atol, q_lens, seq_lens, block_size, causal, chunk_keys
+) -> None:
+    """Chunks of a block or two (early causal rows see no key in later chunks), and chunks by thread count."""
     problem = make_problem(
         make_layer(num_heads=8), q_lens, seq_lens, block_size, dtype, causal=causal, seed=len(q_lens)
     )
-    result = run_attend(path, problem)
+    result = run_attend(path, problem, group_keys=16384, chunk_keys=chunk_keys)
     ref_out, ref_lse = reference_attend(problem)
     assert result.out.dtype == dtype and result.out.shape == ref_out.shape
     assert not result.out.isnan().any() and not result.lse.isnan().any()  # every row written
@@ -46,11 +56,13 @@ def test_attend_matches_float64(path, dtype, atol, lse_atol, q_lens, seq_lens, b
     torch.testing.assert_close(result.lse.double(), ref_lse, atol=lse_atol, rtol=0)
 
 
+@pytest.mark.parametrize("chunk_keys", [1, 8, 1 << 20])
 @pytest.mark.parametrize("group_keys", [1, 40, 1 << 20])
-def test_grouping_does_not_change_results(group_keys: int) -> None:
-    """One request per group, a few per group, and all in one group give the float64 answer."""
+def test_grouping_and_chunking_do_not_change_results(group_keys: int, chunk_keys: int) -> None:
+    """One request per group, a few per group, all in one group; one block per chunk (padded,
+    some chunks past a request's end), two, all keys in one chunk: the float64 answer each time."""
     problem = make_problem(make_layer(num_heads=4), [1] * 6, [12, 30, 7, 19, 25, 3], 4, torch.float32, seed=3)
-    result = run_attend("avx512_fp32", problem, group_keys=group_keys)
+    result = run_attend("avx512_fp32", problem, group_keys=group_keys, chunk_keys=chunk_keys)
     ref_out, ref_lse = reference_attend(problem)
     torch.testing.assert_close(result.out.double(), ref_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(result.lse.double(), ref_lse, atol=2e-5, rtol=0)
@@ -64,3 +76,19 @@ def test_bf16_path_error_at_benchmark_width() -> None:
     ref_out, ref_lse = reference_attend(problem)
     torch.testing.assert_close(result.out.double(), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(result.lse.double(), ref_lse, atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_keys", [4, 1024])
+def test_never_written_slots_are_not_read(chunk_keys: int) -> None:
+    """Every slot past a request's seq_len (inside its last block, in padding chunks that repeat
+    its first block, in blocks nobody owns) holds NaN: the results stay finite and exact."""
+    problem = make_problem(make_layer(num_heads=4), [1, 1, 3], [3, 13, 9], 4, torch.float32, seed=9)
+    owned = torch.zeros(problem.kv_cache.shape[:2], dtype=torch.bool)
+    for b, seq_len in enumerate(problem.metadata.seq_lens_cpu.tolist()):
+        pos = torch.arange(seq_len)
+        owned[problem.metadata.block_table[b, pos // 4].long(), pos % 4] = True
+    problem.kv_cache[~owned] = float("nan")
+    result = run_attend("avx512_fp32", problem, group_keys=1 << 20, chunk_keys=chunk_keys)
+    ref_out, ref_lse = reference_attend(problem)
+    torch.testing.assert_close(result.out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(result.lse.double(), ref_lse, atol=2e-5, rtol=0)

@@ -20,17 +20,16 @@ from jackfield_cpu_amx.capabilities import (
     availability,
     detected_amx_status,
 )
-from jackfield_cpu_amx.kernels import attend_group, attend_group_chunked, gather_group_cache
-from jackfield_cpu_amx.plan import CHUNK_KEYS, PLANS_KEY, CpuAmxMetadataBuilder, Scratch, StepPlan, plan_key
+from jackfield_cpu_amx.kernels import attend_group, gather_group_cache
+from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder, Scratch, StepPlan, plan_key
 
 COMPUTE_DTYPES: dict[ComputePath, torch.dtype] = {"amx_bf16": torch.bfloat16, "avx512_fp32": torch.float32}
 CACHE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class CpuAmxMLAImpl(MLAImpl):
-    def __init__(self, layer: AttentionLayerSpec, path: ComputePath | None = None, kernel: str = "chunked") -> None:
+    def __init__(self, layer: AttentionLayerSpec, path: ComputePath | None = None) -> None:
         super().__init__(layer)
-        self.kernel = kernel
         self.path: ComputePath = detected_amx_status().path if path is None else path
         self.compute_dtype = COMPUTE_DTYPES[self.path]
         self.w_uk_bmm: torch.Tensor | None = None  # [H, N, L] compute dtype: q_nope -> latent, one bmm
@@ -85,18 +84,13 @@ class CpuAmxMLAImpl(MLAImpl):
         # NaN-filled (cheap next to the cache read) so a row no group wrote cannot pass as a result.
         out = query.new_full((query.shape[0], lay.num_heads, lay.kv_lora_rank), float("nan"))
         lse = torch.full(query.shape[:2], float("nan"), dtype=torch.float32)
-        chunk_keys = metadata.extra.get(CHUNK_KEYS, 1024)
         for group in plan.groups:
             t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
-            if self.kernel == "chunked":
-                chunks = group.key_chunks(kv_cache.shape[1], chunk_keys)
-                keys = gather_group_cache(kv_cache, group, self.compute_dtype, scratch, chunks)
-                attend_group_chunked(
-                    query[t0:t1], keys, group, chunks, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1]
-                )
-                continue
-            keys = gather_group_cache(kv_cache, group, self.compute_dtype, scratch)
-            attend_group(query[t0:t1], keys, group, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1])
+            chunks = group.key_chunks(kv_cache.shape[1])
+            keys = gather_group_cache(kv_cache, group, chunks, self.compute_dtype, scratch)
+            attend_group(
+                query[t0:t1], keys, group, chunks, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1]
+            )
         return AttentionOutput(out, lse if return_lse else None)
 
 
@@ -116,7 +110,8 @@ def _checked_plan(
         raise ValueError(f"cpu_amx does not support {', '.join(unsupported)}")
     if kv_scale is not None or kv_cache.dtype not in CACHE_DTYPES:
         raise ValueError(
-            f"cpu_amx reads bfloat16 or float32 caches, got {kv_cache.dtype} (kv_scale {kv_scale is not None})"
+            f"cpu_amx reads bfloat16 or float32 caches, got {kv_cache.dtype} "
+            f"(kv_scale {kv_scale is not None})"
         )
     if kv_cache.device.type != "cpu":
         raise ValueError(f"cpu_amx runs on the CPU; the cache is on {kv_cache.device}")
@@ -131,7 +126,7 @@ def _checked_plan(
         raise ValueError(f"the cpu_amx plan covers {plan.num_tokens} query rows, got {query.shape[0]}")
     num_blocks = kv_cache.shape[0]
     for group in plan.groups:
-        ids = group.block_ids(kv_cache.shape[1])
+        ids = group.key_chunks(kv_cache.shape[1]).block_ids
         if ids.numel() and (int(ids.max()) >= num_blocks or int(ids.min()) < 0):
             raise ValueError(
                 f"block_table holds block {int(ids.max())} / {int(ids.min())}, the cache has {num_blocks}"

@@ -1,9 +1,10 @@
 """Absorbed MLA over the paged latent cache, one request group at a time, in plain PyTorch ops.
 
-The two matrix products are batched bmm calls that oneDNN runs on the AMX tile units for
-bfloat16 (on AVX-512 for float32). Per group: gather the group's cache blocks into a reused
-buffer (it stays in the CPU caches for both products), scores = q·Kᵀ, float32 softmax with the
-plan's bias, out = p·V, LSE from the same float32 scores.
+Per group: gather the group's cache blocks into a reused buffer (one parallel memcpy per block),
+then one call of PyTorch's fused CPU flash-attention kernel, whose tasks are (request, key chunk)
+pairs: each task reads its key tile once for both products (oneDNN brgemm: AMX tiles for
+bfloat16, AVX-512 for float32) and keeps the softmax in float32. The chunks' partial outputs
+merge through their LSEs (split-K), so short batches still fill every core.
 """
 
 from __future__ import annotations
@@ -12,64 +13,53 @@ import torch
 
 from jackfield_cpu_amx.plan import KeyChunks, RequestGroup, Scratch
 
-_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32}
+# index_select memcpys rows shorter than this many elements in parallel over the indices, and
+# copies longer rows one at a time through a parallel element-wise copy (ATen's GRAIN_SIZE).
+# That per-row path ran the gather at 12-18 GB/s on the 16-core AMX host (copy: 94 GB/s).
+_PARALLEL_MEMCPY_ELEMENTS = 32768
+_INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def _copy_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The cache as bit-exact integer rows short enough for the parallel memcpy path, and how
+    many rows each block spans."""
+    num_blocks, block_size, width = kv_cache.shape
+    token_bytes = width * kv_cache.element_size()
+    int_size = next(size for size in _INT_OF_SIZE if token_bytes % size == 0)
+    parts = next(
+        p
+        for p in range(1, block_size + 1)
+        if block_size % p == 0
+        and block_size // p * token_bytes // int_size < _PARALLEL_MEMCPY_ELEMENTS
+        or p == block_size
+    )
+    return kv_cache.view(num_blocks * parts, -1).view(_INT_OF_SIZE[int_size]), parts
 
 
 def gather_group_cache(
     kv_cache: torch.Tensor,
     group: RequestGroup,
+    chunks: KeyChunks,
     compute_dtype: torch.dtype,
     scratch: Scratch,
-    chunks: KeyChunks | None = None,
 ) -> torch.Tensor:
-    """The group's cache records as [num_reqs, blocks * block_size, L+R] in `compute_dtype`
-    (blocks laid out as `chunks` says when given)."""
-    num_blocks, block_size, width = kv_cache.shape
-    block_ids = group.block_ids(block_size) if chunks is None else chunks.block_ids
-    rows = kv_cache.view(num_blocks, block_size * width)
-    gathered = scratch.get(kv_cache.dtype, block_ids.numel() * rows.shape[1]).view(-1, rows.shape[1])
-    # A bit-exact copy: index_select on bfloat16 takes a slow element-wise path (up to 300x slower
-    # into a buffer slice, measured on torch 2.13); on same-width integers it is a row memcpy.
-    as_int = _SAME_WIDTH_INT[kv_cache.element_size()]
-    torch.index_select(rows.view(as_int), 0, block_ids, out=gathered.view(as_int))
-    stale = group.stale_rows(block_size, None if chunks is None else chunks.blocks_per_req)
-    if stale.numel():
-        gathered.view(-1, width).view(as_int).index_fill_(0, stale, 0)
+    """The group's cache records laid out as `chunks` says: [num_reqs, blocks_per_req * block_size, L+R]."""
+    width = kv_cache.shape[-1]
+    rows, parts = _copy_rows(kv_cache)
+    row_ids = chunks.block_ids
+    if parts > 1:
+        row_ids = (row_ids[:, None] * parts + torch.arange(parts)).view(-1)
+    as_rows = scratch.get(rows.dtype, row_ids.numel() * rows.shape[1]).view(-1, rows.shape[1])
+    torch.index_select(rows, 0, row_ids, out=as_rows)
+    gathered = as_rows.view(kv_cache.dtype).view(-1, width)
+    if chunks.stale_rows.numel():
+        gathered.index_fill_(0, chunks.stale_rows, 0)
     if kv_cache.dtype != compute_dtype:
-        converted = scratch.get(compute_dtype, gathered.numel()).view_as(gathered)
-        gathered = converted.copy_(gathered)
+        gathered = scratch.get(compute_dtype, gathered.numel()).view_as(gathered).copy_(gathered)
     return gathered.view(group.num_reqs, -1, width)
 
 
 def attend_group(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    group: RequestGroup,
-    kv_lora_rank: int,
-    scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    """query [g * q_len, H, L+R] over keys [g, >= num_keys, L+R]; writes out [g * q_len, H, L], lse [g * q_len, H].
-
-    Heads and query rows of a request fold into one M = q_len * H row block against its keys.
-    """
-    g, q_len, num_keys = group.num_reqs, group.q_len, group.num_keys
-    num_heads = query.shape[1]
-    keys = keys[:, :num_keys]
-    q = query.to(keys.dtype).reshape(g, q_len * num_heads, -1)
-    scores = torch.bmm(q, keys.transpose(1, 2)).view(g, q_len, num_heads, num_keys)
-    logits = torch.add(group.key_bias, scores, alpha=scale)  # float32: bias is float32; keys are finite
-    group_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    probs = logits.sub_(group_lse).exp_().to(keys.dtype).view(g, q_len * num_heads, num_keys)
-    # The product over whole contiguous records (rope columns included, then dropped) runs ~3x
-    # faster in oneDNN than over the strided latent slice, for 12% more arithmetic.
-    latent = torch.bmm(probs, keys)[:, :, :kv_lora_rank]
-    out.copy_(latent.reshape(g * q_len, num_heads, kv_lora_rank))
-    lse.copy_(group_lse.view(g * q_len, num_heads))
-
-
-def attend_group_chunked(
     query: torch.Tensor,
     keys: torch.Tensor,
     group: RequestGroup,
@@ -79,13 +69,16 @@ def attend_group_chunked(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
-    """Same contract as attend_group, over keys laid out by `chunks`: every (request, chunk) is one
-    task of PyTorch's fused CPU flash-attention kernel, which reads each key tile once for both
-    products; the chunks' partial results merge through their LSEs (split-K)."""
+    """query [g * q_len, H, L+R] over keys [g, chunked keys, L+R] (as gathered for `chunks`);
+    writes out [g * q_len, H, L] and lse [g * q_len, H].
+
+    Heads and query rows of a request fold into rows = q_len * H queries against its keys.
+    """
     g, q_len, n = group.num_reqs, group.q_len, chunks.num_chunks
     num_heads, width = query.shape[1], keys.shape[-1]
     rows = q_len * num_heads
-    # Chunks take the place of attention heads: [g, n, rows, width] queries are a stride-0 view.
+    # Chunks take the place of attention heads; the queries are a stride-0 view over them. The
+    # values are the whole records (the kernel wants equal head sizes): rope columns are dropped after.
     q = query.to(keys.dtype).view(g, 1, rows, width).expand(g, n, rows, width)
     k = keys.view(g, n, -1, width)
     mask = chunks.mask.unsqueeze(3).expand(-1, -1, -1, num_heads, -1).reshape(g, n, rows, -1)
@@ -93,7 +86,7 @@ def attend_group_chunked(
         q, k, k, 0.0, False, attn_mask=mask, scale=scale
     )
     part_out = part_out.view(g, n, rows, width)[..., :kv_lora_rank]
-    # The kernel reports LSE 0 (not -inf) for a row with no visible key in its chunk.
+    # The kernel reports LSE 0 (not -inf) for a row that sees no key in its chunk.
     part_lse = part_lse.view(g, n, q_len, num_heads).add(chunks.chunk_bias).view(g, n, rows)
     group_lse = torch.logsumexp(part_lse, dim=1)  # [g, rows]
     if n == 1:

@@ -1,23 +1,24 @@
 """The per-step plan: everything every layer of a step shares, computed once in build().
 
 Requests are cut into groups. A group is a run of consecutive requests with the same query
-length (decode and prefill requests never share one), small enough that its gathered latent
-cache stays in the CPU caches while both matrix products read it. Each group's query rows are
-contiguous, so its queries fold into one [g, q_len * H, D] batch: every product has
-q_len * H >= 16 rows (one AMX tile height) whenever H >= 16, or several tokens of H >= 8 heads.
-The block size is a property of the cache, not of the metadata, so block gather indices are
+length (decode and prefill requests never share one), within a budget of gathered keys (the
+gather buffer's size). Each group's query rows are contiguous, so its queries fold into one
+[g, q_len * H, D] batch: every product has q_len * H >= 16 rows (one AMX tile height) whenever
+H >= 16, or several tokens of H >= 8 heads. Each request's keys are cut into chunks of whole
+blocks, each chunk one task of the fused attention kernel. The block size is a property of the
+cache, not of the metadata, so the gather layout (block ids, never-written rows, masks) is
 resolved for it once per step, on the first layer, and reused by the rest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
 
 PLANS_KEY = "cpu_amx_plans"
-CHUNK_KEYS = "cpu_amx_chunk_keys"
+MIN_CHUNK_KEYS = 256
 PlanKey = tuple[int, int, int]  # (num_reqs, num_tokens, num_decodes) of the metadata a plan serves
 
 
@@ -40,79 +41,58 @@ class Scratch:
 
 
 @dataclass(frozen=True)
+class KeyChunks:
+    """A group's gather layout for one block size: each request's keys as num_chunks equal chunks
+    of whole blocks; blocks past a request's own repeat its first block (read, then masked)."""
+
+    num_chunks: int
+    blocks_per_req: int  # num_chunks * blocks per chunk
+    block_ids: torch.Tensor  # [num_reqs * blocks_per_req] int64 physical blocks to gather
+    stale_rows: torch.Tensor  # int64 gathered records at or past their request's seq_len
+    mask: torch.Tensor  # [num_reqs, num_chunks, q_len, chunk keys] float32: 0 visible, -inf hidden
+    chunk_bias: torch.Tensor  # [num_reqs, num_chunks, q_len, 1] float32: -inf where a row sees no key
+
+
+@dataclass(frozen=True)
 class RequestGroup:
     req_start: int  # first request, relative to the metadata the plan serves
     num_reqs: int
     token_start: int
     q_len: int
     num_keys: int  # keys read per request: the longest seq_len in the group
-    key_bias: torch.Tensor  # [num_reqs, q_len, 1, num_keys] float32: 0 visible, -inf hidden
+    chunk_keys: int  # about this many keys per chunk
+    key_bias: torch.Tensor  # [num_reqs, q_len, num_keys] float32: 0 visible, -inf hidden
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32 rows of this group
     seq_lens: torch.Tensor  # [num_reqs] int64
-    _block_ids: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
-    _chunks: dict[tuple[int, int], KeyChunks] = field(default_factory=dict, compare=False, repr=False)
+    _chunks: dict[int, KeyChunks] = field(default_factory=dict, compare=False, repr=False)
 
-    def block_ids(self, block_size: int) -> torch.Tensor:
-        """[num_reqs * ceil(num_keys / block_size)] int64 physical blocks to gather, memoized per block size.
-
-        Columns past a request's own blocks repeat its first block: they are read, then masked.
-        """
-        ids = self._block_ids.get(block_size)
-        if ids is None:
-            num_blocks = -(-self.num_keys // block_size)
-            if num_blocks > self.block_table.shape[1]:
-                raise ValueError(
-                    f"block_table has {self.block_table.shape[1]} columns, seq_len {self.num_keys} "
-                    f"needs {num_blocks} blocks of {block_size}"
-                )
-            table = self.block_table[:, :num_blocks].long()
-            owned = torch.arange(num_blocks) < (-(-self.seq_lens // block_size))[:, None]
-            ids = torch.where(owned, table, table[:, :1]).reshape(-1)
-            self._block_ids[block_size] = ids
-        return ids
-
-    def key_chunks(self, block_size: int, chunk_keys: int) -> KeyChunks:
-        """Each request's keys cut into equal chunks of whole blocks, about `chunk_keys` keys each,
-        memoized per (block size, chunk_keys)."""
-        chunks = self._chunks.get((block_size, chunk_keys))
+    def key_chunks(self, block_size: int) -> KeyChunks:
+        """The gather layout, memoized per block size (a property of the cache, not the metadata)."""
+        chunks = self._chunks.get(block_size)
         if chunks is None:
-            chunks = _key_chunks(self, block_size, chunk_keys)
-            self._chunks[(block_size, chunk_keys)] = chunks
+            chunks = self._chunks[block_size] = self._layout(block_size)
         return chunks
 
-    def stale_rows(self, block_size: int, blocks_per_req: int | None = None) -> torch.Tensor:
-        """Rows of the gathered [num_reqs * blocks_per_req * block_size] records at or past each
-        request's seq_len (inside num_keys when blocks_per_req is None): never-written slots (maybe
-        NaN) that must be zeroed, since a masked key still multiplies its value by 0 and 0 * NaN = NaN."""
-        gathered = (blocks_per_req or -(-self.num_keys // block_size)) * block_size
-        pos = torch.arange(self.num_keys if blocks_per_req is None else gathered)
-        stale = pos[None, :] >= self.seq_lens[:, None]
-        return (torch.arange(self.num_reqs)[:, None] * gathered + pos[None, :])[stale]
-
-
-@dataclass(frozen=True)
-class KeyChunks:
-    """A group's keys as num_chunks equal chunks per request (the last padded with a repeated block)."""
-
-    num_chunks: int
-    blocks_per_req: int  # num_chunks * blocks per chunk
-    block_ids: torch.Tensor  # [num_reqs * blocks_per_req] int64
-    mask: torch.Tensor  # [num_reqs, num_chunks, q_len, chunk keys] float32: 0 visible, -inf hidden
-    chunk_bias: torch.Tensor  # [num_reqs, num_chunks, q_len, 1] float32: -inf where a row sees no key
-
-
-def _key_chunks(group: RequestGroup, block_size: int, chunk_keys: int) -> KeyChunks:
-    num_blocks = -(-group.num_keys // block_size)
-    num_chunks = -(-num_blocks // max(1, chunk_keys // block_size))
-    padded = num_chunks * -(-num_blocks // num_chunks)  # balanced chunks, fewest padding blocks
-    ids = group.block_ids(block_size).view(group.num_reqs, num_blocks)
-    ids = torch.cat([ids, ids[:, :1].expand(-1, padded - num_blocks)], dim=1)
-    bias = torch.nn.functional.pad(
-        group.key_bias.squeeze(2), (0, padded * block_size - group.num_keys), value=float("-inf")
-    )
-    mask = bias.view(group.num_reqs, group.q_len, num_chunks, -1).transpose(1, 2).contiguous()
-    chunk_bias = torch.zeros(mask.shape[:3] + (1,)).masked_fill_((mask == float("-inf")).all(-1, keepdim=True), float("-inf"))
-    return KeyChunks(num_chunks, padded, ids.reshape(-1), mask, chunk_bias)
+    def _layout(self, block_size: int) -> KeyChunks:
+        num_blocks = -(-self.num_keys // block_size)
+        if num_blocks > self.block_table.shape[1]:
+            raise ValueError(
+                f"block_table has {self.block_table.shape[1]} columns, seq_len {self.num_keys} "
+                f"needs {num_blocks} blocks of {block_size}"
+            )
+        num_chunks = -(-num_blocks // max(1, self.chunk_keys // block_size))
+        padded = num_chunks * -(-num_blocks // num_chunks)  # equal chunks, fewest padding blocks
+        table = self.block_table[:, :num_blocks].long()
+        owned = torch.arange(padded) < (-(-self.seq_lens // block_size))[:, None]
+        ids = torch.where(owned, torch.nn.functional.pad(table, (0, padded - num_blocks)), table[:, :1])
+        # Never-written slots may hold NaN; a masked key still multiplies its value by 0.
+        pos = torch.arange(padded * block_size)
+        stale = (torch.arange(self.num_reqs)[:, None] * pos.numel() + pos)[pos >= self.seq_lens[:, None]]
+        bias = torch.nn.functional.pad(self.key_bias, (0, pos.numel() - self.num_keys), value=float("-inf"))
+        mask = bias.view(self.num_reqs, self.q_len, num_chunks, -1).transpose(1, 2).contiguous()
+        blind = (mask == float("-inf")).all(-1, keepdim=True)
+        chunk_bias = torch.zeros(blind.shape).masked_fill_(blind, float("-inf"))
+        return KeyChunks(num_chunks, padded, ids.reshape(-1), stale, mask, chunk_bias)
 
 
 @dataclass(frozen=True)
@@ -129,18 +109,24 @@ def _key_bias(seq_lens: torch.Tensor, q_len: int, num_keys: int, causal: bool) -
     last_row_offset = torch.arange(q_len) - (q_len - 1)  # row i is (q_len - 1 - i) before the last
     visible_end = seq_lens[:, None] + (last_row_offset if causal else torch.zeros_like(last_row_offset))
     visible = keys[None, None, :] < visible_end[:, :, None]
-    bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-    return bias.unsqueeze(2)
+    return torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
 
 
 class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
     """Builds the step's plans: for the whole batch and for its decode and prefill halves
     (MLAImpl.forward hands `attend` one half; the conformance kit hands it the whole)."""
 
-    def __init__(self, group_keys: int = 16384, chunk_keys: int = 1024) -> None:
+    def __init__(self, group_keys: int = 65536, chunk_keys: int | None = None) -> None:
         self.group_keys = group_keys  # keys gathered per group: bounds the working set
-        self.chunk_keys = chunk_keys  # keys per independent attention task (split-K)
+        self.chunk_keys = chunk_keys  # keys per attention task (split-K); None: by thread count
         self.scratch = Scratch()
+
+    def _chunk_keys(self, num_reqs: int, num_keys: int) -> int:
+        """Enough (request, chunk) tasks for two per thread, none shorter than MIN_CHUNK_KEYS (the
+        chunks' partial outputs cost a merge)."""
+        if self.chunk_keys is not None:
+            return self.chunk_keys
+        return max(MIN_CHUNK_KEYS, -(-num_reqs * num_keys // (2 * torch.get_num_threads())))
 
     def build(self, common: AttentionMetadata, for_capture: bool = False) -> AttentionMetadata:
         qsl = common.query_start_loc_cpu.long()
@@ -155,6 +141,7 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
                 token_start=int(qsl[r0]),
                 q_len=int(q_lens[r0]),
                 num_keys=int(seq_lens[r0:r1].max()),
+                chunk_keys=self._chunk_keys(r1 - r0, int(seq_lens[r0:r1].max())),
                 key_bias=_key_bias(
                     seq_lens[r0:r1], int(q_lens[r0]), int(seq_lens[r0:r1].max()), common.causal
                 ),
@@ -175,9 +162,7 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
                 prefill, common.num_reqs - nd, common.num_tokens - ndt
             )
         scratch = Scratch() if for_capture else self.scratch
-        return common.replace(
-            extra={**common.extra, PLANS_KEY: plans, "cpu_amx_scratch": scratch, CHUNK_KEYS: self.chunk_keys}
-        )
+        return common.replace(extra={**common.extra, PLANS_KEY: plans, "cpu_amx_scratch": scratch})
 
     def _groups(self, q_lens: list[int], seq_lens: list[int], num_decodes: int) -> list[tuple[int, int]]:
         """[start, end) request ranges: equal q_len, one side of the decode boundary, within budget."""
@@ -198,15 +183,7 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
 
 
 def _shifted(group: RequestGroup, req_offset: int, token_offset: int) -> RequestGroup:
-    return RequestGroup(
-        req_start=group.req_start - req_offset,
-        num_reqs=group.num_reqs,
-        token_start=group.token_start - token_offset,
-        q_len=group.q_len,
-        num_keys=group.num_keys,
-        key_bias=group.key_bias,
-        block_table=group.block_table,
-        seq_lens=group.seq_lens,
-        _block_ids=group._block_ids,
-        _chunks=group._chunks,
+    # Shares the memoized gather layouts: they depend on the requests, not on where they sit.
+    return replace(
+        group, req_start=group.req_start - req_offset, token_start=group.token_start - token_offset
     )
