@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from jackfield import SamplingParams
 from jackfield.contracts.attention import AttentionLayerSpec
 from jackfield.engine.block_manager import NULL_BLOCK, BlockManager, max_request_blocks
@@ -27,7 +26,8 @@ def test_one_pattern_is_one_group_with_a_tensor_per_layer() -> None:
     for window in (None, 5):
         groups = plan_kv_cache_groups([_layer(window)] * 3)
         assert groups.windows == (window,) and not groups.hybrid
-        assert groups.layer_group == (0, 0, 0) and groups.layer_tensor == (0, 1, 2) and groups.num_tensors == 3
+        assert groups.layer_group == (0, 0, 0) and groups.layer_tensor == (0, 1, 2)
+        assert groups.num_tensors == 3
 
 
 def test_hybrid_layers_split_into_equal_groups_sharing_tensors() -> None:
@@ -38,7 +38,8 @@ def test_hybrid_layers_split_into_equal_groups_sharing_tensors() -> None:
     assert groups.layer_group == (0, 1, 1, 2, 0, 2)
     assert groups.layer_tensor == (0, 0, 1, 0, 1, 1)
     for g in range(3):  # each group uses each tensor once
-        assert sorted(t for t, lg in zip(groups.layer_tensor, groups.layer_group) if lg == g) == [0, 1]
+        pairs = zip(groups.layer_tensor, groups.layer_group, strict=True)
+        assert sorted(t for t, lg in pairs if lg == g) == [0, 1]
 
 
 def test_hybrid_layers_with_different_layouts_are_refused() -> None:

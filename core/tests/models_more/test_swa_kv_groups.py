@@ -30,7 +30,8 @@ def swa_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     hf_model = HFGraniteSWA(config).eval()
-    randomize_(hf_model, ("sinks", "input_layernorm.weight", "post_attention_layernorm.weight", "norm.weight"), seed=1)
+    constants = ("sinks", "input_layernorm.weight", "post_attention_layernorm.weight", "norm.weight")
+    randomize_(hf_model, constants, seed=1)
     path = save_hf_model(hf_model, tmp_path_factory.mktemp("swa") / "granite_swa")
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in LENGTHS]
@@ -56,8 +57,9 @@ def _track_window_blocks(llm: LLM) -> list[int]:
 
     def spy():  # type: ignore[no-untyped-def]
         chunks = schedule()
-        window_groups = [g for g, w in enumerate(llm.kv_groups.windows) if w is not None]
-        peaks.append(max(sum(b != NULL_BLOCK for b in c.seq.block_tables[g]) for c in chunks for g in window_groups))
+        windowed = [g for g, w in enumerate(llm.kv_groups.windows) if w is not None]
+        tables = [c.seq.block_tables[g] for c in chunks for g in windowed]
+        peaks.append(max(sum(b != NULL_BLOCK for b in table) for table in tables))
         return chunks
 
     llm.scheduler.schedule = spy  # type: ignore[method-assign]

@@ -42,7 +42,8 @@ def plan_kv_cache_groups(layers: Sequence[AttentionLayerSpec]) -> KVCacheGroups:
     # Shared tensors need every layer's cache to have one layout.
     layouts = {dataclasses.replace(layer, sliding_window=None) for layer in layers}
     if len(layouts) > 1:
-        raise ValueError(f"sliding-window and full layers must share one KV cache layout, got {sorted(map(str, layouts))}")
+        raise ValueError(f"sliding-window and full layers must share one KV cache layout, got "
+                         f"{len(layouts)}: " + "; ".join(sorted(map(str, layouts))))
     by_window = {w: [i for i, layer in enumerate(layers) if layer.sliding_window == w] for w in windows}
     size = min(len(indices) for indices in by_window.values())
     group_windows: list[int | None] = []

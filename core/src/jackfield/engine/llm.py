@@ -109,8 +109,8 @@ class LLM:
         self.block_manager = BlockManager(self.num_blocks, engine.block_size, engine.enable_prefix_caching,
                                           self.kv_groups.windows)
         self.scheduler = Scheduler(self.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, backends, self._sampler(), kv_caches, engine.block_size, self.device,
-                                  self.kv_groups)
+        self.runner = ModelRunner(self.model, backends, self._sampler(), kv_caches, engine.block_size,
+                                  self.device, self.kv_groups)
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
 
@@ -128,7 +128,8 @@ class LLM:
 
     def _layer_of_tensor(self) -> dict[int, AttentionLayerSpec]:
         """Per cache tensor, a layer it serves (the layers sharing one have one layout)."""
-        return {t: layer for layer, t in zip(self.model.kv_cache_layers, self.kv_groups.layer_tensor, strict=True)}
+        layers = self.model.kv_cache_layers
+        return {t: layer for layer, t in zip(layers, self.kv_groups.layer_tensor, strict=True)}
 
     def _num_blocks(self) -> int:
         """Blocks the budget pays for, capped at what max_num_seqs full-length requests can use.
@@ -174,8 +175,8 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_model_len {self.max_model_len}")
         engine = self.config.engine
-        needed = max_request_blocks(self.kv_groups.windows, engine.block_size,
-                                    min(len(ids) + params.max_tokens, self.max_model_len), engine.max_num_batched_tokens)
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        needed = max_request_blocks(self.kv_groups.windows, engine.block_size, total, engine.max_num_batched_tokens)
         if needed > self.block_manager.num_usable:
             raise ValueError(f"a request of {len(ids)} + {params.max_tokens} tokens needs {needed} KV blocks; "
                              f"the cache has {self.block_manager.num_usable} (raise the KV budget)")

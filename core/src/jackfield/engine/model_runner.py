@@ -83,7 +83,7 @@ class ModelRunner:
         for group in range(len(self.groups.windows)):
             tables = [c.seq.block_tables[group] for c in chunks]
             slots: list[int] = []
-            for chunk, table in zip(chunks, tables):
+            for chunk, table in zip(chunks, tables, strict=True):
                 start = chunk.seq.num_computed
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + chunk.num_tokens)]
             width = max(len(table) for table in tables)
