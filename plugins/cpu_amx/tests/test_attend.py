@@ -36,6 +36,7 @@ def run_attend(
     "q_lens,seq_lens,block_size,causal",
     [
         ([1, 1, 1, 1], [37, 5, 64, 1], 16, True),  # ragged decode, a one-token context
+        ([1, 1], [32, 32], 8, True),  # every key visible: no mask
         ([2, 2, 3, 4], [9, 40, 17, 33], 8, True),  # multi-token (speculative) decode
         ([1, 1, 5, 12], [20, 31, 5, 50], 5, True),  # decodes then prefills, odd block size
         ([3, 3, 6], [10, 7, 6], 4, False),  # non-causal

@@ -81,7 +81,9 @@ def attend_group(
     # values are the whole records (the kernel wants equal head sizes): rope columns are dropped after.
     q = query.to(keys.dtype).view(g, 1, rows, width).expand(g, n, rows, width)
     k = keys.view(g, n, -1, width)
-    mask = chunks.mask.unsqueeze(3).expand(-1, -1, -1, num_heads, -1).reshape(g, n, rows, -1)
+    mask = chunks.mask
+    if mask is not None:  # [g, n, q_len, keys] -> [g, n, q_len * H, keys]: a view when q_len is 1
+        mask = mask.unsqueeze(3).expand(-1, -1, -1, num_heads, -1).reshape(g, n, rows, -1)
     part_out, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, k, 0.0, False, attn_mask=mask, scale=scale
     )

@@ -49,7 +49,8 @@ class KeyChunks:
     blocks_per_req: int  # num_chunks * blocks per chunk
     block_ids: torch.Tensor  # [num_reqs * blocks_per_req] int64 physical blocks to gather
     stale_rows: torch.Tensor  # int64 gathered records at or past their request's seq_len
-    mask: torch.Tensor  # [num_reqs, num_chunks, q_len, chunk keys] float32: 0 visible, -inf hidden
+    # [num_reqs, num_chunks, q_len, chunk keys] float32: 0 visible, -inf hidden; None: all visible
+    mask: torch.Tensor | None
     chunk_bias: torch.Tensor  # [num_reqs, num_chunks, q_len, 1] float32: -inf where a row sees no key
 
 
@@ -92,7 +93,8 @@ class RequestGroup:
         mask = bias.view(self.num_reqs, self.q_len, num_chunks, -1).transpose(1, 2).contiguous()
         blind = (mask == float("-inf")).all(-1, keepdim=True)
         chunk_bias = torch.zeros(blind.shape).masked_fill_(blind, float("-inf"))
-        return KeyChunks(num_chunks, padded, ids.reshape(-1), stale, mask, chunk_bias)
+        visible_mask = None if bool((mask == 0).all()) else mask
+        return KeyChunks(num_chunks, padded, ids.reshape(-1), stale, visible_mask, chunk_bias)
 
 
 @dataclass(frozen=True)
