@@ -30,7 +30,7 @@ def run_attend(
     return impl.attend(problem.query, problem.kv_cache, builder.build(problem.metadata), return_lse=True)
 
 
-@pytest.mark.parametrize("chunk_keys", [8, None])
+@pytest.mark.parametrize("num_heads,chunk_keys", [(8, 8), (8, None), (64, None)])
 @pytest.mark.parametrize("path,dtype,atol,lse_atol", PATHS)
 @pytest.mark.parametrize(
     "q_lens,seq_lens,block_size,causal",
@@ -43,11 +43,13 @@ def run_attend(
     ],
 )
 def test_attend_matches_float64(
-    path, dtype, atol, lse_atol, q_lens, seq_lens, block_size, causal, chunk_keys
+    path, dtype, atol, lse_atol, q_lens, seq_lens, block_size, causal, num_heads, chunk_keys
 ) -> None:
-    """Chunks of a block or two (early causal rows see no key in later chunks), and chunks by thread count."""
+    """8 heads: the fused kernel up to 4 query rows per request (in chunks of a block or two,
+    where early causal rows see no key in later chunks, or chunks by thread count), bmm beyond;
+    64 heads: bmm throughout."""
     problem = make_problem(
-        make_layer(num_heads=8), q_lens, seq_lens, block_size, dtype, causal=causal, seed=len(q_lens)
+        make_layer(num_heads=num_heads), q_lens, seq_lens, block_size, dtype, causal=causal, seed=len(q_lens)
     )
     result = run_attend(path, problem, group_keys=16384, chunk_keys=chunk_keys)
     ref_out, ref_lse = reference_attend(problem)

@@ -20,8 +20,20 @@ from jackfield_cpu_amx.capabilities import (
     availability,
     detected_amx_status,
 )
-from jackfield_cpu_amx.kernels import attend_group, gather_group_cache
-from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder, Scratch, StepPlan, plan_key
+from jackfield_cpu_amx.kernels import (
+    FUSED_MAX_ROWS,
+    attend_group_bmm,
+    attend_group_fused,
+    gather_group_cache,
+)
+from jackfield_cpu_amx.plan import (
+    PLANS_KEY,
+    CpuAmxMetadataBuilder,
+    RequestGroup,
+    Scratch,
+    StepPlan,
+    plan_key,
+)
 
 COMPUTE_DTYPES: dict[ComputePath, torch.dtype] = {"amx_bf16": torch.bfloat16, "avx512_fp32": torch.float32}
 CACHE_DTYPES = (torch.bfloat16, torch.float32)
@@ -86,12 +98,16 @@ class CpuAmxMLAImpl(MLAImpl):
         lse = torch.full(query.shape[:2], float("nan"), dtype=torch.float32)
         for group in plan.groups:
             t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
-            chunks = group.key_chunks(kv_cache.shape[1])
+            fused = _uses_fused(group, lay.num_heads)
+            chunks = group.key_chunks(kv_cache.shape[1], split=fused)
             keys = gather_group_cache(kv_cache, group, chunks, self.compute_dtype, scratch)
-            attend_group(
-                query[t0:t1], keys, group, chunks, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1]
-            )
+            attend = attend_group_fused if fused else attend_group_bmm
+            attend(query[t0:t1], keys, group, chunks, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1])
         return AttentionOutput(out, lse if return_lse else None)
+
+
+def _uses_fused(group: RequestGroup, num_heads: int) -> bool:
+    return group.q_len * num_heads <= FUSED_MAX_ROWS
 
 
 def _checked_plan(
@@ -126,7 +142,7 @@ def _checked_plan(
         raise ValueError(f"the cpu_amx plan covers {plan.num_tokens} query rows, got {query.shape[0]}")
     num_blocks = kv_cache.shape[0]
     for group in plan.groups:
-        ids = group.key_chunks(kv_cache.shape[1]).block_ids
+        ids = group.key_chunks(kv_cache.shape[1], split=_uses_fused(group, query.shape[1])).block_ids
         if ids.numel() and (int(ids.max()) >= num_blocks or int(ids.min()) < 0):
             raise ValueError(
                 f"block_table holds block {int(ids.max())} / {int(ids.min())}, the cache has {num_blocks}"

@@ -65,23 +65,25 @@ class RequestGroup:
     key_bias: torch.Tensor  # [num_reqs, q_len, num_keys] float32: 0 visible, -inf hidden
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32 rows of this group
     seq_lens: torch.Tensor  # [num_reqs] int64
-    _chunks: dict[int, KeyChunks] = field(default_factory=dict, compare=False, repr=False)
+    _chunks: dict[tuple[int, bool], KeyChunks] = field(default_factory=dict, compare=False, repr=False)
 
-    def key_chunks(self, block_size: int) -> KeyChunks:
-        """The gather layout, memoized per block size (a property of the cache, not the metadata)."""
-        chunks = self._chunks.get(block_size)
+    def key_chunks(self, block_size: int, split: bool = True) -> KeyChunks:
+        """The gather layout (one chunk per request unless `split`), memoized per block size (a
+        property of the cache, not of the metadata)."""
+        chunks = self._chunks.get((block_size, split))
         if chunks is None:
-            chunks = self._chunks[block_size] = self._layout(block_size)
+            chunk_blocks = max(1, self.chunk_keys // block_size) if split else None
+            chunks = self._chunks[(block_size, split)] = self._layout(block_size, chunk_blocks)
         return chunks
 
-    def _layout(self, block_size: int) -> KeyChunks:
+    def _layout(self, block_size: int, chunk_blocks: int | None) -> KeyChunks:
         num_blocks = -(-self.num_keys // block_size)
         if num_blocks > self.block_table.shape[1]:
             raise ValueError(
                 f"block_table has {self.block_table.shape[1]} columns, seq_len {self.num_keys} "
                 f"needs {num_blocks} blocks of {block_size}"
             )
-        num_chunks = -(-num_blocks // max(1, self.chunk_keys // block_size))
+        num_chunks = 1 if chunk_blocks is None else -(-num_blocks // chunk_blocks)
         padded = num_chunks * -(-num_blocks // num_chunks)  # equal chunks, fewest padding blocks
         table = self.block_table[:, :num_blocks].long()
         owned = torch.arange(padded) < (-(-self.seq_lens // block_size))[:, None]
