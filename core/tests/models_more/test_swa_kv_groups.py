@@ -109,3 +109,31 @@ def test_the_same_budget_runs_without_preemption(swa_model) -> None:  # type: ig
     for prompt, out in zip(prompts, outs, strict=True):
         want, _ = hf_reference(hf_model, prompt, MAX_NEW)
         assert out.token_ids == want
+
+
+def test_each_group_builds_its_metadata_once_a_step_and_each_layer_reads_its_group(swa_model) -> None:  # type: ignore[no-untyped-def]
+    _, path, prompts = swa_model
+    llm = _llm(path, 400 * LAYER_BLOCK_BYTES)
+    builds = [0] * len(llm.kv_groups.windows)
+    for group, (builder, _) in enumerate(llm.runner.builders):
+        build = builder.build
+
+        def counted(common, for_capture=False, group=group, build=build):  # type: ignore[no-untyped-def]
+            builds[group] += 1
+            return build(common, for_capture)
+
+        builder.build = counted  # type: ignore[method-assign]
+    seqs = [llm._request(p, GREEDY) for p in prompts[:2]]
+    for seq in seqs:
+        llm.scheduler.add(seq)
+    for _ in range(30):  # into the windows: the groups' tables now differ
+        llm._step()
+    assert builds == [30] * 4
+    chunks = llm.scheduler.schedule()
+    context = llm.runner._step_context(llm.runner._metadata(chunks)[0])
+    for layer, group in enumerate(llm.kv_groups.layer_group):
+        table = context.of_layer(layer).metadata.block_table  # type: ignore[union-attr]
+        for row, chunk in enumerate(chunks):
+            want = chunk.seq.block_tables[group]
+            assert table[row, : len(want)].tolist() == want
+        assert (NULL_BLOCK in table[0].tolist()) == (llm.kv_groups.windows[group] is not None)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from jackfield.attention.metadata import split_decode_prefill
-from jackfield.contracts.attention import AttentionMetadata
+from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.engine.kv_groups import KVCacheGroups
 from jackfield.engine.scheduler import ScheduledChunk
@@ -44,8 +44,12 @@ class ModelRunner:
         self.model, self.backends, self.sampler = model, backends, sampler
         self.kv_caches, self.block_size, self.device = kv_caches, block_size, device
         self.groups = groups
-        self.decode_builder = backends.decode.metadata_builder()
-        self.prefill_builder = backends.prefill.metadata_builder() if backends.split else self.decode_builder
+        # (decode, prefill) builders per KV cache group, as vLLM: a builder may reuse its buffers per build
+        self.builders = [self._role_builders() for _ in groups.windows]
+
+    def _role_builders(self) -> tuple[AttentionMetadataBuilder, AttentionMetadataBuilder]:
+        decode = self.backends.decode.metadata_builder()
+        return decode, self.backends.prefill.metadata_builder() if self.backends.split else decode
 
     def _h2d(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return async_tensor_h2d(data, dtype, self.device, pin_memory=True)
@@ -92,22 +96,23 @@ class ModelRunner:
                                                slot_mapping=self._h2d(slots, torch.int64), **shared))  # type: ignore[arg-type]
         return per_group, input_ids, positions
 
-    def _group_context(self, common: AttentionMetadata) -> StepContext:
-        """One group's context: its metadata through the backends' builders (per role when split)."""
+    def _group_context(self, group: int, common: AttentionMetadata) -> StepContext:
+        """One group's context: its metadata through its builders (per role when split)."""
+        decode_builder, prefill_builder = self.builders[group]
         if not self.backends.split:
-            return StepContext(self.kv_caches, metadata=self.decode_builder.build(common))
+            return StepContext(self.kv_caches, metadata=decode_builder.build(common))
         decode, prefill = split_decode_prefill(common)
         return StepContext(
             self.kv_caches,
-            decode=self.decode_builder.build(decode) if decode is not None else None,
-            prefill=self.prefill_builder.build(prefill) if prefill is not None else None,
+            decode=decode_builder.build(decode) if decode is not None else None,
+            prefill=prefill_builder.build(prefill) if prefill is not None else None,
             num_decode_tokens=common.num_decode_tokens,
         )
 
     def _step_context(self, per_group: list[AttentionMetadata]) -> StepContext:
         if not self.groups.hybrid:
-            return self._group_context(per_group[0])
-        contexts = tuple(self._group_context(common) for common in per_group)
+            return self._group_context(0, per_group[0])
+        contexts = tuple(self._group_context(g, common) for g, common in enumerate(per_group))
         return dataclasses.replace(contexts[0], groups=contexts, layer_group=self.groups.layer_group)
 
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
