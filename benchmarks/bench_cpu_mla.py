@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--group-keys", type=int, nargs="+", default=[4096, 65536])
+    parser.add_argument("--group-keys", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--chunk-keys", type=int, nargs="+", default=[0], help="0: by thread count")
     parser.add_argument("--paths", nargs="+", default=None, help="compute paths (default: the detected one)")
     parser.add_argument("--iters", type=int, default=10)

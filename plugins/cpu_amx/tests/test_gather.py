@@ -44,6 +44,6 @@ def test_gather_copies_the_planned_blocks_bit_exactly(block_size, kv_lora_rank, 
 def test_chunks_by_thread_count(monkeypatch, num_reqs, seq_len, threads, num_chunks) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     problem = make_problem(make_layer(num_heads=2), [1] * num_reqs, [seq_len] * num_reqs, 64, torch.float32)
-    md = CpuAmxMetadataBuilder().build(problem.metadata)
+    md = CpuAmxMetadataBuilder(group_keys=1 << 20).build(problem.metadata)
     (group,) = md.extra[PLANS_KEY][plan_key(md)].groups
     assert group.key_chunks(64).num_chunks == num_chunks

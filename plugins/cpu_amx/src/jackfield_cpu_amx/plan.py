@@ -120,7 +120,7 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
     """Builds the step's plans: for the whole batch and for its decode and prefill halves
     (MLAImpl.forward hands `attend` one half; the conformance kit hands it the whole)."""
 
-    def __init__(self, group_keys: int = 65536, chunk_keys: int | None = None) -> None:
+    def __init__(self, group_keys: int = 16384, chunk_keys: int | None = None) -> None:
         self.group_keys = group_keys  # keys gathered per group: bounds the working set
         self.chunk_keys = chunk_keys  # keys per attention task (split-K); None: by thread count
         self.scratch = Scratch()
