@@ -8,7 +8,8 @@ float32) with a float32 softmax:
   its key tile once for both products; the chunks' partial outputs merge through their LSEs
   (split-K), so short batches still fill every core.
 - bmm, for more rows: the flash kernel re-reads each key tile per 32-row query slice, while two
-  batched products take all of a request's rows per key tile (measured 30% faster at H=128).
+  batched products take all of a request's rows per key tile (about 30% faster at H=128 on the
+  AMX host, once the gather time is subtracted).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jackfield_cpu_amx.plan import KeyChunks, RequestGroup, Scratch
 
 # index_select memcpys rows shorter than this many elements in parallel over the indices, and
 # copies longer rows one at a time through a parallel element-wise copy (ATen's GRAIN_SIZE).
-# That per-row path ran the gather at 12-18 GB/s on the 16-core AMX host (copy: 94 GB/s).
+# That per-row path ran the gather at 12-18 GB/s on the 16-core AMX host (copy: 73-94 GB/s).
 _PARALLEL_MEMCPY_ELEMENTS = 32768
 _INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
 
