@@ -80,10 +80,11 @@ class MLAImpl(AttentionImpl):
         self.write_kv(kv_cache, metadata.slot_mapping, kv_c, k_pe, kv_scale)
         if topk_indices is not None:  # sparse MLA always runs absorbed
             return self._absorbed(q, kv_cache, metadata, kv_scale, topk_indices)
-        decode, prefill = split_decode_prefill(metadata)
         nd = metadata.num_decode_tokens
-        if prefill is None and decode is not None:  # a decode-only step: no copy into `out`
-            return self._absorbed(q, kv_cache, decode, kv_scale, None)
+        if 0 < metadata.num_decodes == metadata.num_reqs and nd == q.shape[0]:
+            # decode-only: the metadata is its own decode half, no split to build
+            return self._absorbed(q, kv_cache, metadata, kv_scale, None)
+        decode, prefill = split_decode_prefill(metadata)
         out = q.new_empty(q.shape[0], lay.num_heads, lay.v_head_dim)
         if decode is not None:
             out[:nd] = self._absorbed(q[:nd], kv_cache, decode, kv_scale, None)
@@ -92,11 +93,11 @@ class MLAImpl(AttentionImpl):
         return out
 
     def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
-        """[t, H, N+R] -> latent query [t, H, L+R] in q's dtype."""
+        """[t, H, N+R] -> latent query [t, H, L+R] in q's dtype (the product in float32)."""
         w_uk, _ = self._weights()
         n = self.layer.qk_nope_head_dim
-        q_nope_lat = torch.einsum("thn,hnl->thl", q[..., :n].float(), w_uk)
-        return torch.cat([q_nope_lat, q[..., n:].float()], dim=-1).to(q.dtype)
+        q_nope_lat = torch.bmm(q[..., :n].float().transpose(0, 1), w_uk).transpose(0, 1)  # heads batched
+        return torch.cat([q_nope_lat.to(q.dtype), q[..., n:]], dim=-1)
 
     def _absorbed(
         self,
@@ -110,7 +111,7 @@ class MLAImpl(AttentionImpl):
         o_lat = self.attend(
             self.absorb_query(q), kv_cache, metadata, kv_scale=kv_scale, topk_indices=topk_indices
         ).out
-        return torch.einsum("thl,hlv->thv", o_lat.float(), w_uv).to(q.dtype)
+        return torch.bmm(o_lat.float().transpose(0, 1), w_uv).transpose(0, 1).to(q.dtype)
 
     def prefill(
         self,

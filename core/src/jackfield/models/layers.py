@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # nothing to round: one call scales too
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -48,35 +50,37 @@ class GatedMLP(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_positions, rotary_dim / 2] (float32), scaled by the RoPE type's factor.
+    """cos/sin tables [max_positions, rotary_dim] (float32), scaled by the RoPE type's factor.
 
     interleaved: the rotated pairs are (x0, x1), (x2, x3), ...; else (x_i, x_{i + d/2}).
     Either way the output is in the half-split layout [rotated firsts ‖ rotated seconds]: q and
     k share it, so their dot products are those of the checkpoint's layout.
+    With x half-split as [x1 ‖ x2], the rotation is x * [cos ‖ cos] + [x2 ‖ x1] * [-sin ‖ sin]:
+    the tables are stored that way, so a call is a roll and two products.
     Every layer of a step passes the same positions tensor: its cos/sin rows are gathered once.
     """
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, interleaved: bool) -> None:
         super().__init__()
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        self.register_buffer("cos", angles.cos() * scaling, persistent=False)
-        self.register_buffer("sin", angles.sin() * scaling, persistent=False)
+        cos, sin = angles.cos() * scaling, angles.sin() * scaling
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
         self.interleaved = interleaved
         self._positions: torch.Tensor | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, R], positions [T] -> rotated x (same dtype)."""
-        if self.interleaved:
-            x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
-        else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half].float(), x[..., half:].float()
+        x32 = x.float()
+        if self.interleaved:  # pairs (x0, x1), (x2, x3), ... -> [x0, x2, ... ‖ x1, x3, ...]
+            x32 = x32.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         cos, sin = self._tables(positions)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        out = torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), sin)
+        return out.to(x.dtype)
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin rows [T, 1, rotary_dim / 2] of `positions` (reused while it is the same tensor)."""
+        """cos, sin rows [T, 1, rotary_dim] of `positions` (reused while it is the same tensor)."""
         if positions is not self._positions or self._rows is None:
             self._positions = positions
             self._rows = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))

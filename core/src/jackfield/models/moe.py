@@ -32,10 +32,10 @@ def route(
         group_scores = scores.view(num_tokens, groups, -1).max(dim=-1).values
         masked_fill = 0.0
     if arch.topk_method != "greedy":
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(arch.topk_group, dim=-1).indices, True)
-        keep = keep.unsqueeze(-1).expand(num_tokens, groups, num_experts // groups).reshape(num_tokens, -1)
-        choice = choice.masked_fill(~keep, masked_fill)
+        dropped = torch.ones_like(group_scores, dtype=torch.bool)
+        dropped.scatter_(1, group_scores.topk(arch.topk_group, dim=-1).indices, False)
+        choice = choice.view(num_tokens, groups, -1).masked_fill(dropped.unsqueeze(-1), masked_fill)
+        choice = choice.view(num_tokens, num_experts)
     ids = choice.topk(k, dim=-1).indices
     weights = scores.gather(1, ids)
     if arch.norm_topk_prob:
@@ -62,6 +62,8 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.device.type == "cpu":
+            return self._one_token(x, weights, ids)
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort()
@@ -71,6 +73,18 @@ class Experts(nn.Module):
         out = self._grouped(rows, counts) if use_grouped_mm(rows) else self._looped(rows, counts.tolist())
         scaled = (out.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_row, scaled)
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A single token (batch-1 decode): its k experts summed directly, no sort or scatter.
+        Summed in expert order, as the looped path does, so the two agree bit for bit."""
+        out: torch.Tensor | None = None
+        for expert, weight in sorted(zip(ids[0].tolist(), weights[0].tolist(), strict=True)):
+            gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            y = (y.float() * weight).to(x.dtype)
+            out = y if out is None else out.add_(y)
+        assert out is not None  # k >= 1
+        return out
 
     def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = counts.cumsum(0, dtype=torch.int32)  # end row of each expert's group
