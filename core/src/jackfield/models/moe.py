@@ -76,7 +76,7 @@ class Experts(nn.Module):
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A single token (batch-1 decode): its k experts summed directly, no sort or scatter.
-        Summed in expert order, as the looped path does, so the two agree bit for bit."""
+        Summed in expert order, as the looped path sums."""
         out: torch.Tensor | None = None
         for expert, weight in sorted(zip(ids[0].tolist(), weights[0].tolist(), strict=True)):
             gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)

@@ -1,0 +1,67 @@
+"""Building blocks against float64 references written from their definitions: RoPE as a complex
+rotation of each pair, RMSNorm as x / sqrt(mean(x^2) + eps), and the one-token routed-experts
+path against the same token inside a larger batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from jackfield.models.layers import RMSNorm, RotaryEmbedding
+from jackfield.models.moe import Experts
+
+
+def _rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Pair j (x_2j, x_2j+1) when interleaved, else (x_j, x_j+d/2), rotated by position * inv_freq[j]
+    as a complex product; returned half-split [rotated firsts ‖ rotated seconds], float64."""
+    x = x.double()
+    half = x.shape[-1] // 2
+    first, second = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    angle = positions.double()[:, None, None] * inv_freq.double()
+    rotated = torch.complex(first, second) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat((rotated.real, rotated.imag), dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_complex_rotation(interleaved: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(int(interleaved))
+    rotary_dim, max_positions = 32, 300
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    rope = RotaryEmbedding(inv_freq, 1.0, max_positions, interleaved)
+    x = torch.randn(5, 3, rotary_dim).to(dtype)
+    positions = torch.randint(0, max_positions, (5,))
+    got = rope(x, positions)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # float32: the table's angles are rounded products
+    torch.testing.assert_close(got.double(), _rope_reference(x, positions, inv_freq, interleaved), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_float64(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    norm = RMSNorm(64, 1e-6, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x = (torch.randn(7, 64) * 3).to(dtype)
+    x64 = x.double()
+    want = norm.weight.double() * x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    got = norm(x)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_one_token_experts_match_the_batched_path() -> None:
+    """Batch-1 decode takes its own path; its result is the same token's row in a larger batch."""
+    torch.manual_seed(4)
+    experts = Experts(6, 32, 24, torch.float32)
+    with torch.no_grad():
+        experts.w13.normal_(0, 32**-0.5)
+        experts.w2.normal_(0, 24**-0.5)
+    x = torch.randn(5, 32)
+    ids = torch.stack([torch.randperm(6)[:3] for _ in range(5)])
+    weights = torch.rand(5, 3)
+    batched = experts(x, weights, ids)
+    for t in range(5):
+        one = experts(x[t : t + 1], weights[t : t + 1], ids[t : t + 1])
+        torch.testing.assert_close(one, batched[t : t + 1], rtol=1e-6, atol=1e-6)
