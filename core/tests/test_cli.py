@@ -65,15 +65,16 @@ def test_doctor_lists_every_problem_and_exits_2(tmp_path: Path, capsys: pytest.C
     model = model_dir(tmp_path, architectures=["MysteryForCausalLM"])
     config = write_config(
         tmp_path,
-        f'[model]\npath = "{model}"\n[attention]\nbackend = "no_such_backend"\ndrafter_backend = "torch_ref"\n'
-        '[sampler]\nname = "no_such_sampler"\n[kv_connector]\nname = "no_such_connector"\n',
+        f'[model]\npath = "{model}"\n[attention]\nbackend = "no_such_backend"\n'
+        '[sampler]\nname = "no_such_sampler"\n[kv_connector]\nname = "no_such_connector"\n'
+        "[parallel]\ndcp_size = 2\n",
     )
     assert main(["doctor", "--config", str(config)]) == 2
     out = capsys.readouterr().out
     for fragment in (
         "no sampler named 'no_such_sampler'",
         "no kv_connector named 'no_such_connector'",
-        "drafter_backend is set but speculative.method is not",
+        "decode context parallel (parallel.dcp_size > 1) is not run by this engine yet",
         "MysteryForCausalLM",
         "'no_such_backend'",
     ):
@@ -105,3 +106,19 @@ def test_console_script_runs_without_traceback(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "engine.max_num_seqs must be > 0" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--max-tokens", "0"], "max_tokens must be >= 1"),
+        (["doctor"], "engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(tmp_path: Path, args: list[str], message: str) -> None:
+    config = write_config(tmp_path, '[engine]\ndevice = "tpu"\n' if args == ["doctor"] else "")
+    result = subprocess.run(
+        [sys.executable, "-m", "jackfield.cli", *args, "--config", str(config)], capture_output=True, text=True
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr

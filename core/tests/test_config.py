@@ -100,3 +100,23 @@ def test_every_key_is_documented() -> None:
         cls = typing.get_type_hints(JackfieldConfig)[section.name]
         for key in dataclasses.fields(cls):
             assert f"`{key.name}`" in doc, f"{section.name}.{key.name} is not in docs/configuration.md"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[engine]\ndevice = "tpu"\n', "engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+        ('[attention]\ndrafter_backend = "torch_ref"\n', "drafter_backend is set but speculative.method is not"),
+        ("[kv_connector.options]\nhost = 1\n", "kv_connector.options is set but kv_connector.name is not"),
+    ],
+)
+def test_settings_that_would_be_ignored_are_errors(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(write(tmp_path, text))
+
+
+def test_type_and_range_problems_are_reported_together(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, '[engine]\nblock_size = "x"\nmax_num_seqs = -1\n'))
+    text = "\n".join(info.value.problems)
+    assert "engine.block_size must be an integer" in text and "engine.max_num_seqs must be > 0" in text

@@ -137,8 +137,17 @@ def test_incompatible_api_range_is_listed_not_loaded(make_dist, declared, expect
 
 
 def test_loading_is_idempotent(make_dist) -> None:  # type: ignore[no-untyped-def]
+    """Loading again (another process, a worker) gives the same plugins and records."""
     make_dist("acme-attn", "acme_attn", backend_plugin("acme"))
-    assert get_registry() is get_registry()
+    first, second = load_registry(), load_registry()
+    assert [(p.name, p.status, p.registers) for p in first.plugins] == [
+        (p.name, p.status, p.registers) for p in second.plugins
+    ]
+    assert {k: {n: (e.spec, e.distribution) for n, e in t.items()} for k, t in first.entries.items()} == {
+        k: {n: (e.spec, e.distribution) for n, e in t.items()} for k, t in second.entries.items()
+    }
+    assert "acme" in first.names("attention")
+    assert get_registry() is get_registry()  # and the process-wide one is loaded once
 
 
 def test_factory_strings_resolve_lazily_and_bad_ones_are_clear() -> None:

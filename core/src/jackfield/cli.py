@@ -17,10 +17,6 @@ SUBCOMMANDS = ("run", "plugins", "doctor")
 USER_ERROR_EXIT = 2
 
 
-class UserError(Exception):
-    """An error the user can fix; printed as a message with exit code 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jackfield", description="Plugin-based LLM inference.")
     parser.add_argument("--version", action="version", version=f"jackfield {__version__}")
@@ -35,13 +31,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    from jackfield.config import ConfigError
     from jackfield.plugins import PluginConflictError
-    from jackfield.selection import SelectionError
 
     try:
         return int(args.handler(args))
-    except (UserError, ConfigError, SelectionError, PluginConflictError, FileNotFoundError) as exc:
+    # User errors: every entry point validates its input with a ValueError (ConfigError and
+    # SelectionError included: bad config, unavailable backend, bad prompt or sampling params).
+    except (PluginConflictError, FileNotFoundError, ValueError) as exc:
         print(f"jackfield {args.command}: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT
     except KeyboardInterrupt:

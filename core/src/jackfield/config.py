@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
@@ -123,7 +124,9 @@ def _check_type(value: object, annotation: object) -> str | None:
 
 def _range_problems(config: JackfieldConfig) -> list[str]:
     e, s = config.engine, config.speculative
+    device_ok = re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device) is not None
     checks = [
+        (device_ok, f"engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {e.device!r}"),
         (e.block_size > 0, f"engine.block_size must be > 0, got {e.block_size}"),
         (e.max_num_seqs > 0, f"engine.max_num_seqs must be > 0, got {e.max_num_seqs}"),
         (e.max_num_batched_tokens > 0, f"engine.max_num_batched_tokens must be > 0, got {e.max_num_batched_tokens}"),
@@ -135,6 +138,10 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
          "speculative.num_speculative_tokens must be > 0 when speculative.method is set"),
         (config.parallel.dcp_size >= 1, f"parallel.dcp_size must be >= 1, got {config.parallel.dcp_size}"),
         (config.sampler.seed >= 0, f"sampler.seed must be >= 0, got {config.sampler.seed}"),
+        (config.attention.drafter_backend is None or s.method is not None,
+         "attention.drafter_backend is set but speculative.method is not"),
+        (not config.kv_connector.options or config.kv_connector.name is not None,
+         "kv_connector.options is set but kv_connector.name is not"),
     ]
     return [message for ok, message in checks if not ok]
 
@@ -174,10 +181,9 @@ def build_config(data: Mapping[str, object], source: str = "<config>") -> Jackfi
                 continue
             values[key] = float(value) if hints[key] is float else value
         sections[name] = cls(**values)
-    if problems:
-        raise ConfigError(problems)
+    # Keys with a wrong type keep their defaults here, so their neighbours' ranges are still checked.
     config = JackfieldConfig(**sections)  # type: ignore[arg-type]
-    problems = [f"{source}: {p}" for p in _range_problems(config)]
+    problems += [f"{source}: {p}" for p in _range_problems(config)]
     if problems:
         raise ConfigError(problems)
     return config

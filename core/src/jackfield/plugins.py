@@ -4,7 +4,7 @@ Every process that needs plugins calls `get_registry()`; loading happens once pe
 Environment controls (names match an entry-point name or a distribution name):
   JACKFIELD_PLUGINS=a,b                 only these third-party plugins load
   JACKFIELD_DISABLE_PLUGINS=a,b         these do not load
-  JACKFIELD_DISABLE_PLUGIN_AUTOLOAD=1   no entry points are scanned (built-ins only)
+  JACKFIELD_DISABLE_PLUGIN_AUTOLOAD=1   no entry point is loaded (each is listed as disabled)
 """
 
 from __future__ import annotations

@@ -121,9 +121,9 @@ def test_a_prefix_hit_needs_every_group_and_only_the_window_blocks_of_a_window_g
     # 7 blocks (28 tokens) cached; a query at 28 sees 23..28: the window group needs blocks 5, 6 only
     assert full == a.block_tables[0][:7]
     assert windowed == [NULL_BLOCK] * 5 + window_blocks[5:7]
-    assert bm.num_free == 1 and not bm.can_admit(b, 3, [full, windowed])  # that one is the hit itself
+    assert bm.num_free == 1 and not bm.can_admit(3, [full, windowed])  # that one is the hit itself
     bm.release(other)
-    assert bm.can_admit(b, 3, [full, windowed])
+    assert bm.can_admit(3, [full, windowed])
     spill = _seq(3, [1])
     bm.grow(spill, 1)  # takes the least recently freed block: a's old window block 5
     assert window_blocks[5] in spill.block_tables[0] + spill.block_tables[1]

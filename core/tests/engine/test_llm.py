@@ -128,3 +128,17 @@ def test_bias_or_allowed_token_outside_the_vocab_fails_before_anything_runs(llm:
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate([[1, 2], [3, 4]], [GREEDY, params])
     assert not llm.scheduler.has_work()
+
+
+def test_bad_configs_fail_with_clear_errors(v3_dir) -> None:
+    import dataclasses
+
+    from jackfield.config import EngineConfig, JackfieldConfig
+
+    hand_built = JackfieldConfig(engine=dataclasses.replace(EngineConfig(), max_num_seqs=0))
+    with pytest.raises(ConfigError, match="engine.max_num_seqs must be > 0"):
+        LLM(v3_dir, hand_built)
+    with pytest.raises(ConfigError, match="no sampler named 'nope'"):
+        LLM(v3_dir, backend="torch_ref", **{"sampler.name": "nope"})
+    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
+        LLM(v3_dir, backend="torch_ref", max_model_len=10**8)

@@ -46,8 +46,9 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
     problems += _check_named(registry, "sampler", config.sampler.name, "sampler.name")
     problems += _check_named(registry, "drafter", config.speculative.method, "speculative.method")
     problems += _check_named(registry, "kv_connector", config.kv_connector.name, "kv_connector.name")
-    if config.attention.drafter_backend is not None and config.speculative.method is None:
-        problems.append("attention.drafter_backend is set but speculative.method is not")
+    from jackfield.engine.llm import unsupported_features
+
+    problems += unsupported_features(config)
     try:
         hf_config = _model_hf_config(config)
         architectures = list(hf_config.get("architectures") or [])  # type: ignore[call-overload]

@@ -45,6 +45,7 @@ def main(args: argparse.Namespace) -> int:
     from jackfield.contracts.sampler import SamplingParams
     from jackfield.engine.llm import LLM
 
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)  # before loading
     overrides: dict[str, object] = {}
     if args.attention_backend:
         overrides["attention.backend"] = args.attention_backend
@@ -56,7 +57,6 @@ def main(args: argparse.Namespace) -> int:
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     if args.task == "embed":
         return _embed(llm, prompts, args.json)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     bar = tqdm(total=len(prompts), desc="generating", unit="req", file=sys.stderr, delay=1.0, leave=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, progress=lambda done, _: done > bar.n and bar.update(done - bar.n))

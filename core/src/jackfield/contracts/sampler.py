@@ -88,9 +88,6 @@ class SamplingMetadata:
     logit_bias: torch.Tensor | None = None
     allowed_token_mask: torch.Tensor | None = None
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ class BlockManager:
                 return tables
         return none
 
-    def can_admit(self, seq: Sequence, num_new_tokens: int, hits: list[list[int]]) -> bool:
+    def can_admit(self, num_new_tokens: int, hits: list[list[int]]) -> bool:
         """Whether blocks for the cached prefix plus `num_new_tokens` can be had."""
         cached = len(hits[0]) * self.block_size
         fresh = sum(self.blocks_needed(cached + num_new_tokens) - len(table) for table in hits)

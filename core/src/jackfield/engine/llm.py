@@ -51,8 +51,8 @@ def _dotted(overrides: dict[str, object]) -> dict[str, object]:
     return dotted
 
 
-def _unsupported(config: JackfieldConfig) -> list[str]:
-    """Config features this engine does not run yet: fail before anything loads."""
+def unsupported_features(config: JackfieldConfig) -> list[str]:
+    """Config features this engine does not run yet: fail before anything loads (doctor says so too)."""
     problems = []
     if config.speculative.method is not None:
         problems.append("speculative decoding (speculative.method) is not run by this engine yet")
@@ -73,16 +73,17 @@ class LLM:
         dotted = _dotted(overrides)
         if model is not None:
             dotted["model.path"] = str(model)
-        if isinstance(config, JackfieldConfig):
+        if isinstance(config, JackfieldConfig):  # validated like a file: a hand-built config may be wrong
             base = {f"{s.name}.{k}": v for s in dataclasses.fields(config)
                     for k, v in dataclasses.asdict(getattr(config, s.name)).items()}
-            config = load_config(None, {**base, **dotted}) if dotted else config
+            config = load_config(None, {**base, **dotted})
         else:
             config = load_config(config, dotted)
-        problems = _unsupported(config)
+        problems = unsupported_features(config)
         if problems:
             raise ConfigError(problems)
         self.config = config
+        sampler = self._sampler()  # a config naming a missing sampler fails before any loading
         say = progress or (lambda _: None)
         self.device = torch.device(resolve_device(config))
         self.dtype = resolve_dtype(config, self.device.type)
@@ -99,7 +100,10 @@ class LLM:
         self.eos_token_ids = self._eos_ids()
         self.pooling = pooling_of(read_hf_config(self.model_dir))
         engine = config.engine
-        self.max_model_len = min(engine.max_model_len or self.model.max_model_len, self.model.max_model_len)
+        if engine.max_model_len is not None and engine.max_model_len > self.model.max_model_len:
+            raise ConfigError([f"engine.max_model_len {engine.max_model_len} exceeds the model's "
+                               f"max_position_embeddings {self.model.max_model_len}"])
+        self.max_model_len = engine.max_model_len or self.model.max_model_len
         layers = self.model.kv_cache_layers
         self.kv_groups = plan_kv_cache_groups(layers)
         self.num_blocks = self._num_blocks()
@@ -109,13 +113,16 @@ class LLM:
         self.block_manager = BlockManager(self.num_blocks, engine.block_size, engine.enable_prefix_caching,
                                           self.kv_groups.windows)
         self.scheduler = Scheduler(self.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, backends, self._sampler(), kv_caches, engine.block_size,
+        self.runner = ModelRunner(self.model, backends, sampler, kv_caches, engine.block_size,
                                   self.device, self.kv_groups)
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
 
     def _sampler(self) -> Sampler:
-        entry = get_registry().lookup("sampler", self.config.sampler.name)
+        try:
+            entry = get_registry().lookup("sampler", self.config.sampler.name)
+        except KeyError as exc:
+            raise ConfigError([f"sampler.name: {exc.args[0]}"]) from None
         return resolve_factory(entry.spec.factory)()  # type: ignore[operator,return-value]
 
     def _eos_ids(self) -> set[int]:

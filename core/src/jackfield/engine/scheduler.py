@@ -68,7 +68,7 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self.blocks.match_prefix(seq)
             count = min(seq.num_tokens - len(hits[0]) * self.blocks.block_size, budget)
-            if not self.blocks.can_admit(seq, count, hits):
+            if not self.blocks.can_admit(count, hits):
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.blocks.admit(seq, hits)

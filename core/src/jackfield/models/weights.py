@@ -74,6 +74,8 @@ def load_weights(
     written: dict[str, int] = {name: 0 for name in params}
     unexpected: list[str] = []
     bad_shapes: list[str] = []
+    duplicates: list[str] = []
+    seen: set[tuple[str, int | None, tuple[int, int] | None]] = set()  # (param, expert, shard) pieces
     with torch.no_grad():
         for hf_name, tensor in weights:
             try:
@@ -87,6 +89,10 @@ def load_weights(
             if name not in params:
                 unexpected.append(f"{hf_name} (-> {name})")
                 continue
+            if (name, expert, shard) in seen:  # one piece twice would leave another piece unwritten
+                duplicates.append(f"{hf_name} (-> {name})")
+                continue
+            seen.add((name, expert, shard))
             dest = params[name]
             if expert is not None:
                 if not 0 <= expert < dest.shape[0]:
@@ -108,6 +114,8 @@ def load_weights(
         problems.append("unexpected checkpoint tensors: " + ", ".join(sorted(unexpected)))
     if bad_shapes:
         problems.append("shape mismatches: " + "; ".join(bad_shapes))
+    if duplicates:
+        problems.append("tensors written twice: " + ", ".join(sorted(duplicates)))
     if missing:
         problems.append("parameters not written exactly once: " + ", ".join(sorted(missing)))
     if problems:

@@ -90,7 +90,7 @@ class AttentionConformance(ConformanceHarness):
             got, want = (
                 poisoned_cache(layer, batch, self.dtype, self.device),
                 poisoned_cache(layer, batch, self.dtype, self.device),
-            )  # noqa: E501
+            )
             impl.write_kv(got, slots, key, value, kv_scale)
             ref.write_kv(want, slots, key, value, kv_scale)
             checks.assert_cache_close(got, want, kv_scale, f"write_kv, kv_cache_dtype={kv_dtype}")

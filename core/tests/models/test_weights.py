@@ -1,0 +1,61 @@
+"""Checkpoint loading fails closed, naming every tensor that is off (and loads the rest exactly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jackfield.models.deepseek import DEEPSEEK_WEIGHTS
+from jackfield.models.weights import load_weights
+
+MLP = "model.layers.0.mlp"
+EXPERTS = "model.layers.1.mlp.experts"
+
+
+def params() -> dict[str, torch.Tensor]:
+    return {
+        f"{MLP}.gate_up_proj.weight": torch.full((8, 3), float("nan")),
+        f"{EXPERTS}.w13": torch.full((2, 8, 3), float("nan")),
+        "model.norm.weight": torch.full((3,), float("nan")),
+    }
+
+
+def checkpoint() -> dict[str, torch.Tensor]:
+    tensors = {f"{MLP}.gate_proj.weight": torch.randn(4, 3), f"{MLP}.up_proj.weight": torch.randn(4, 3),
+               "model.norm.weight": torch.randn(3)}
+    for e in range(2):
+        tensors[f"{EXPERTS}.{e}.gate_proj.weight"] = torch.randn(4, 3)
+        tensors[f"{EXPERTS}.{e}.up_proj.weight"] = torch.randn(4, 3)
+    return tensors
+
+
+def test_fused_and_stacked_parameters_are_assembled() -> None:
+    target, source = params(), checkpoint()
+    load_weights(target, iter(source.items()), DEEPSEEK_WEIGHTS)
+    gate_up = target[f"{MLP}.gate_up_proj.weight"]
+    assert torch.equal(gate_up, torch.cat([source[f"{MLP}.gate_proj.weight"], source[f"{MLP}.up_proj.weight"]]))
+    for e in range(2):
+        want = torch.cat([source[f"{EXPERTS}.{e}.gate_proj.weight"], source[f"{EXPERTS}.{e}.up_proj.weight"]])
+        assert torch.equal(target[f"{EXPERTS}.w13"][e], want)
+
+
+def test_every_problem_is_named() -> None:
+    source = checkpoint()
+    del source[f"{MLP}.up_proj.weight"]  # half of a fused parameter missing
+    source["model.layers.0.self_attn.mystery.weight"] = torch.randn(2)  # no home in the model
+    source["model.norm.weight"] = torch.randn(4)  # wrong shape
+    source[f"{EXPERTS}.7.gate_proj.weight"] = torch.randn(4, 3)  # an expert the model does not have
+    with pytest.raises(ValueError) as info:
+        load_weights(params(), iter(source.items()), DEEPSEEK_WEIGHTS)
+    message = str(info.value)
+    for fragment in ("mystery", "model.norm.weight: checkpoint (4,), model (3,)", "expert 7 of 2",
+                     f"{MLP}.gate_up_proj.weight (12 of 24 elements)"):
+        assert fragment in message, (fragment, message)
+
+
+def test_a_piece_written_twice_is_an_error_even_when_sizes_add_up() -> None:
+    """gate twice and up never would write 24 of 24 elements; the piece bookkeeping catches it."""
+    source = list(checkpoint().items())
+    source = [(n, t) for n, t in source if n != f"{MLP}.up_proj.weight"] + [(f"{MLP}.gate_proj.weight", torch.randn(4, 3))]
+    with pytest.raises(ValueError, match=r"(?s)written twice: .*gate_proj"):
+        load_weights(params(), iter(source), DEEPSEEK_WEIGHTS)
