@@ -99,9 +99,8 @@ def agreement(llm, hf, prompt: torch.Tensor, device: str) -> float:
 
 def profile_decode(llm, prompts: torch.Tensor, device: str) -> None:
     """Host time per op over a prefill and 4 decode steps (where the step's time goes)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from jackfield import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -122,9 +121,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of a few decode steps at the largest batch")
     args = parser.parse_args()
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
     from jackfield import LLM, SamplingParams
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from jackfield.plugins import reset_registry
 
 MakeDist = Callable[..., Path]

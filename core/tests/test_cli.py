@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from jackfield.cli import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from jackfield.config import ConfigError, JackfieldConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from jackfield.plugins import PluginConflictError, get_registry, load_registry
 from jackfield.specs import resolve_factory
 
@@ -166,7 +165,6 @@ def test_example_third_party_plugin_is_discovered(make_dist) -> None:  # type: i
     entry = registry.lookup("sampler", "example_greedy")
     sampler = resolve_factory(entry.spec.factory)()
     import torch
-
     from jackfield.contracts.sampler import SamplingMetadata
 
     rows = 5

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from jackfield.config import load_config
 from jackfield.contracts.attention import AttentionRequirements, Availability, capability_mismatches
 from jackfield.plugins import Registered, load_registry

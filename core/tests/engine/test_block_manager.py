@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-
 from jackfield import SamplingParams
 from jackfield.engine.block_manager import BlockManager
 from jackfield.engine.sequence import Sequence

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from jackfield.models.deepseek import DEEPSEEK_WEIGHTS
 from jackfield.models.weights import load_weights
 

@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         results = [
             {"prompt": p if isinstance(p, str) else None, "text": o.text, "token_ids": o.token_ids,
              "finish_reason": o.finish_reason, "seed": o.seed}
-            for p, o in zip(prompts, outputs)
+            for p, o in zip(prompts, outputs, strict=True)
         ]
         print(json.dumps({"model": str(llm.model_dir), "device": str(llm.device), "dtype": str(llm.dtype),
                           "backends": backends, "outputs": results, "summary": summary}, indent=2))
@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"model: {llm.model_dir} ({llm.device}, {str(llm.dtype).removeprefix('torch.')})")
     for role, choice in backends.items():
         print(f"{role} attention: {choice['name']} ({choice['reason']})")
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         print(f"\n--- {prompt!r} ({out.finish_reason})")
         print(out.text if out.text is not None else out.token_ids)
     print(
@@ -104,7 +104,7 @@ def _embed(llm: LLM, prompts: list[str], as_json: bool) -> int:
                           "embeddings": vectors.tolist(), "total_s": round(elapsed, 4)}))
         return 0
     print(f"model: {llm.model_dir} ({llm.device}), pooling {llm.pooling}, dim {vectors.shape[1]}")
-    for prompt, vector in zip(prompts, vectors):
+    for prompt, vector in zip(prompts, vectors, strict=True):
         head = ", ".join(f"{v:.4f}" for v in vector[:6].tolist())
         print(f"{prompt!r}: [{head}, ...] norm {float(vector.norm()):.4f}")
     print(f"\n{len(prompts)} embeddings in {elapsed * 1000:.1f} ms")

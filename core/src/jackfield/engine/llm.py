@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import torch
@@ -211,7 +212,7 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if getattr(self.model, "non_causal", False):
             raise ValueError(f"{self.model_dir} is a bidirectional (is_causal=false) model: use LLM.embed, not generate")
-        seqs = [self._request(p, sp) for p, sp in zip(prompts, params)]
+        seqs = [self._request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         for seq in seqs:
             self.scheduler.add(seq)
         done = 0
@@ -259,7 +260,7 @@ class LLM:
         result = self.runner.step(chunks)
         now = time.perf_counter()
         finished = 0
-        sampled = iter(zip(result.token_ids, result.logprobs))
+        sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
         for chunk in chunks:
             seq = chunk.seq
             samples = chunk.samples

@@ -166,7 +166,7 @@ class ModelRunner:
             for i, chunk in enumerate(sampling):
                 k = chunk.seq.params.logprobs
                 if k is not None:
-                    logprobs[i] = dict(zip(ids[i][:k], values[i][:k]))
+                    logprobs[i] = dict(zip(ids[i][:k], values[i][:k], strict=True))
         return StepResult(token_ids, logprobs)
 
 

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from jackfield.contracts.attention import AttentionBackend, AttentionImpl, AttentionLayerSpec, AttentionMetadata
+from jackfield.contracts.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerSpec,
+    AttentionMetadata,
+)
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,8 @@ Install it (`pip install -e examples/third_party_plugin`), then `jackfield plugi
 
 from __future__ import annotations
 
-import torch
-
 import jackfield
+import torch
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata
 from jackfield.specs import SamplerSpec
 
