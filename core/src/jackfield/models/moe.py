@@ -49,7 +49,8 @@ class Experts(nn.Module):
     Rows (token, choice) are sorted by expert. On CUDA (bf16) one grouped matmul per weight runs
     every expert with the group offsets on the device: no host sync, a fixed number of kernels.
     Elsewhere a loop runs one matmul pair per expert that has rows (its counts read on the host,
-    which costs nothing on the CPU).
+    which costs nothing on the CPU). One token on the CPU (batch-1 decode) skips the sort and the
+    scatter: its k experts run in turn and are summed.
     """
 
     def __init__(
