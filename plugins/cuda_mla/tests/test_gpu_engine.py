@@ -52,3 +52,31 @@ def test_first_token_logprobs_match_torch_ref(checkpoint: str, fraction: float) 
     common = set(want) & set(got)
     assert len(common) >= 4, (want, got)
     assert max(abs(want[t] - got[t]) for t in common) < 0.05, (want, got)
+
+
+def test_insert_and_decode_in_a_cache_past_two_billion_elements() -> None:
+    """The engine's caches fill the GPU (one layer ~15 GB, > 2^31 elements); the kernel tests use
+    small ones. Suspect for the defect above: 32-bit offsets somewhere on the GPU path."""
+    from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
+
+    blocks, page, width, rank = 240_000, 16, 576, 512  # 2.2e9 elements, 4.4 GB of bf16
+    cache = torch.empty(blocks, page, width, dtype=torch.bfloat16, device="cuda")
+    tokens = 48
+    slots = torch.cat([torch.arange(16), (blocks - 2) * page + torch.arange(32)]).cuda()
+    kv_c = torch.randn(tokens, rank, device="cuda", dtype=torch.bfloat16)
+    k_pe = torch.randn(tokens, width - rank, device="cuda", dtype=torch.bfloat16)
+    mla_kv_insert(kv_c, k_pe, cache, slots)
+    assert torch.equal(cache.view(-1, width)[slots], torch.cat([kv_c, k_pe], dim=1))
+    # one request whose pages are the last two blocks (offsets past 2^31 elements)
+    query = torch.randn(1, 16, width, device="cuda", dtype=torch.bfloat16)
+    table = torch.tensor([[blocks - 2, blocks - 1]], dtype=torch.int32, device="cuda")
+    out, lse = mla_decode(
+        query, cache, table, torch.tensor([32], dtype=torch.int32, device="cuda"),
+        torch.tensor([0, 1], dtype=torch.int32, device="cuda"), max_query_len=1, max_seq_len=32,
+        sm_scale=width**-0.5, kv_lora_rank=rank, causal=True,
+    )
+    keys = cache.view(-1, width)[slots[16:]].double()
+    scores = query[0].double() @ keys.T * width**-0.5
+    want = torch.softmax(scores, dim=-1) @ keys[:, :rank]
+    assert (out[0].double() - want).abs().max() < 2e-2
+    assert (lse[0].double() - torch.logsumexp(scores, dim=-1)).abs().max() < 1e-2
