@@ -14,7 +14,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jackfield_cuda_mla.kernels.checks import FP8, check_cache, check_device, check_scale, require
-from jackfield_cuda_mla.kernels.decode_kernels import mla_decode_stage1, mla_decode_stage2
+from jackfield_cuda_mla.kernels.decode_kernels import mla_decode_stage1
+from jackfield_cuda_mla.kernels.decode_merge import mla_decode_stage2
 
 LOG2E = 1.4426950408889634
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

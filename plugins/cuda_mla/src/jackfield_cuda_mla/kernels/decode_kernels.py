@@ -1,11 +1,11 @@
-"""The two Triton stages of absorbed MLA decode (split-KV), dense and sparse top-k.
+"""Stage 1 of absorbed MLA decode (split-KV), dense and sparse top-k.
 
 Stage 1: one program per (row group, block of rows, KV split). A row is one (query token, head)
 pair; a dense row group is one request (all its q_len tokens x H heads, so every KV tile loaded
 serves all of them), a sparse row group is one query token (its top-k keys are its own). Each
 program streams its split of keys through an online softmax (base 2) and writes the normalized
-partial output and its natural-log LSE. Stage 2 merges the splits by LSE. With one split, stage 1
-writes the final output directly.
+partial output and its natural-log LSE. Stage 2 (decode_merge.py) merges the splits by LSE.
+With one split, stage 1 writes the final output directly.
 """
 
 from __future__ import annotations
@@ -315,47 +315,3 @@ def mla_decode_stage1(
     o_row = out + tok * stride_ot + head * stride_oh + split * stride_os
     tl.store(o_row[:, None] + r[None, :], result, mask=row_ok[:, None] & r_ok[None, :])
     tl.store(lse + tok * stride_lt + head * stride_lh + split * stride_ls, row_lse, mask=row_ok)
-
-
-@triton.jit
-def mla_decode_stage2(
-    part_out,
-    part_lse,
-    out,
-    lse,
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_plt,
-    stride_plh,
-    stride_ot,
-    stride_oh,
-    stride_lt,
-    stride_lh,
-    RANK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    r = tl.arange(0, BLOCK_R)
-    split_lse = tl.load(
-        part_lse + tok * stride_plt + head * stride_plh + s, mask=s < SPLITS, other=float("-inf")
-    )
-    top = tl.max(split_lse, 0)
-    top_safe = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.exp(split_lse - top_safe)  # empty splits weigh exactly 0
-    total = tl.sum(weight, 0)
-    parts = tl.load(
-        part_out + tok * stride_pt + head * stride_ph + s[:, None] * stride_ps + r[None, :],
-        mask=(s[:, None] < SPLITS) & (r[None, :] < RANK) & (weight[:, None] > 0.0),
-        other=0.0,
-    )
-    denom = tl.where(total > 0.0, total, 1.0)
-    merged = tl.sum(parts * weight[:, None], 0) / denom
-    tl.store(out + tok * stride_ot + head * stride_oh + r, merged, mask=r < RANK)
-    tl.store(
-        lse + tok * stride_lt + head * stride_lh, tl.where(total > 0.0, top + tl.log(denom), float("-inf"))
-    )
