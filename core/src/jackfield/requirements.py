@@ -30,7 +30,8 @@ def resolve_dtype(config: JackfieldConfig, device: str) -> torch.dtype:
     return _DTYPES[config.model.dtype]
 
 
-def read_hf_config(model_dir: str | Path) -> dict[str, object]:
+def read_config_json(model_dir: str | Path) -> dict[str, object]:
+    """config.json as a plain dict (no transformers import: `doctor` stays cheap)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")

@@ -36,7 +36,9 @@ def register_attention_backends():
 """
 
 
-def check(hf_model: torch.nn.Module, path: Path, prompts: list[list[int]], **roles: str) -> None:
+def assert_engine_matches_transformers(
+    hf_model: torch.nn.Module, path: Path, prompts: list[list[int]], **roles: str
+) -> None:
     # a small token budget: the prompts span several chunks, mixed with other requests' decodes
     llm = LLM(path, block_size=4, max_num_batched_tokens=8, **(roles or {"backend": "torch_ref"}))
     assert llm.runner.backends.split == bool(roles)
@@ -51,12 +53,12 @@ def check(hf_model: torch.nn.Module, path: Path, prompts: list[list[int]], **rol
 @pytest.mark.parametrize("name", ["granite_swa", "granitemoe_swa"])
 def test_granite_swa_through_the_engine(name: str, tmp_path: Path) -> None:
     hf_model, _ = build_granite(name, tmp_path)
-    check(hf_model, tmp_path / name, PROMPTS)
+    assert_engine_matches_transformers(hf_model, tmp_path / name, PROMPTS)
 
 
 def test_deepseek_v32_sparse_through_the_engine(tmp_path: Path) -> None:
     hf_model, _ = build_v32(tmp_path, index_topk=4)
-    check(hf_model, tmp_path / "v32_4", PROMPTS)
+    assert_engine_matches_transformers(hf_model, tmp_path / "v32_4", PROMPTS)
 
 
 @pytest.mark.parametrize("name", ["granite_swa", "v32"])
@@ -70,4 +72,6 @@ def test_split_prefill_and_decode_backends(name: str, tmp_path: Path, make_dist)
     else:
         hf_model, _ = build_granite(name, tmp_path)
         path = tmp_path / name
-    check(hf_model, path, PROMPTS, prefill_backend="second_ref", decode_backend="torch_ref")
+    assert_engine_matches_transformers(
+        hf_model, path, PROMPTS, prefill_backend="second_ref", decode_backend="torch_ref"
+    )

@@ -32,7 +32,7 @@ def full_batch(seq_lens: list[int], q_lens: list[int], heads: int = HEADS, fp8: 
     )
 
 
-def check(
+def assert_decode_matches_reference(
     batch: dict, causal: bool = True, topk: torch.Tensor | None = None, config: DecodeConfig | None = None
 ) -> None:
     out, lse = mla_decode(
@@ -79,7 +79,7 @@ def check(
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_full_shape_bf16_decode_with_mtp(causal: bool) -> None:
-    check(full_batch([1000, 4097, 64, 300], [1, 8, 2, 3]), causal)
+    assert_decode_matches_reference(full_batch([1000, 4097, 64, 300], [1, 8, 2, 3]), causal)
 
 
 @pytest.mark.parametrize(
@@ -93,22 +93,22 @@ def test_full_shape_bf16_decode_with_mtp(causal: bool) -> None:
 )
 @pytest.mark.parametrize("fp8", [False, True])
 def test_full_shape_tile_loaders(config: DecodeConfig, fp8: bool) -> None:
-    check(full_batch([1000, 4097, 64, 300, 0], [1, 1, 1, 1, 1], fp8=fp8), config=config)
+    assert_decode_matches_reference(full_batch([1000, 4097, 64, 300, 0], [1, 1, 1, 1, 1], fp8=fp8), config=config)
 
 
 def test_full_shape_many_heads() -> None:
-    check(full_batch([2000, 513], [2, 1], heads=128))
+    assert_decode_matches_reference(full_batch([2000, 513], [2, 1], heads=128))
 
 
 def test_full_shape_fp8_cache() -> None:
-    check(full_batch([3000, 700], [1, 2], fp8=True))
+    assert_decode_matches_reference(full_batch([3000, 700], [1, 2], fp8=True))
 
 
 def test_full_shape_sparse_top2048() -> None:
     batch = full_batch([5000, 2500], [2, 1], heads=128)
     topk = torch.stack([torch.randperm(s)[:2048] for s in (5000, 5000, 2500)]).int()
     topk[2, 1500:] = -1
-    check(batch, topk=topk.cuda())
+    assert_decode_matches_reference(batch, topk=topk.cuda())
 
 
 def test_insert_65536_tokens_bf16_and_fp8() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from jackfield.config import JackfieldConfig, load_config
 from jackfield.plugins import Registry, get_registry
-from jackfield.requirements import attention_requirements, read_hf_config
+from jackfield.requirements import attention_requirements, read_config_json
 from jackfield.selection import SelectionError, resolve_attention, select_attention_backend
 
 USER_ERROR_EXIT = 2
@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _model_hf_config(config: JackfieldConfig) -> Mapping[str, object]:
     if config.model.path is not None:
-        return read_hf_config(config.model.path)
+        return read_config_json(config.model.path)
     from jackfield.models.default_model import default_hf_config
 
     return default_hf_config()

@@ -27,7 +27,8 @@ from jackfield.models.attention import AttentionBackends
 from jackfield.models.default_model import default_model_dir
 from jackfield.models.embedding import pool, pooling_of
 from jackfield.plugins import get_registry
-from jackfield.requirements import attention_requirements, read_hf_config, resolve_device, resolve_dtype
+from jackfield.requirements import attention_requirements, read_config_json, resolve_device, resolve_dtype
+from jackfield.sampling.processors import check_named_tokens
 from jackfield.selection import BackendChoice, resolve_attention
 from jackfield.specs import resolve_factory
 
@@ -91,15 +92,16 @@ class LLM:
         if config.model.path is None:
             say("creating the embedded default model")
         self.model_dir = Path(config.model.path) if config.model.path else default_model_dir()
-        requirements = attention_requirements(read_hf_config(self.model_dir), config)
+        config_json = read_config_json(self.model_dir)  # read once: requirements, eos, pooling
+        requirements = attention_requirements(config_json, config)
         self.backend_choices: dict[str, BackendChoice] = resolve_attention(config, requirements)
         backends = AttentionBackends(prefill=self.backend_choices["prefill"].backend,
                                      decode=self.backend_choices["decode"].backend)
         say(f"loading {self.model_dir}")
         self.model = load_model(self.model_dir, backends, self.dtype, self.device, config.attention.kv_cache_dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.eos_token_ids = self._eos_ids()
-        self.pooling = pooling_of(read_hf_config(self.model_dir))
+        self.eos_token_ids = self._eos_ids(config_json)
+        self.pooling = pooling_of(config_json)
         engine = config.engine
         if engine.max_model_len is not None and engine.max_model_len > self.model.max_model_len:
             raise ConfigError([f"engine.max_model_len {engine.max_model_len} exceeds the model's "
@@ -126,9 +128,8 @@ class LLM:
             raise ConfigError([f"sampler.name: {exc.args[0]}"]) from None
         return resolve_factory(entry.spec.factory)()  # type: ignore[operator,return-value]
 
-    def _eos_ids(self) -> set[int]:
-        hf = read_hf_config(self.model_dir)
-        eos = hf.get("eos_token_id")
+    def _eos_ids(self, config_json: dict[str, object]) -> set[int]:
+        eos = config_json.get("eos_token_id")
         ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
@@ -188,10 +189,7 @@ class LLM:
         if needed > self.block_manager.num_usable:
             raise ValueError(f"a request of {len(ids)} + {params.max_tokens} tokens needs {needed} KV blocks; "
                              f"the cache has {self.block_manager.num_usable} (raise the KV budget)")
-        vocab = self.model.arch.vocab_size
-        named = [*(params.logit_bias or {}), *(params.allowed_token_ids or ())]
-        if any(int(t) >= vocab for t in named):
-            raise ValueError(f"logit_bias/allowed_token_ids name token ids outside the vocabulary [0, {vocab})")
+        check_named_tokens(params, self.model.arch.vocab_size)
         seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
         seq = Sequence(self._next_id, len(ids), ids, params, seed)
         self._next_id += 1

@@ -9,16 +9,21 @@ import torch
 from jackfield.contracts.sampler import SamplingMetadata, SamplingParams
 
 
+def check_named_tokens(params: SamplingParams, vocab: int) -> None:
+    """logit_bias / allowed_token_ids must name tokens of the vocabulary [0, vocab)."""
+    for t in (*(params.logit_bias or {}), *(params.allowed_token_ids or ())):
+        if int(t) >= vocab:
+            raise ValueError(
+                f"token id {t} in logit_bias/allowed_token_ids is outside the vocabulary [0, {vocab})"
+            )
+
+
 def bias_and_mask_from_params(
     params: Sequence[SamplingParams], vocab: int, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Dense SamplingMetadata.logit_bias [R, V] and allowed_token_mask [R, V] (None when unused)."""
     for p in params:
-        for t in (*(p.logit_bias or {}), *(p.allowed_token_ids or ())):
-            if int(t) >= vocab:
-                raise ValueError(
-                    f"token id {t} in logit_bias/allowed_token_ids is outside the vocab ({vocab})"
-                )
+        check_named_tokens(p, vocab)
     bias = mask = None
     if any(p.logit_bias for p in params):
         bias = torch.zeros((len(params), vocab), dtype=torch.float32)

@@ -60,8 +60,8 @@ def read_cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> frozenset[str]:
             for line in f:
                 if line.startswith("flags"):
                     return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    except OSError:  # no /proc (not Linux): no flags, so the float32 path
+        return frozenset()
     return frozenset()
 
 
