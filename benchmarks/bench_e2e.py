@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--max-batched-tokens", type=int, default=8192, help="engine.max_num_batched_tokens")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="engine.cuda_graphs = false")
     parser.add_argument("--json-out")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of a few decode steps at the largest batch")
@@ -136,7 +138,8 @@ def main() -> None:
     flops, bandwidth = ceilings(device, dtype)
     llm = LLM(directory, **{"attention.backend": args.backend, "engine.device": device,
                             "model.dtype": str(dtype).removeprefix("torch."),
-                            "engine.max_num_batched_tokens": 8192, "engine.enable_prefix_caching": False})
+                            "engine.max_num_batched_tokens": args.max_batched_tokens,
+                            "engine.enable_prefix_caching": False, "engine.cuda_graphs": not args.no_cuda_graphs})
     backend = llm.backend_choices["decode"].name
     gen = torch.Generator().manual_seed(1)
     check = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=gen)
@@ -145,7 +148,9 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=gen)
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-        llm.generate([p.tolist() for p in prompts[:1]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+        # warm-up at the measured shapes, for both engines: kernel compiles and plan caches
+        # (Triton, cuDNN) are one-time start-up costs, not time to first token
+        llm.generate([p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=2))
         sync(device)
         start = time.perf_counter()
         outs = llm.generate([p.tolist() for p in prompts], params)
@@ -155,7 +160,7 @@ def main() -> None:
         last_first = max(o.timings.time_to_first_token_s for o in outs)
         jf_decode = batch * (args.new_tokens - 1) / (total - last_first)
         hf_prompts = prompts.to(device)
-        time_hf(hf, hf_prompts[:1], 2, device)  # warm-up
+        time_hf(hf, hf_prompts, 2, device)  # warm-up
         hf_ttft, hf_decode_s = time_hf(hf, hf_prompts, args.new_tokens, device)
         hf_decode = batch * (args.new_tokens - 1) / hf_decode_s
         ceiling = batch * bandwidth / weight_bytes
@@ -166,7 +171,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"\ndevice {name}, {dtype}, backend {backend}, weights {weight_bytes / 2**20:.0f} MiB, "
-          f"prompt {args.prompt_len}, new tokens {args.new_tokens}")
+          f"prompt {args.prompt_len}, new tokens {args.new_tokens}, max_num_batched_tokens "
+          f"{args.max_batched_tokens}, decode CUDA graphs: {llm.cuda_graphs_off or 'on'}")
     print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print("| batch | Jackfield TTFT ms | HF TTFT ms | Jackfield decode tok/s | HF decode tok/s | decode x HF "
           "| TTFT x HF | decode / bandwidth ceiling |")

@@ -71,6 +71,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85  # of the free device memory, for the KV cache
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs where the backend allows
 
 
 @dataclass(frozen=True)

@@ -80,3 +80,23 @@ def test_insert_and_decode_in_a_cache_past_two_billion_elements() -> None:
     want = torch.softmax(scores, dim=-1) @ keys[:, :rank]
     assert (out[0].double() - want).abs().max() < 2e-2
     assert (lse[0].double() - torch.logsumexp(scores, dim=-1)).abs().max() < 1e-2
+
+
+def test_decode_cuda_graphs_give_the_eager_tokens(checkpoint: str) -> None:
+    """Decode replayed from CUDA graphs (a batch of 5 padded to the captured 8, requests of
+    different lengths finishing at different steps) gives the eager engine's greedy tokens."""
+    from jackfield import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (7, 64, 130, 301, 33)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 9, 24, 17, 24)]
+    tokens = {}
+    for graphs in (False, True):
+        llm = LLM(checkpoint, **{"attention.backend": "cuda_mla", "engine.device": "cuda", "model.dtype": "bfloat16",
+                                 "engine.gpu_memory_fraction": 0.05, "engine.cuda_graphs": graphs,
+                                 "engine.max_num_seqs": 16})
+        assert (llm.cuda_graphs_off is None) == graphs, llm.cuda_graphs_off
+        tokens[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[True] == tokens[False]

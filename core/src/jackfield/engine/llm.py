@@ -16,6 +16,7 @@ from jackfield.config import ConfigError, JackfieldConfig, load_config
 from jackfield.contracts.attention import AttentionLayerSpec
 from jackfield.contracts.sampler import Sampler, SamplingParams
 from jackfield.engine.block_manager import BlockManager, max_request_blocks
+from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.kv_groups import plan_kv_cache_groups
 from jackfield.engine.model_runner import ModelRunner
 from jackfield.engine.outputs import RequestOutput, RequestTimings
@@ -118,8 +119,28 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, backends, sampler, kv_caches, engine.block_size,
                                   self.device, self.kv_groups)
+        self.cuda_graphs_off = self._cuda_graphs_off_reason(backends)
+        if self.cuda_graphs_off is None:
+            self.runner.graphs = DecodeGraphs(self.model, kv_caches, self.runner.builders[0][0], backends.split,
+                                              engine.block_size, self.max_model_len, engine.max_num_seqs, self.device)
+            self.runner.graphs.capture(say)
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
+
+    def _cuda_graphs_off_reason(self, backends: AttentionBackends) -> str | None:
+        """Why decode steps run eagerly (None: they are replayed from CUDA graphs)."""
+        decode = backends.decode
+        if self.device.type != "cuda":
+            return f"the device is {self.device.type}"
+        if not self.config.engine.cuda_graphs:
+            return "engine.cuda_graphs = false"
+        if decode.capabilities.cuda_graph == "never":
+            return f"decode backend {decode.name} declares cuda_graph = never"
+        if not getattr(self.model, "cuda_graph_safe", False):
+            return f"{type(self.model).__name__} is not marked capture-safe"
+        if self.kv_groups.hybrid:
+            return "the model has several KV cache groups (sliding-window layers)"
+        return None
 
     def _sampler(self) -> Sampler:
         try:

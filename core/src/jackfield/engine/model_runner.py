@@ -15,6 +15,7 @@ from torch import nn
 from jackfield.attention.metadata import split_decode_prefill
 from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
+from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.kv_groups import KVCacheGroups
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import AttentionBackends, StepContext
@@ -46,6 +47,7 @@ class ModelRunner:
         self.groups = groups
         # (decode, prefill) builders per KV cache group, as vLLM: a builder may reuse its buffers per build
         self.builders = [self._role_builders() for _ in groups.windows]
+        self.graphs: DecodeGraphs | None = None  # set by the engine when decode steps are captured
 
     def _role_builders(self) -> tuple[AttentionMetadataBuilder, AttentionMetadataBuilder]:
         decode = self.backends.decode.metadata_builder()
@@ -141,7 +143,10 @@ class ModelRunner:
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk]) -> StepResult:
-        hidden, common = self.forward(chunks)
+        if self.graphs is not None and self.graphs.fits(chunks):
+            hidden = self.graphs.run(chunks)  # every row is a sampling decode
+        else:
+            hidden, common = self.forward(chunks)
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return StepResult([], [])

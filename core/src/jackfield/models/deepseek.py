@@ -154,6 +154,10 @@ class DecoderLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """Built from the transformers config; `from_pretrained` loads a local checkpoint directory."""
 
+    # A decode forward has no host sync and no data-dependent shapes: the engine may record it in
+    # a CUDA graph (engine/cuda_graphs.py). A subclass that adds either must set this False.
+    cuda_graph_safe = True
+
     def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
                  kv_cache_dtype: KVCacheDType = "auto") -> None:
         super().__init__()

@@ -129,6 +129,8 @@ class SparseMLAAttention(MLAAttention):
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
+    cuda_graph_safe = False  # the indexer's top-k path is not checked for host syncs
+
     def __init__(
         self,
         hf_config: PretrainedConfig,

@@ -65,15 +65,20 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and x.device.type == "cpu":
             return self._one_token(x, weights, ids)
-        k = ids.shape[1]
+        num_tokens, k = ids.shape
         flat = ids.flatten()
-        order = flat.argsort()
-        token_of_row = order // k
-        counts = torch.bincount(flat, minlength=self.w13.shape[0])
-        rows = x[token_of_row]
-        out = self._grouped(rows, counts) if use_grouped_mm(rows) else self._looped(rows, counts.tolist())
-        scaled = (out.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of_row, scaled)
+        order = flat.argsort(stable=True)
+        # Each expert's end row in the sorted order: no bincount, whose CUDA kernel syncs on the
+        # host, so a decode step stays capturable in a CUDA graph.
+        experts = torch.arange(1, self.w13.shape[0] + 1, device=ids.device, dtype=flat.dtype)
+        ends = torch.searchsorted(flat[order], experts, right=False)
+        rows = x[order // k]
+        out = self._grouped(rows, ends) if use_grouped_mm(rows) else self._looped(rows, ends.tolist())
+        scaled = out.float() * weights.flatten()[order].unsqueeze(1)
+        # Back to (token, choice) order, then each token's k choices summed in float32: no atomics,
+        # so the sum does not depend on the batch's other tokens.
+        per_choice = torch.empty_like(scaled).index_copy_(0, order, scaled)
+        return per_choice.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A single token (batch-1 decode): its k experts summed directly, no sort or scatter.
@@ -87,21 +92,21 @@ class Experts(nn.Module):
         assert out is not None  # k >= 1
         return out
 
-    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        offsets = counts.cumsum(0, dtype=torch.int32)  # end row of each expert's group
+    def _grouped(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        offsets = ends.to(torch.int32)  # end row of each expert's group
         gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
 
-    def _looped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _looped(self, rows: torch.Tensor, ends: list[int]) -> torch.Tensor:
         out = torch.empty_like(rows)
         start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
+        for expert, end in enumerate(ends):
+            if end == start:
                 continue
-            segment = rows[start : start + count]
+            segment = rows[start:end]
             gate, up = F.linear(segment, self.w13[expert]).chunk(2, dim=-1)
-            out[start : start + count] = F.linear(F.silu(gate) * up, self.w2[expert])
-            start += count
+            out[start:end] = F.linear(F.silu(gate) * up, self.w2[expert])
+            start = end
         return out
 
 

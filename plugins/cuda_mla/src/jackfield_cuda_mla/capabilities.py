@@ -20,7 +20,7 @@ CUDA_MLA_CAPABILITIES = AttentionCapabilities(
     non_causal=True,
     dcp=True,
     max_decode_query_len=8,
-    cuda_graph="never",
+    cuda_graph="uniform_decode",  # decode reads lengths on the device; no host sync
     preferred_block_size=64,
 )
 

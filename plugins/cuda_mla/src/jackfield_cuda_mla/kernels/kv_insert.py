@@ -6,7 +6,8 @@ Each program writes BLOCK_T tokens; record widths come from the cache's last dim
 Slot range: every layer of a step inserts with the same slot_mapping tensor, so its range is
 checked on the host once per (tensor, version, capacity) and remembered (one device sync a step,
 not one a layer). The kernel also skips any slot >= capacity, so a tensor changed behind the
-version counter can never cause a stray write.
+version counter can never cause a stray write. While a CUDA graph is being recorded the check
+cannot sync: the recording engine checks the slots of every replay on the host instead.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def mla_kv_insert(
     if tokens == 0:
         return
     capacity = num_blocks * block_size
-    _check_slot_range(slot_mapping, capacity, num_blocks, block_size)
+    if not torch.cuda.is_current_stream_capturing():
+        _check_slot_range(slot_mapping, capacity, num_blocks, block_size)
     _kv_insert_kernel[(triton.cdiv(tokens, BLOCK_T),)](
         kv_c,
         k_pe,

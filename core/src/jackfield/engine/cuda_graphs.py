@@ -1,0 +1,132 @@
+"""Decode steps replayed from CUDA graphs, as vLLM and SGLang do.
+
+A decode step of a small model is bound by the host: hundreds of kernel launches, each behind
+Python and the PyTorch dispatcher. Recording the model's forward once per batch size and
+replaying it costs one launch. Capture runs at start-up, largest batch first so the smaller
+graphs share its memory pool.
+
+What a replay needs: every input lives in a static device buffer (ids, positions, slots, lengths,
+block tables), written in place before each replay; batches are padded up to the next captured
+size with rows that see no KV (seq_len 0) and write none (slot -1). The attention metadata's
+Python values are upper bounds fixed at capture (max_seq_len = max_model_len), which is why only
+backends that declare `cuda_graph` support (their decode path reads lengths from the device
+tensors, never syncs, and accepts rows with no KV) are captured; the engine runs the rest eagerly.
+The slots a replay writes are checked on the host (the kernels' own per-call check would sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
+from jackfield.engine.scheduler import ScheduledChunk
+from jackfield.models.attention import StepContext
+from jackfield.ops.staging import CpuGpuBuffer, async_tensor_h2d
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 16, up to max_num_seqs."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += range(16, max_num_seqs, 16)
+    return sorted({*sizes, max_num_seqs})
+
+
+class DecodeGraphs:
+    """One CUDA graph of the model's forward per captured batch size (decode rows only)."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], builder: AttentionMetadataBuilder,
+                 split_roles: bool, block_size: int, max_model_len: int, max_num_seqs: int,
+                 device: torch.device) -> None:
+        self.model, self.kv_caches, self.builder = model, kv_caches, builder
+        self.split_roles = split_roles
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.capacity = kv_caches[0].shape[0] * block_size  # slots of every cache (one block pool)
+        self.sizes = capture_sizes(max_num_seqs)
+        largest, width = self.sizes[-1], -(-max_model_len // block_size)
+        self.input_ids = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
+        self.positions = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
+        self.seq_lens = CpuGpuBuffer(largest, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(largest, width, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def capture(self, progress: Callable[[str], None] | None = None) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            if progress:
+                progress(f"capturing CUDA graphs: batch {size}")
+            self._fill([], size)
+            context = self._context(size)
+            ids = self.input_ids.gpu[:size]
+            # warm-up (Triton compiles, cuBLAS picks kernels) and capture get distinct positions
+            # views: the RoPE tables are gathered once per positions tensor, and that gather must
+            # be recorded, not reused from the warm-up
+            self.model(ids, self.positions.gpu[:size], context)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(ids, self.positions.gpu[:size], context)
+            self.graphs[size] = (graph, hidden)
+        torch.cuda.synchronize()
+
+    def fits(self, chunks: list[ScheduledChunk]) -> bool:
+        """A decode-only step no larger than the largest captured batch."""
+        return len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 for c in chunks)
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The step's final hidden states [len(chunks), D] (a view of the graph's output buffer,
+        valid until the next replay)."""
+        size = next(s for s in self.sizes if s >= len(chunks))
+        self._fill(chunks, size)
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[: len(chunks)]
+
+    def _fill(self, chunks: list[ScheduledChunk], size: int) -> None:
+        """Write the step's rows into the static buffers; rows past the batch see no KV and write none."""
+        n, bs = len(chunks), self.block_size
+        ids, positions, slots, seq_lens = [], [], [], []
+        for chunk in chunks:
+            seq = chunk.seq
+            pos = seq.num_computed
+            blocks = seq.block_tables[0]
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            seq_lens.append(pos + 1)
+        if slots and not 0 <= min(slots) <= max(slots) < self.capacity:
+            raise ValueError(f"decode slots {min(slots)}..{max(slots)} outside the cache's {self.capacity} slots")
+        pad = size - n
+        self.input_ids.cpu[:size] = torch.tensor(ids + [0] * pad)
+        self.positions.cpu[:size] = torch.tensor(positions + [0] * pad)
+        self.slot_mapping.cpu[:size] = torch.tensor(slots + [-1] * pad)
+        self.seq_lens.cpu[:size] = torch.tensor(seq_lens + [0] * pad, dtype=torch.int32)
+        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens):
+            buffer.copy_to_device(size)
+        if n:  # entries past a row's seq_len (padding rows: all) are never read, so stale ones stay
+            width = max(len(c.seq.block_tables[0]) for c in chunks)
+            tables = [c.seq.block_tables[0] + [0] * (width - len(c.seq.block_tables[0])) for c in chunks]
+            self.block_table[:n, :width].copy_(async_tensor_h2d(tables, torch.int32, self.block_table.device, True))
+
+    def _context(self, size: int) -> StepContext:
+        """Metadata over the static buffers, with the Python values as upper bounds."""
+        common = AttentionMetadata(
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens.gpu[:size],
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping.gpu[:size],
+            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            num_decodes=size,
+            num_decode_tokens=size,
+        )
+        metadata = self.builder.build(common, for_capture=True)
+        if self.split_roles:
+            return StepContext(self.kv_caches, decode=metadata, num_decode_tokens=size)
+        return StepContext(self.kv_caches, metadata=metadata)

@@ -1,0 +1,26 @@
+"""Decode CUDA graphs: which batch sizes are recorded and when the engine runs eagerly.
+
+Recording and replay need a GPU and a graph-capable backend: plugins/cuda_mla/tests/
+test_gpu_engine.py compares replayed and eager tokens there.
+"""
+
+from __future__ import annotations
+
+from jackfield import LLM
+from jackfield.engine.cuda_graphs import capture_sizes
+
+
+def test_capture_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    for max_num_seqs in (1, 3, 17, 100):
+        sizes = capture_sizes(max_num_seqs)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_num_seqs
+        assert all(any(s >= n for s in sizes) for n in range(1, max_num_seqs + 1))
+
+
+def test_engine_says_why_decode_runs_eagerly(v3_dir) -> None:
+    llm = LLM(str(v3_dir), **{"engine.device": "cpu"})
+    assert llm.cuda_graphs_off == "the device is cpu"
+    assert llm.runner.graphs is None
