@@ -9,11 +9,13 @@ from jackfield.contracts.attention import AttentionOutput
 from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMLAImpl
 from jackfield_cpu_amx.plan import CpuAmxMetadataBuilder
 
-# (path, dtype, atol on out, atol on lse): float32 path exact to float32 rounding; the bf16 path
-# rounds scores and probabilities to bfloat16 before the products, as AMX does.
+# (path, dtype, atol on out, atol on lse): float32 requests are exact to float32 rounding on
+# either path (the AMX path computes them in float32); bfloat16 on the AMX path rounds scores and
+# probabilities to bfloat16 before the products, as AMX does.
 PATHS = [
     ("avx512_fp32", torch.float32, 2e-5, 2e-5),
     ("avx512_fp32", torch.bfloat16, 2e-2, 2e-5),
+    ("amx_bf16", torch.float32, 2e-5, 2e-5),
     ("amx_bf16", torch.bfloat16, 3e-2, 3e-2),
 ]
 

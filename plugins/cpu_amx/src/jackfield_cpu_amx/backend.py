@@ -20,47 +20,54 @@ from jackfield_cpu_amx.capabilities import (
     availability,
     detected_amx_status,
 )
-from jackfield_cpu_amx.kernels import (
-    FUSED_MAX_ROWS,
-    attend_group_bmm,
-    attend_group_fused,
-    gather_group_cache,
-)
+from jackfield_cpu_amx.kernels import attend_group_bmm, attend_group_fused, gather_group_cache
 from jackfield_cpu_amx.plan import (
     PLANS_KEY,
     CpuAmxMetadataBuilder,
-    RequestGroup,
     Scratch,
     StepPlan,
     plan_key,
 )
 
-COMPUTE_DTYPES: dict[ComputePath, torch.dtype] = {"amx_bf16": torch.bfloat16, "avx512_fp32": torch.float32}
 CACHE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def compute_dtype(path: ComputePath, activation_dtype: torch.dtype) -> torch.dtype:
+    """The products' input dtype: bfloat16 only on the AMX path for bfloat16 activations. A float32
+    request is computed in float32 on every path (AMX has no float32 products: oneDNN runs them on
+    AVX-512), so asking for float32 never silently yields bfloat16 precision."""
+    return torch.bfloat16 if path == "amx_bf16" and activation_dtype == torch.bfloat16 else torch.float32
 
 
 class CpuAmxMLAImpl(MLAImpl):
     def __init__(self, layer: AttentionLayerSpec, path: ComputePath | None = None) -> None:
         super().__init__(layer)
         self.path: ComputePath = detected_amx_status().path if path is None else path
-        self.compute_dtype = COMPUTE_DTYPES[self.path]
-        self.w_uk_bmm: torch.Tensor | None = None  # [H, N, L] compute dtype: q_nope -> latent, one bmm
-        self.w_uv_bmm: torch.Tensor | None = None  # [H, L, V] compute dtype: latent out -> v, one bmm
+        # W_UK [H, N, L] and W_UV [H, L, V] per compute dtype: float32 (the base's), and bfloat16
+        # copies on the AMX path, so each absorption is one head-batched product in that dtype.
+        self.bmm_weights: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def process_weights_after_loading(self, weights: dict[str, torch.Tensor]) -> None:
         super().process_weights_after_loading(weights)
         w_uk, w_uv = self._weights()
-        self.w_uk_bmm = w_uk.to(self.compute_dtype).contiguous()
-        self.w_uv_bmm = w_uv.to(self.compute_dtype).contiguous()
+        self.bmm_weights = {torch.float32: (w_uk, w_uv)}
+        if self.path == "amx_bf16":
+            self.bmm_weights[torch.bfloat16] = (
+                w_uk.to(torch.bfloat16).contiguous(),
+                w_uv.to(torch.bfloat16).contiguous(),
+            )
+
+    def _bmm_weights(self, activation_dtype: torch.dtype) -> tuple[torch.dtype, torch.Tensor, torch.Tensor]:
+        self._weights()  # raises the not-loaded error
+        dtype = compute_dtype(self.path, activation_dtype)
+        return (dtype, *self.bmm_weights[dtype])
 
     def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
         """[t, H, N+R] -> [t, H, L+R]: one head-batched product in the compute dtype."""
-        if self.w_uk_bmm is None:
-            self._weights()  # raises the not-loaded error
-        assert self.w_uk_bmm is not None
+        dtype, w_uk, _ = self._bmm_weights(q.dtype)
         n = self.layer.qk_nope_head_dim
-        q_nope = q[..., :n].to(self.compute_dtype).transpose(0, 1)  # [H, t, N]
-        q_lat = torch.bmm(q_nope, self.w_uk_bmm).transpose(0, 1)  # [t, H, L]
+        q_nope = q[..., :n].to(dtype).transpose(0, 1)  # [H, t, N]
+        q_lat = torch.bmm(q_nope, w_uk).transpose(0, 1)  # [t, H, L]
         return torch.cat([q_lat.to(q.dtype), q[..., n:]], dim=-1)
 
     def _absorbed(
@@ -72,11 +79,11 @@ class CpuAmxMLAImpl(MLAImpl):
         topk_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         # Overrides MLAImpl's float32 einsum with W_UV applied as one head-batched product.
+        dtype, _, w_uv = self._bmm_weights(q.dtype)
         o_lat = self.attend(
             self.absorb_query(q), kv_cache, metadata, kv_scale=kv_scale, topk_indices=topk_indices
         ).out
-        assert self.w_uv_bmm is not None
-        o = torch.bmm(o_lat.to(self.compute_dtype).transpose(0, 1), self.w_uv_bmm)  # [H, t, V]
+        o = torch.bmm(o_lat.to(dtype).transpose(0, 1), w_uv)  # [H, t, V]
         return o.transpose(0, 1).to(q.dtype)
 
     def attend(
@@ -93,21 +100,19 @@ class CpuAmxMLAImpl(MLAImpl):
         check_attend_inputs(self.layer, query, kv_cache, metadata, kv_scale, sinks, topk_indices)
         plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale, sinks, topk_indices)
         lay = self.layer
+        dtype = compute_dtype(self.path, query.dtype)
+        q = query.to(dtype)
         # NaN-filled (cheap next to the cache read) so a row no group wrote cannot pass as a result.
         out = query.new_full((query.shape[0], lay.num_heads, lay.kv_lora_rank), float("nan"))
         lse = torch.full(query.shape[:2], float("nan"), dtype=torch.float32)
         for group in plan.groups:
             t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
-            fused = _uses_fused(group, lay.num_heads)
+            fused = plan.fused(group, lay.num_heads)
             chunks = group.key_chunks(kv_cache.shape[1], split=fused)
-            keys = gather_group_cache(kv_cache, group, chunks, self.compute_dtype, scratch)
+            keys = gather_group_cache(kv_cache, group, chunks, dtype, scratch)
             attend = attend_group_fused if fused else attend_group_bmm
-            attend(query[t0:t1], keys, group, chunks, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1])
+            attend(q[t0:t1], keys, group, chunks, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1])
         return AttentionOutput(out, lse if return_lse else None)
-
-
-def _uses_fused(group: RequestGroup, num_heads: int) -> bool:
-    return group.q_len * num_heads <= FUSED_MAX_ROWS
 
 
 def _checked_plan(
@@ -142,11 +147,10 @@ def _checked_plan(
         raise ValueError(f"the cpu_amx plan covers {plan.num_tokens} query rows, got {query.shape[0]}")
     num_blocks = kv_cache.shape[0]
     for group in plan.groups:
-        ids = group.key_chunks(kv_cache.shape[1], split=_uses_fused(group, query.shape[1])).block_ids
-        if ids.numel() and (int(ids.max()) >= num_blocks or int(ids.min()) < 0):
-            raise ValueError(
-                f"block_table holds block {int(ids.max())} / {int(ids.min())}, the cache has {num_blocks}"
-            )
+        # The layout (and its block-id span) is built on the step's first layer and reused.
+        low, high = group.key_chunks(kv_cache.shape[1], split=plan.fused(group, query.shape[1])).block_span
+        if high >= num_blocks or low < 0:
+            raise ValueError(f"block_table holds block {high} / {low}, the cache has {num_blocks}")
     scratch = metadata.extra.get("cpu_amx_scratch")
     assert isinstance(scratch, Scratch)
     return plan, scratch

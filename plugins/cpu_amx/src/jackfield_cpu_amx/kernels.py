@@ -64,9 +64,6 @@ def gather_group_cache(
     return gathered.view(group.num_reqs, -1, width)
 
 
-FUSED_MAX_ROWS = 32  # the flash kernel's query slice for short queries
-
-
 def attend_group_fused(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -77,8 +74,8 @@ def attend_group_fused(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
-    """query [g * q_len, H, L+R] over keys [g, chunked keys, L+R] (as gathered for `chunks`);
-    writes out [g * q_len, H, L] and lse [g * q_len, H].
+    """query [g * q_len, H, L+R] (in keys' dtype) over keys [g, chunked keys, L+R] (as gathered
+    for `chunks`); writes out [g * q_len, H, L] and lse [g * q_len, H].
 
     Heads and query rows of a request fold into rows = q_len * H queries against its keys.
     """
@@ -87,7 +84,7 @@ def attend_group_fused(
     rows = q_len * num_heads
     # Chunks take the place of attention heads; the queries are a stride-0 view over them. The
     # values are the whole records (the kernel wants equal head sizes): rope columns are dropped after.
-    q = query.to(keys.dtype).view(g, 1, rows, width).expand(g, n, rows, width)
+    q = query.view(g, 1, rows, width).expand(g, n, rows, width)
     k = keys.view(g, n, -1, width)
     mask = chunks.mask
     if mask is not None:  # [g, n, q_len, keys] -> [g, n, q_len * H, keys]: a view when q_len is 1
@@ -95,17 +92,17 @@ def attend_group_fused(
     part_out, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, k, 0.0, False, attn_mask=mask, scale=scale
     )
-    part_out = part_out.view(g, n, rows, width)[..., :kv_lora_rank]
-    # The kernel reports LSE 0 (not -inf) for a row that sees no key in its chunk.
-    part_lse = part_lse.view(g, n, q_len, num_heads).add(chunks.chunk_bias).view(g, n, rows)
-    group_lse = torch.logsumexp(part_lse, dim=1)  # [g, rows]
+    part_out = part_out[..., :kv_lora_rank]  # [g, n, rows, L]
+    if chunks.chunk_bias is not None:  # the kernel reports LSE 0, not -inf, for a row blind to its chunk
+        part_lse = (part_lse.view(g, n, q_len, num_heads) + chunks.chunk_bias).view(g, n, rows)
     if n == 1:
-        merged = part_out[:, 0]
-    else:
-        weights = part_lse.sub_(group_lse[:, None]).exp_()  # [g, n, rows]
-        merged = torch.einsum("gnr,gnrl->grl", weights, part_out.float())
-    out.copy_(merged.reshape(g * q_len, num_heads, kv_lora_rank))
-    lse.copy_(group_lse.view(g * q_len, num_heads))
+        out.view(g, rows, kv_lora_rank).copy_(part_out[:, 0])
+        lse.view(g, rows).copy_(part_lse[:, 0])
+        return
+    # Split-K merge: each chunk's output weighted by its share of the row's softmax mass.
+    torch.logsumexp(part_lse, dim=1, out=lse.view(g, rows))
+    weights = torch.softmax(part_lse, dim=1)  # [g, n, rows]
+    out.view(g, rows, kv_lora_rank).copy_(torch.einsum("gnr,gnrl->grl", weights, part_out.float()))
 
 
 def attend_group_bmm(
@@ -118,17 +115,23 @@ def attend_group_bmm(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
-    """attend_group_fused's contract, for keys gathered one chunk per request."""
+    """attend_group_fused's contract, for keys gathered one chunk per request.
+
+    Scores come out keys-major, [g, keys, rows] = keys @ query^T: the cache records are the
+    product's left operand, which the AMX tiles load as they lie (rows of the record), so only the
+    small query is repacked; the right operand of the second product (the records again) is.
+    """
     g, q_len, num_heads = group.num_reqs, group.q_len, query.shape[1]
-    q = query.to(keys.dtype).view(g, q_len * num_heads, -1)
-    scores = torch.bmm(q, keys.transpose(1, 2)).view(g, q_len, num_heads, -1)
-    logits = scores.float().mul_(scale)
-    if chunks.mask is not None:
-        logits += chunks.mask.view(g, q_len, 1, -1)
-    group_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    probs = logits.sub_(group_lse).exp_().to(keys.dtype).view(g, q_len * num_heads, -1)
+    rows = q_len * num_heads
+    q = query.view(g, rows, -1)
+    logits = torch.bmm(keys, q.transpose(1, 2)).float().mul_(scale)  # [g, keys, rows]
+    if chunks.mask is not None:  # [g, 1, q_len, keys] -> [g, keys, q_len, 1], broadcast over heads
+        mask = chunks.mask.view(g, q_len, -1).transpose(1, 2).unsqueeze(-1)
+        logits.view(g, -1, q_len, num_heads).add_(mask)
+    group_lse = torch.logsumexp(logits, dim=1, keepdim=True)  # [g, 1, rows]
+    probs = logits.sub_(group_lse).exp_().to(keys.dtype)
     # The product over whole contiguous records (rope columns included, then dropped) runs ~3x
     # faster in oneDNN than over the strided latent slice, for 12% more arithmetic.
-    latent = torch.bmm(probs, keys)[:, :, :kv_lora_rank]
-    out.copy_(latent.reshape(g * q_len, num_heads, kv_lora_rank))
-    lse.copy_(group_lse.view(g * q_len, num_heads))
+    latent = torch.bmm(probs.transpose(1, 2), keys)[:, :, :kv_lora_rank]
+    out.view(g, rows, kv_lora_rank).copy_(latent)
+    lse.view(g, rows).copy_(group_lse.view(g, rows))

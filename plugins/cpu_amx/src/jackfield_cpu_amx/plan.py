@@ -19,6 +19,8 @@ from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBu
 
 PLANS_KEY = "cpu_amx_plans"
 MIN_CHUNK_KEYS = 256
+DEFAULT_GROUP_KEYS = 16384
+FUSED_MAX_ROWS = 32  # the flash kernel's query slice for short queries (see kernels.py)
 PlanKey = tuple[int, int, int]  # (num_reqs, num_tokens, num_decodes) of the metadata a plan serves
 
 
@@ -51,7 +53,9 @@ class KeyChunks:
     stale_rows: torch.Tensor  # int64 gathered records at or past their request's seq_len
     # [num_reqs, num_chunks, q_len, chunk keys] float32: 0 visible, -inf hidden; None: all visible
     mask: torch.Tensor | None
-    chunk_bias: torch.Tensor  # [num_reqs, num_chunks, q_len, 1] float32: -inf where a row sees no key
+    # [num_reqs, num_chunks, q_len, 1] float32: -inf where a row sees no key; None: every row sees one
+    chunk_bias: torch.Tensor | None
+    block_span: tuple[int, int]  # smallest and largest block id read, checked against each cache
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,10 @@ class RequestGroup:
         bias = torch.nn.functional.pad(self.key_bias, (0, pos.numel() - self.num_keys), value=float("-inf"))
         mask = bias.view(self.num_reqs, self.q_len, num_chunks, -1).transpose(1, 2).contiguous()
         blind = (mask == float("-inf")).all(-1, keepdim=True)
-        chunk_bias = torch.zeros(blind.shape).masked_fill_(blind, float("-inf"))
+        chunk_bias = torch.zeros(blind.shape).masked_fill_(blind, float("-inf")) if blind.any() else None
         visible_mask = None if bool((mask == 0).all()) else mask
-        return KeyChunks(num_chunks, padded, ids.reshape(-1), stale, visible_mask, chunk_bias)
+        span = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
+        return KeyChunks(num_chunks, padded, ids.reshape(-1), stale, visible_mask, chunk_bias, span)
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,10 @@ class StepPlan:
     groups: tuple[RequestGroup, ...]
     num_reqs: int
     num_tokens: int
+    fused_max_rows: int  # a group with at most this many query rows per request uses the fused kernel
+
+    def fused(self, group: RequestGroup, num_heads: int) -> bool:
+        return group.q_len * num_heads <= self.fused_max_rows
 
 
 def _key_bias(seq_lens: torch.Tensor, q_len: int, num_keys: int, causal: bool) -> torch.Tensor:
@@ -120,9 +129,15 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
     """Builds the step's plans: for the whole batch and for its decode and prefill halves
     (MLAImpl.forward hands `attend` one half; the conformance kit hands it the whole)."""
 
-    def __init__(self, group_keys: int = 16384, chunk_keys: int | None = None) -> None:
+    def __init__(
+        self,
+        group_keys: int = DEFAULT_GROUP_KEYS,
+        chunk_keys: int | None = None,
+        fused_max_rows: int = FUSED_MAX_ROWS,
+    ) -> None:
         self.group_keys = group_keys  # keys gathered per group: bounds the working set
         self.chunk_keys = chunk_keys  # keys per attention task (split-K); None: by thread count
+        self.fused_max_rows = fused_max_rows
         self.scratch = Scratch()
 
     def _chunk_keys(self, num_reqs: int, num_keys: int) -> int:
@@ -155,15 +170,16 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
             for r0, r1 in groups
         ]
         nd, ndt = common.num_decodes, common.num_decode_tokens
+        fused = self.fused_max_rows
         plans: dict[PlanKey, StepPlan] = {
-            plan_key(common): StepPlan(tuple(full), common.num_reqs, common.num_tokens)
+            plan_key(common): StepPlan(tuple(full), common.num_reqs, common.num_tokens, fused)
         }
         if 0 < nd < common.num_reqs:
             decode = tuple(g for g in full if g.req_start < nd)
             prefill = tuple(_shifted(g, nd, ndt) for g in full if g.req_start >= nd)
-            plans[(nd, ndt, nd)] = StepPlan(decode, nd, ndt)
+            plans[(nd, ndt, nd)] = StepPlan(decode, nd, ndt, fused)
             plans[(common.num_reqs - nd, common.num_tokens - ndt, 0)] = StepPlan(
-                prefill, common.num_reqs - nd, common.num_tokens - ndt
+                prefill, common.num_reqs - nd, common.num_tokens - ndt, fused
             )
         scratch = Scratch() if for_capture else self.scratch
         return common.replace(extra={**common.extra, PLANS_KEY: plans, "cpu_amx_scratch": scratch})
