@@ -1,13 +1,19 @@
-"""The Triton Gumbel-max sampler: one pass over each row's logits, no noise tensor, no sort.
+"""The Triton Gumbel-max sampler: approximate scores everywhere, exact scores where they can win.
 
-Stage 1: program (row, chunk) scores CHUNK = BLOCK * BLOCKS_PER_CHUNK tokens and keeps, per lane,
-the best score and its lowest index; it writes the chunk's best (score, index). Stage 2: one
-program per row reduces the chunks. Max and lowest-index-on-ties are exact, so the result does not
-depend on BLOCK or on the chunking.
+Stage 1 (`_approx_chunk_max`, program per (row, chunk)) scores every token with a cheap
+approximation of the exact score and writes each chunk's approximate maximum. Stage 2
+(`_exact_rows`, program per row) takes M = the largest chunk maximum and recomputes EXACTLY (the
+noise of noise.py, IEEE div_rn, no FMA fusion) only the chunks whose approximate maximum is
+>= M - 2E, in index order with a strict >, so the lowest index wins ties. E bounds the error of the
+approximation (see `_approx_error_bound`), so every chunk that can hold the exact winner is
+recomputed: the result is the exact (token, score) of gumbel_torch.py, bit for bit, and does not
+depend on BLOCK or the chunking. Typically one chunk per row is recomputed.
 
-The noise mirrors noise.py operation for operation. Float ops are IEEE +, -, *, and div_rn, and
-the kernels are compiled with enable_fp_fusion=False: a fused multiply-add rounds once where
-PyTorch rounds twice, which would change the noise bits.
+The approximate score of a token (stage 1, FMA fusion allowed):
+  x * fl(1 / T) + noise~, noise~ = -ln(w~), w~ ~ -ln(1 - u) with u the exact uniform of noise.py,
+  w~ = u (1 + u/2 + u^2/3 + u^3/4) for u < 1/16, else -ln(max(1 - u, 2^-24)) with the hardware
+  log2 (lg2.approx on CUDA). About 40 instructions per token instead of ~110.
+Temperature-0 rows score the logit itself (exact in both stages).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from jackfield.sampling import noise
 
@@ -31,6 +38,9 @@ _LN2_LO = tl.constexpr(noise.F32_LN2_LO)
 _ATANH3, _ATANH5, _ATANH7, _ATANH9 = (tl.constexpr(c) for c in noise.F32_ATANH_COEFFS)
 _INV8, _INV7, _INV6, _INV5, _INV4, _INV3, _INV2, _INV1 = (tl.constexpr(c) for c in noise.F32_INV_K)
 _MIN_ONE_MINUS_V = tl.constexpr(noise.F32_MIN_ONE_MINUS_V)
+_LN2 = tl.constexpr(0.693147182464599609375)  # float32(ln 2)
+_MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: (MAGIC | n) is 2^23 + n for n < 2^23
+_RELIABLE = tl.constexpr(2.0**64)  # |M| below this: no score near float32 overflow
 
 
 @triton.jit
@@ -51,6 +61,35 @@ def _mix_word(h, word):
 
 
 @triton.jit
+def _row_hash(seed_ptr, pos_ptr, row):
+    """The Murmur3 state after the first three words (seed low, seed high, position)."""
+    seed = tl.load(seed_ptr + row)
+    h = tl.full((), 0, tl.uint32)
+    h = _mix_word(h, seed.to(tl.uint32))
+    h = _mix_word(h, (seed >> 32).to(tl.uint32))
+    return _mix_word(h, tl.load(pos_ptr + row).to(tl.uint32))
+
+
+@triton.jit
+def _hash_and_uniform(row_hash, token):
+    """murmur3_uniform32 of noise.py: the last word, fmix, then u = hi 2^-16 + (lo + 0.5) 2^-32.
+
+    hi and lo (< 2^16) become floats through the bits of 2^23 + n (no int-to-float conversion,
+    which runs at a quarter of the rate); both terms are exact, so u has the same bits as in
+    noise.py with or without FMA fusion (the sum is the only rounding).
+    """
+    h = _mix_word(row_hash, token)
+    h = h ^ 16
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    r = h ^ (h >> 16)
+    magic = tl.full((), _MAGIC, tl.uint32)
+    hi = ((r >> 16) | magic).to(tl.float32, bitcast=True) - 8388608.0
+    lo_half = ((r & 0xFFFF) | magic).to(tl.float32, bitcast=True) - 8388607.5
+    return hi * 1.52587890625e-05 + lo_half * 2.3283064365386963e-10
+
+
+@triton.jit
 def _log_f32(x):
     bits = x.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
@@ -67,15 +106,8 @@ def _log_f32(x):
 
 @triton.jit
 def _gumbel_f32(row_hash, token):
-    """row_hash: the Murmur3 state after the first three words; token: uint32 ids."""
-    h = _mix_word(row_hash, token)
-    h = h ^ 16
-    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
-    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
-    r = h ^ (h >> 16)
-    u = (r >> 16).to(tl.float32) * 1.52587890625e-05 + (
-        (r & 0xFFFF).to(tl.float32) + 0.5
-    ) * 2.3283064365386963e-10
+    """The exact noise of noise.py (needs enable_fp_fusion=False). token: uint32 ids."""
+    u = _hash_and_uniform(row_hash, token)
     series = _INV7 + u * _INV8  # the Horner form of u + u^2/2 + ... + u^8/8
     series = _INV6 + u * series
     series = _INV5 + u * series
@@ -90,62 +122,133 @@ def _gumbel_f32(row_hash, token):
 
 
 @triton.jit
-def _gumbel_argmax_chunks(
-    logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr,
-    chunk_score_ptr, chunk_index_ptr, vocab, num_chunks,
-    HAS_CUTOFF: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr,
+def _fast_log2(x, FAST_LOG: tl.constexpr):
+    if FAST_LOG:  # lg2.approx.ftz.f32: |error| < 2^-22 absolute for normal inputs
+        return libdevice.fast_log2f(x)
+    else:  # the interpreter has no libdevice; its log2 is more accurate, which the bound covers
+        return tl.log2(x)
+
+
+@triton.jit
+def _approx_gumbel(row_hash, token, FAST_LOG: tl.constexpr):
+    """noise~: within 2e-5 of _gumbel_f32 for every hash (derivation in _approx_error_bound)."""
+    u = _hash_and_uniform(row_hash, token)
+    series = u * (1.0 + u * (0.5 + u * (0.3333333432674407958984375 + u * 0.25)))
+    log2_v = _fast_log2(tl.maximum(1.0 - u, _MIN_ONE_MINUS_V), FAST_LOG)
+    w = tl.where(u < 0.0625, series, log2_v * -_LN2)
+    return _fast_log2(w, FAST_LOG) * -_LN2
+
+
+@triton.jit
+def _approx_error_bound(m):
+    """E(M): a bound on |approx - exact| for every score that can come within E of M.
+
+    Per token with exact score s = fl(y + g), y = div_rn(x, T), g the exact noise:
+    - temperature: x * fl(1/T) has two roundings, div_rn one: |y~ - y| <= 3 * 2^-24 |x/T|.
+    - noise: |noise~ - g| <= 2e-5. noise~ vs -ln(-ln(1 - u)): the series' tail is
+      u^4 / (5 (1 - u)) <= 3.3e-6 relative for u < 1/16; above, fl(1 - u) is within 2^-24 of
+      1 - u and |ln(1 - u)| >= ln(16/15) = 0.0645, so lg2.approx's 2^-22 absolute error (taken as
+      2^-21) is <= 5.1e-6 relative; the outer log adds 2^-21 ln 2 and the last rounding
+      23 * 2^-24. The exact noise is within 1e-5 of -ln(-ln(1 - u)) (noise.py: 8-term series,
+      log_f32 within 2 ulps). Total < 1.5e-5. The noise lies in [-2.82, 22.9].
+    - the sum: one rounding each, <= 2^-24 |s| + ulp slack.
+    So |s~ - s| <= 2e-5 + 2^-21 (|s| + 24) =: e(s). Two tokens whose scores lie within e of M
+    have |s| <= |M| (1 + 2^-20) + 1, and e(s1) + e(s2) < 2 E(M) with
+    E(M) = 1e-4 + 2^-16 (|M| + 32): a margin of 2.5x on the constant and 16x on the slope.
+    """
+    return 1e-4 + 1.52587890625e-05 * (tl.abs(m) + 32.0)
+
+
+@triton.jit
+def _approx_chunk_max(
+    logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr, skip_ptr,
+    chunk_max_ptr, vocab, num_chunks,
+    HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCKS_PER_CHUNK: tl.constexpr, FAST_LOG: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    if HAS_SKIP:
+        if tl.load(skip_ptr + row) != 0:
+            return
+    row_logits = logits_ptr + row.to(tl.int64) * row_stride
+    temperature = tl.load(temperature_ptr + row)
+    inv_t = 1.0 / tl.where(temperature == 0.0, 1.0, temperature)  # T = 0 scores the logits
+    cutoff = float("-inf")
+    if HAS_CUTOFF:
+        cutoff = tl.load(cutoff_ptr + row)
+    row_hash = _row_hash(seed_ptr, pos_ptr, row)
+
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    start = chunk * BLOCK * BLOCKS_PER_CHUNK
+    for b in tl.static_range(BLOCKS_PER_CHUNK):
+        index = start + b * BLOCK + lanes
+        x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf")).to(tl.float32)
+        keep = (tl.abs(x) < float("inf")) & (x >= cutoff)
+        if temperature == 0.0:
+            score = x
+        else:
+            score = x * inv_t + _approx_gumbel(row_hash, index.to(tl.uint32), FAST_LOG)
+        best = tl.maximum(best, tl.where(keep, score, float("-inf")))
+    tl.store(chunk_max_ptr + row * num_chunks + chunk, tl.max(best, axis=0))
+
+
+@triton.jit
+def _exact_rows(
+    logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr, skip_ptr,
+    chunk_max_ptr, token_ptr, score_ptr, vocab, num_chunks,
+    HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCKS_PER_CHUNK: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+):  # fmt: skip
+    """Compile with enable_fp_fusion=False: these are the exact scores of gumbel_torch.py."""
+    row = tl.program_id(0)
+    if HAS_SKIP:
+        if tl.load(skip_ptr + row) != 0:
+            return
     row_logits = logits_ptr + row.to(tl.int64) * row_stride
     temperature = tl.load(temperature_ptr + row)
     cutoff = float("-inf")
     if HAS_CUTOFF:
         cutoff = tl.load(cutoff_ptr + row)
-    seed = tl.load(seed_ptr + row)
-    h = tl.full((), 0, tl.uint32)
-    h = _mix_word(h, seed.to(tl.uint32))
-    h = _mix_word(h, (seed >> 32).to(tl.uint32))
-    row_hash = _mix_word(h, tl.load(pos_ptr + row).to(tl.uint32))
+    row_hash = _row_hash(seed_ptr, pos_ptr, row)
+
+    chunks = tl.arange(0, CHUNKS_POW2)
+    in_row = chunks < num_chunks
+    approx = tl.load(chunk_max_ptr + row * num_chunks + chunks, mask=in_row, other=float("-inf"))
+    m = tl.max(approx, axis=0)
+    if temperature == 0.0:
+        threshold = m  # stage 1 scored the logits themselves: exact (-inf: every chunk)
+    else:
+        threshold = m - 2.0 * _approx_error_bound(m)
+        # No finite M (nothing kept, overflow, x * inf from a subnormal T): recompute every chunk.
+        threshold = tl.where(tl.abs(m) < _RELIABLE, threshold, float("-inf"))
+    candidate = in_row & (approx >= threshold)  # stage 1's maxima are never NaN (tl.maximum)
 
     lanes = tl.arange(0, BLOCK)
-    best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_index = tl.full((BLOCK,), _NO_INDEX, tl.int32)
-    start = chunk * BLOCK * BLOCKS_PER_CHUNK
-    for b in tl.static_range(BLOCKS_PER_CHUNK):
-        index = start + b * BLOCK + lanes
-        in_vocab = index < vocab
-        x = tl.load(row_logits + index, mask=in_vocab, other=float("-inf")).to(tl.float32)
-        keep = in_vocab & (x == x) & (tl.abs(x) < float("inf")) & (x >= cutoff)
-        if temperature == 0.0:
-            score = x
-        else:
-            score = tl.math.div_rn(x, temperature) + _gumbel_f32(row_hash, index.to(tl.uint32))
-        score = tl.where(keep, score, float("-inf"))
-        better = score > best  # strict: an earlier index wins a tie within a lane
-        best = tl.where(better, score, best)
-        best_index = tl.where(better, index, best_index)
-
-    top = tl.max(best, axis=0)
-    top_index = tl.min(tl.where(best == top, best_index, _NO_INDEX), axis=0)
-    top_index = tl.where(top_index == _NO_INDEX, start, top_index)  # nothing finite: the first token
-    tl.store(chunk_score_ptr + row * num_chunks + chunk, top)
-    tl.store(chunk_index_ptr + row * num_chunks + chunk, top_index)
-
-
-@triton.jit
-def _reduce_chunks(
-    chunk_score_ptr, chunk_index_ptr, token_ptr, score_ptr, num_chunks, CHUNKS_POW2: tl.constexpr
-):
-    row = tl.program_id(0)
-    c = tl.arange(0, CHUNKS_POW2)
-    valid = c < num_chunks
-    scores = tl.load(chunk_score_ptr + row * num_chunks + c, mask=valid, other=float("-inf"))
-    indices = tl.load(chunk_index_ptr + row * num_chunks + c, mask=valid, other=_NO_INDEX)
-    top = tl.max(scores, axis=0)
-    top_index = tl.min(tl.where(valid & (scores == top), indices, _NO_INDEX), axis=0)
-    tl.store(token_ptr + row, top_index.to(tl.int64))
-    tl.store(score_ptr + row, top)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_index = tl.full((), _NO_INDEX, tl.int32)
+    chunk = tl.min(tl.where(candidate, chunks, CHUNKS_POW2), axis=0)
+    while chunk < num_chunks:
+        for b in tl.static_range(BLOCKS_PER_CHUNK):
+            index = (chunk * BLOCKS_PER_CHUNK + b) * BLOCK + lanes
+            in_vocab = index < vocab
+            x = tl.load(row_logits + index, mask=in_vocab, other=float("-inf")).to(tl.float32)
+            keep = in_vocab & (x == x) & (tl.abs(x) < float("inf")) & (x >= cutoff)
+            if temperature == 0.0:
+                score = x
+            else:
+                score = tl.math.div_rn(x, temperature) + _gumbel_f32(row_hash, index.to(tl.uint32))
+            score = tl.where(keep, score, float("-inf"))
+            top = tl.max(score, axis=0)
+            top_index = tl.min(tl.where(score == top, index, _NO_INDEX), axis=0)
+            better = top > best  # strict, blocks in index order: the lowest index wins ties
+            best_index = tl.where(better, top_index, best_index)
+            best = tl.where(better, top, best)
+        chunk = tl.min(tl.where(candidate & (chunks > chunk), chunks, CHUNKS_POW2), axis=0)
+    best_index = tl.where(best_index == _NO_INDEX, 0, best_index)  # nothing finite: token 0
+    tl.store(token_ptr + row, best_index.to(tl.int64))
+    tl.store(score_ptr + row, best)
 
 
 def gumbel_argmax_triton(
@@ -157,26 +260,38 @@ def gumbel_argmax_triton(
     block: int = DEFAULT_BLOCK,
     blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK,
     num_warps: int = DEFAULT_NUM_WARPS,
+    skip: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as gumbel_argmax_torch; logits [R, V] with unit stride along the vocab."""
+    """Same contract as gumbel_argmax_torch; logits [R, V] with unit stride along the vocab.
+
+    skip (uint8 [R], optional): rows left as they are in `out` (already sampled elsewhere).
+    """
     num_rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, block * blocks_per_chunk)
     device = logits.device
-    chunk_score = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=device)
-    chunk_index = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=device)
-    token = torch.empty(num_rows, dtype=torch.int64, device=device)
-    score = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if out is None:
+        out = (
+            torch.empty(num_rows, dtype=torch.int64, device=device),
+            torch.empty(num_rows, dtype=torch.float32, device=device),
+        )
+    token, score = out
     if num_rows == 0:
         return token, score
+    chunk_max = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=device)
     temperature = temperature.to(torch.float32)
-    _gumbel_argmax_chunks[(num_rows, num_chunks)](
-        logits, logits.stride(0), temperature, seeds, positions,
-        cutoff if cutoff is not None else temperature, chunk_score, chunk_index, vocab, num_chunks,
-        HAS_CUTOFF=cutoff is not None, BLOCK=block, BLOCKS_PER_CHUNK=blocks_per_chunk,
-        num_warps=num_warps, enable_fp_fusion=False,
+    common = dict(
+        HAS_CUTOFF=cutoff is not None, HAS_SKIP=skip is not None, BLOCK=block, BLOCKS_PER_CHUNK=blocks_per_chunk
+    )
+    rows = (logits, logits.stride(0), temperature, seeds, positions)
+    cutoff_arg = cutoff if cutoff is not None else temperature
+    skip_arg = skip if skip is not None else temperature
+    _approx_chunk_max[(num_rows, num_chunks)](
+        *rows, cutoff_arg, skip_arg, chunk_max, vocab, num_chunks,
+        FAST_LOG=device.type == "cuda", num_warps=num_warps, **common,
     )  # fmt: skip
-    _reduce_chunks[(num_rows,)](
-        chunk_score, chunk_index, token, score, num_chunks,
-        CHUNKS_POW2=triton.next_power_of_2(num_chunks), num_warps=1, enable_fp_fusion=False,
+    _exact_rows[(num_rows,)](
+        *rows, cutoff_arg, skip_arg, chunk_max, token, score, vocab, num_chunks,
+        CHUNKS_POW2=triton.next_power_of_2(num_chunks), num_warps=num_warps, enable_fp_fusion=False, **common,
     )  # fmt: skip
     return token, score
