@@ -15,13 +15,15 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
-from jackfield_cpu_amx.backend import CpuAmxMLAImpl
+from jackfield_cpu_amx.backend import CpuAmxMLAImpl, compute_dtype
 from jackfield_cpu_amx.capabilities import ComputePath, detected_amx_status
-from jackfield_cpu_amx.plan import CpuAmxMetadataBuilder
+from jackfield_cpu_amx.kernels import attend_group_bmm, attend_group_fused, gather_group_cache
+from jackfield_cpu_amx.plan import FUSED_MAX_ROWS, PLANS_KEY, CpuAmxMetadataBuilder, plan_key
 
 KV_LORA_RANK, ROPE = 512, 64
 
@@ -78,6 +80,35 @@ def decode_problem(
     return layer, query, kv_cache, metadata
 
 
+def breakdown(
+    layer: AttentionLayerSpec,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    built: AttentionMetadata,
+    path: ComputePath,
+    iters: int,
+) -> str:
+    """ms per step spent gathering and in the attention kernel, summed over the step's groups."""
+    plan = built.extra[PLANS_KEY][plan_key(built)]
+    scratch = built.extra["cpu_amx_scratch"]
+    dtype = compute_dtype(path, query.dtype)
+    q = query.to(dtype)
+    gather_s = kernel_s = 0.0
+    for group in plan.groups:
+        fused = plan.fused(group, layer.num_heads)
+        chunks = group.key_chunks(kv_cache.shape[1], split=fused)
+        keys = gather_group_cache(kv_cache, group, chunks, dtype, scratch).clone()
+        t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
+        out = torch.empty(t1 - t0, layer.num_heads, KV_LORA_RANK, dtype=query.dtype)
+        lse = torch.empty(t1 - t0, layer.num_heads)
+        attend = attend_group_fused if fused else attend_group_bmm
+        gather_s += timed(partial(gather_group_cache, kv_cache, group, chunks, dtype, scratch), iters)
+        kernel_s += timed(
+            partial(attend, q[t0:t1], keys, group, chunks, KV_LORA_RANK, layer.scale, out, lse), iters
+        )
+    return f"gather {gather_s * 1e3:.2f} ms + kernel {kernel_s * 1e3:.2f} ms over {len(plan.groups)} groups"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -86,6 +117,14 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--group-keys", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--chunk-keys", type=int, nargs="+", default=[0], help="0: by thread count")
+    parser.add_argument(
+        "--fused-max-rows",
+        type=int,
+        nargs="+",
+        default=[FUSED_MAX_ROWS],
+        help="query rows per request up to which the fused kernel runs (0: always the bmm kernel)",
+    )
+    parser.add_argument("--breakdown", action="store_true", help="also time gather and kernel apart")
     parser.add_argument("--paths", nargs="+", default=None, help="compute paths (default: the detected one)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--ref-iters", type=int, default=2)
@@ -105,33 +144,38 @@ def main() -> None:
         f"kv_lora_rank {KV_LORA_RANK} + rope {ROPE}, bf16 cache"
     )
     rows = [
-        "| H | backend | group keys | chunk keys | step ms | tokens/s | eff. GB/s | % of copy BW "
-        "| x torch_ref |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| H | backend | kernel | group keys | chunk keys | step ms | tokens/s | eff. GB/s "
+        "| % of copy BW | x torch_ref |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     print(header)
     for heads in args.heads:
         layer, query, kv_cache, metadata = decode_problem(args.batch, heads, args.seq, args.block_size)
-        cache_bytes = args.batch * args.seq * (KV_LORA_RANK + ROPE) * kv_cache.element_size()
 
-        def row(name: str, keys: str, seconds: float, ref_seconds: float) -> str:
-            eff = cache_bytes / seconds
+        def row(name: str, keys: str, seconds: float, ref_seconds: float, heads: int = heads) -> str:
+            eff = args.batch * args.seq * (KV_LORA_RANK + ROPE) * 2 / seconds  # bfloat16 records
             return (
                 f"| {heads} | {name} | {keys} | {seconds * 1e3:.2f} | {args.batch / seconds:,.0f} | "
                 f"{eff / 1e9:.1f} | {100 * eff / bandwidth:.0f}% | {ref_seconds / seconds:.1f} |"
             )
 
         ref_impl = TorchRefBackend.make_impl(layer)
-        ref_s = timed(lambda: ref_impl.attend(query, kv_cache, metadata, return_lse=True), args.ref_iters)
-        rows.append(row("torch_ref", "- | -", ref_s, ref_s))
+        ref_s = timed(partial(ref_impl.attend, query, kv_cache, metadata, return_lse=True), args.ref_iters)
+        rows.append(row("torch_ref", "- | - | -", ref_s, ref_s))
         print(rows[-1], flush=True)
-        for path, group_keys, chunk_keys in itertools.product(paths, args.group_keys, args.chunk_keys):
+        settings = itertools.product(paths, args.fused_max_rows, args.group_keys, args.chunk_keys)
+        for path, fused_max_rows, group_keys, chunk_keys in settings:
+            if fused_max_rows < heads and chunk_keys:
+                continue  # the bmm kernel reads one chunk per request
             impl = CpuAmxMLAImpl(layer, path=path)
-            built = CpuAmxMetadataBuilder(group_keys, chunk_keys or None).build(metadata)
-            s = timed(lambda: impl.attend(query, kv_cache, built, return_lse=True), args.iters)
-            keys = f"{group_keys} | {chunk_keys or 'auto'}"
+            built = CpuAmxMetadataBuilder(group_keys, chunk_keys or None, fused_max_rows).build(metadata)
+            s = timed(partial(impl.attend, query, kv_cache, built, return_lse=True), args.iters)
+            kernel = "fused" if heads <= fused_max_rows else "bmm"
+            keys = f"{kernel} | {group_keys} | {chunk_keys or 'auto'}"
             rows.append(row(f"cpu_amx {path}", keys, s, ref_s))
             print(rows[-1], flush=True)
+            if args.breakdown:
+                print(f"  {breakdown(layer, query, kv_cache, built, path, args.iters)}", flush=True)
     if args.append:
         command = "python benchmarks/bench_cpu_mla.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
