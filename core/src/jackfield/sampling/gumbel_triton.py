@@ -11,13 +11,16 @@ depend on BLOCK or the chunking. Typically one chunk per row is recomputed.
 
 The approximate score of a token (stage 1, FMA fusion allowed):
   x * fl(1 / T) + noise~, noise~ = -ln(w~), w~ ~ -ln(1 - u) with u the exact uniform of noise.py,
-  w~ = u (1 + u/2 + u^2/3 + u^3/4) for u < 1/16, else -ln(max(1 - u, 2^-24)) with the hardware
-  log2 (lg2.approx on CUDA). About 40 instructions per token instead of ~110.
+  w~ = u (1 + u/2 + u^2/3 + u^3/4) for u < 1/16, else -ln(max(1 - u, 2^-24)), logs from the
+  hardware log2 (lg2.approx on CUDA). About 40 SASS instructions per token instead of ~110.
 Temperature-0 rows score the logit itself (exact in both stages).
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +44,9 @@ _MIN_ONE_MINUS_V = tl.constexpr(noise.F32_MIN_ONE_MINUS_V)
 _LN2 = tl.constexpr(0.693147182464599609375)  # float32(ln 2)
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: (MAGIC | n) is 2^23 + n for n < 2^23
 _RELIABLE = tl.constexpr(2.0**64)  # |M| below this: no score near float32 overflow
+# 1/(k ln 2), k = 1..4: the series of -ln(1 - u) in units of ln 2; -ln(ln 2) in float32.
+_S1, _S2, _S3, _S4 = (tl.constexpr(float(np.float32(1.0 / (k * math.log(2))))) for k in (1, 2, 3, 4))
+_NEG_LN_LN2 = tl.constexpr(float(np.float32(-math.log(math.log(2)))))
 
 
 @triton.jit
@@ -75,8 +81,9 @@ def _hash_and_uniform(row_hash, token):
     """murmur3_uniform32 of noise.py: the last word, fmix, then u = hi 2^-16 + (lo + 0.5) 2^-32.
 
     hi and lo (< 2^16) become floats through the bits of 2^23 + n (no int-to-float conversion,
-    which runs at a quarter of the rate); both terms are exact, so u has the same bits as in
-    noise.py with or without FMA fusion (the sum is the only rounding).
+    which runs at a quarter of the rate): (2^23 + hi) 2^-16 - 128 = hi 2^-16 and
+    (2^23 + lo) - (2^23 - 0.5) = lo + 0.5 are exact, so u has the same bits as in noise.py with or
+    without FMA fusion (the final sum is the only rounding).
     """
     h = _mix_word(row_hash, token)
     h = h ^ 16
@@ -84,9 +91,9 @@ def _hash_and_uniform(row_hash, token):
     h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
     r = h ^ (h >> 16)
     magic = tl.full((), _MAGIC, tl.uint32)
-    hi = ((r >> 16) | magic).to(tl.float32, bitcast=True) - 8388608.0
+    hi_term = ((r >> 16) | magic).to(tl.float32, bitcast=True) * 1.52587890625e-05 - 128.0
     lo_half = ((r & 0xFFFF) | magic).to(tl.float32, bitcast=True) - 8388607.5
-    return hi * 1.52587890625e-05 + lo_half * 2.3283064365386963e-10
+    return hi_term + lo_half * 2.3283064365386963e-10
 
 
 @triton.jit
@@ -130,28 +137,34 @@ def _fast_log2(x, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _approx_gumbel(row_hash, token, FAST_LOG: tl.constexpr):
-    """noise~: within 2e-5 of _gumbel_f32 for every hash (derivation in _approx_error_bound)."""
+def _approx_log2_t(row_hash, token, FAST_LOG: tl.constexpr):
+    """log2(t) with t = w~ / ln 2, so that noise~ = -ln(w~) = -ln 2 * log2(t) - ln(ln 2).
+
+    t = (u + u^2/2 + u^3/3 + u^4/4) / ln 2 for u < 1/16, else -log2(max(1 - u, 2^-24)).
+    Within 2e-5 of the exact noise after scaling (derivation in _approx_error_bound).
+    """
     u = _hash_and_uniform(row_hash, token)
-    series = u * (1.0 + u * (0.5 + u * (0.3333333432674407958984375 + u * 0.25)))
-    log2_v = _fast_log2(tl.maximum(1.0 - u, _MIN_ONE_MINUS_V), FAST_LOG)
-    w = tl.where(u < 0.0625, series, log2_v * -_LN2)
-    return _fast_log2(w, FAST_LOG) * -_LN2
+    series = u * (_S1 + u * (_S2 + u * (_S3 + u * _S4)))
+    neg_t = tl.where(u < 0.0625, -series, _fast_log2(tl.maximum(1.0 - u, _MIN_ONE_MINUS_V), FAST_LOG))
+    return _fast_log2(-neg_t, FAST_LOG)
 
 
 @triton.jit
 def _approx_error_bound(m):
     """E(M): a bound on |approx - exact| for every score that can come within E of M.
 
-    Per token with exact score s = fl(y + g), y = div_rn(x, T), g the exact noise:
+    Per token with exact score s = fl(y + g), y = div_rn(x, T), g the exact noise of noise.py:
     - temperature: x * fl(1/T) has two roundings, div_rn one: |y~ - y| <= 3 * 2^-24 |x/T|.
-    - noise: |noise~ - g| <= 2e-5. noise~ vs -ln(-ln(1 - u)): the series' tail is
-      u^4 / (5 (1 - u)) <= 3.3e-6 relative for u < 1/16; above, fl(1 - u) is within 2^-24 of
-      1 - u and |ln(1 - u)| >= ln(16/15) = 0.0645, so lg2.approx's 2^-22 absolute error (taken as
-      2^-21) is <= 5.1e-6 relative; the outer log adds 2^-21 ln 2 and the last rounding
-      23 * 2^-24. The exact noise is within 1e-5 of -ln(-ln(1 - u)) (noise.py: 8-term series,
-      log_f32 within 2 ulps). Total < 1.5e-5. The noise lies in [-2.82, 22.9].
-    - the sum: one rounding each, <= 2^-24 |s| + ulp slack.
+    - noise: noise~ = -ln 2 * log2(t) - ln(ln 2) (float32 constants) with w~ = t ln 2 close to
+      w = -ln(1 - u). Relative error of w~: the series' tail u^4 / (5 (1 - u)) <= 3.3e-6 for
+      u < 1/16; above, fl(1 - u) is within 2^-24 of 1 - u and |ln(1 - u)| >= ln(16/15) = 0.0645,
+      so lg2.approx's absolute error (2^-22.6 documented, taken as 2^-21) is <= 5.1e-6; constants
+      and roundings add < 5e-7. The outer log adds 2^-21 ln 2, ln 2's rounding times
+      |log2 t| <= 34 adds 7e-7, the last roundings 23 * 2^-23. The exact noise is within 1e-5 of
+      -ln(-ln(1 - u)) (8-term series, log_f32 within 2 ulps). So |noise~ - g| < 1.9e-5 (checked
+      over all 2^32 hashes on the GPU by benchmarks/bench_sampler.py). The noise lies in
+      [-2.82, 22.9].
+    - the sum: one rounding each, <= 2^-24 |s| plus ulp slack.
     So |s~ - s| <= 2e-5 + 2^-21 (|s| + 24) =: e(s). Two tokens whose scores lie within e of M
     have |s| <= |M| (1 + 2^-20) + 1, and e(s1) + e(s2) < 2 E(M) with
     E(M) = 1e-4 + 2^-16 (|M| + 32): a margin of 2.5x on the constant and 16x on the slope.
@@ -185,12 +198,16 @@ def _approx_chunk_max(
     for b in tl.static_range(BLOCKS_PER_CHUNK):
         index = start + b * BLOCK + lanes
         x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf")).to(tl.float32)
-        keep = (tl.abs(x) < float("inf")) & (x >= cutoff)
         if temperature == 0.0:
-            score = x
+            score = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))  # exact: +inf excluded
         else:
-            score = x * inv_t + _approx_gumbel(row_hash, index.to(tl.uint32), FAST_LOG)
-        best = tl.maximum(best, tl.where(keep, score, float("-inf")))
+            # NaN logits give NaN scores, which tl.maximum ignores; +inf gives M = +inf, which
+            # stage 2 answers by recomputing the whole row. So no finite-mask here.
+            log2_t = _approx_log2_t(row_hash, index.to(tl.uint32), FAST_LOG)
+            score = log2_t * -_LN2 + (x * inv_t + _NEG_LN_LN2)
+        if HAS_CUTOFF:
+            score = tl.where(x >= cutoff, score, float("-inf"))
+        best = tl.maximum(best, score)
     tl.store(chunk_max_ptr + row * num_chunks + chunk, tl.max(best, axis=0))
 
 

@@ -105,16 +105,49 @@ def sample_with_scores(
     """
     validate_inputs(logits, temperature, seeds, positions, top_k, top_p, min_p)
     chosen = resolve_impl(impl, logits.device)
-    cutoff = filter_cutoffs(logits, temperature, top_k, top_p, min_p)
     if chosen == "torch":
+        cutoff = filter_cutoffs(logits, temperature, top_k, top_p, min_p)
         return gumbel_argmax_torch(logits, temperature, seeds, positions, cutoff)
-    from jackfield.sampling.gumbel_triton import DEFAULT_BLOCK, gumbel_argmax_triton
-
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    return gumbel_argmax_triton(
-        logits, temperature, seeds.contiguous(), positions.contiguous(), cutoff, block=block or DEFAULT_BLOCK
+    return _sample_triton(
+        logits, temperature, seeds.contiguous(), positions.contiguous(), top_k, top_p, min_p, block
     )
+
+
+def _sample_triton(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    block: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature only: the two-stage Gumbel kernels, no device sync. With filters: top-k rows
+    (k <= KMAX) are filtered and sampled from their candidates (filters_triton.py); one sync reads
+    which other rows remain, and those get the whole-row kernels with their cutoff."""
+    from jackfield.sampling import filters_triton
+    from jackfield.sampling.gumbel_triton import DEFAULT_BLOCK, gumbel_argmax_triton
+
+    block = block or DEFAULT_BLOCK
+    if top_k is None and top_p is None and min_p is None:
+        return gumbel_argmax_triton(logits, temperature, seeds, positions, None, block=block)
+    token, score, cutoff, status, flags = filters_triton.filter_and_sample_triton(
+        logits, temperature, seeds, positions, top_k, top_p, min_p
+    )
+    present = int(flags.item())  # the one device sync
+    if present & (1 << filters_triton.NEEDS_TORCH_CUTOFF):
+        torch_cutoff = filter_cutoffs(logits, temperature, top_k, top_p, min_p)
+        assert torch_cutoff is not None  # such a row uses top-k or top-p
+        cutoff = torch.where(status == filters_triton.NEEDS_TORCH_CUTOFF, torch_cutoff, cutoff)
+    if present & ~(1 << filters_triton.DONE):
+        done = (status == filters_triton.DONE).to(torch.uint8)
+        gumbel_argmax_triton(
+            logits, temperature, seeds, positions, cutoff, block=block, skip=done, out=(token, score)
+        )
+    return token, score
 
 
 def sample(
