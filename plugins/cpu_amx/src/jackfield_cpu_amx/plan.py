@@ -19,7 +19,10 @@ from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBu
 
 PLANS_KEY = "cpu_amx_plans"
 MIN_CHUNK_KEYS = 256
-DEFAULT_GROUP_KEYS = 16384
+# One group for B=16 x S=4096 (75 MB of bf16 records gathered): on the AMX host one large group
+# beat 4 and 16 smaller ones at H=16 and H=128 (benchmarks/RESULTS.md), each fused-kernel call
+# costing ~0.3 ms beyond its share of the work.
+DEFAULT_GROUP_KEYS = 65536
 FUSED_MAX_ROWS = 32  # the flash kernel's query slice for short queries (see kernels.py)
 PlanKey = tuple[int, int, int]  # (num_reqs, num_tokens, num_decodes) of the metadata a plan serves
 
