@@ -1,10 +1,6 @@
-"""cuda_mla inside the engine on a real GPU: first-token logprobs must agree with torch_ref on the
-same weights (the kernels' own tests use small caches; the engine's KV cache fills the GPU).
-
-Open defect found 2026-11-29 on the H200 (benchmarks/bench_e2e.py): with cuda_mla the top-5
-first-token logprobs differed from transformers by 0.50, with torch_ref by 0.031, on the same GPU
-and weights; on the CPU under TRITON_INTERPRET the two backends agree bit for bit. Both cache
-budgets below are run so the failure (if it remains) says whether the cache size triggers it.
+"""cuda_mla inside the engine on a real GPU: first-token logprobs agree with torch_ref on the same
+weights (the kernels' own tests use small caches; the engine's KV cache fills the GPU), and decode
+steps replayed from CUDA graphs give the eager tokens. Both cache budgets are run.
 """
 
 from __future__ import annotations
@@ -55,8 +51,7 @@ def test_first_token_logprobs_match_torch_ref(checkpoint: str, fraction: float) 
 
 
 def test_insert_and_decode_in_a_cache_past_two_billion_elements() -> None:
-    """The engine's caches fill the GPU (one layer ~15 GB, > 2^31 elements); the kernel tests use
-    small ones. Suspect for the defect above: 32-bit offsets somewhere on the GPU path."""
+    """Offsets past 2^31 elements (a large engine cache) must not wrap to 32 bits anywhere."""
     from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
 
     blocks, page, width, rank = 240_000, 16, 576, 512  # 2.2e9 elements, 4.4 GB of bf16

@@ -18,9 +18,8 @@ def register_attention_backends() -> list[AttentionBackendSpec]:
             factory="jackfield_cuda_mla.backend:CudaMLABackend",
             capabilities=CUDA_MLA_CAPABILITIES,
             availability=cuda_mla_availability,
-            # Below torch_ref (0) until the engine-parity defect in tests/test_gpu_engine.py is
-            # fixed: `auto` must not pick a backend whose end-to-end numbers are known to be off.
-            priority=-10,
-            description="Triton MLA decode/insert; not picked by auto (open engine-parity defect on the H200)",
+            # Above torch_ref (0): on a GPU `auto` picks the Triton kernels (and CUDA-graph decode).
+            priority=50,
+            description="Triton MLA decode, sparse decode, fp8 KV and KV insert for NVIDIA GPUs",
         )
     ]
