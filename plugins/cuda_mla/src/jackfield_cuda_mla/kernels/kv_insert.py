@@ -144,7 +144,7 @@ def mla_kv_insert(
     if tokens == 0:
         return
     capacity = num_blocks * block_size
-    if not torch.cuda.is_current_stream_capturing():
+    if not (kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_slot_range(slot_mapping, capacity, num_blocks, block_size)
     _kv_insert_kernel[(triton.cdiv(tokens, BLOCK_T),)](
         kv_c,
