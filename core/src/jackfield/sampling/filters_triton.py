@@ -75,6 +75,8 @@ def _kth_largest(values, k):
 @triton.jit
 def _top_p_weight(v, v0, temperature):
     """filters.top_p_weights for one row: int64 trunc(exp_f32(v/T - v0/T) * 2^32), 0 for -inf."""
+    v0 = tl.where(v0 > float("-inf"), v0, 0.0)  # -inf entries get weight 0: keep them NaN-free
+    v = tl.where(v > float("-inf"), v, v0)
     d = tl.math.div_rn(v, temperature) - tl.math.div_rn(v0, temperature)
     d = tl.maximum(d, _MIN_EXPONENT)
     n = tl.floor(d * _INV_LN2 + 0.5)
@@ -86,8 +88,7 @@ def _top_p_weight(v, v0, temperature):
     poly = _F1 + r * poly
     poly = _F0 + r * poly
     scale = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    weight = ((poly * scale) * _WEIGHT_SCALE).to(tl.int64)
-    return tl.where(v > float("-inf"), weight, 0)
+    return ((poly * scale) * _WEIGHT_SCALE).to(tl.int64)
 
 
 @triton.jit
@@ -154,7 +155,8 @@ def _filter_and_sample(
             kth_value = tl.max(tl.where(c == k - 1, desc, float("-inf")), axis=0)
             cutoff = tl.maximum(cutoff, kth_value)
             if p < 1.0:
-                weight = tl.where(c < k, _top_p_weight(desc, tl.max(desc, axis=0), temperature), 0)
+                weight = _top_p_weight(desc, tl.max(desc, axis=0), temperature)
+                weight = tl.where((c < k) & (desc > float("-inf")), weight, 0)
                 before = tl.cumsum(weight, axis=0) - weight
                 bound = p.to(tl.float64) * tl.sum(weight, axis=0).to(tl.float64)
                 keep = ((c < k) & (before.to(tl.float64) < bound)) | (c == 0)

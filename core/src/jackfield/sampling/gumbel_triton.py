@@ -77,19 +77,24 @@ def _row_hash(seed_ptr, pos_ptr, row):
 
 
 @triton.jit
-def _hash_and_uniform(row_hash, token):
-    """murmur3_uniform32 of noise.py: the last word, fmix, then u = hi 2^-16 + (lo + 0.5) 2^-32.
+def _murmur3_last_word(row_hash, token):
+    """murmur3_hash32 of noise.py from the row's state: the token word, then fmix (uint32)."""
+    h = _mix_word(row_hash, token)
+    h = h ^ 16
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _uniform_from_hash(r):
+    """uniform32_from_hash of noise.py: u = hi 2^-16 + (lo + 0.5) 2^-32, the same bits.
 
     hi and lo (< 2^16) become floats through the bits of 2^23 + n (no int-to-float conversion,
     which runs at a quarter of the rate): (2^23 + hi) 2^-16 - 128 = hi 2^-16 and
     (2^23 + lo) - (2^23 - 0.5) = lo + 0.5 are exact, so u has the same bits as in noise.py with or
     without FMA fusion (the final sum is the only rounding).
     """
-    h = _mix_word(row_hash, token)
-    h = h ^ 16
-    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
-    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
-    r = h ^ (h >> 16)
     magic = tl.full((), _MAGIC, tl.uint32)
     hi_term = ((r >> 16) | magic).to(tl.float32, bitcast=True) * 1.52587890625e-05 - 128.0
     lo_half = ((r & 0xFFFF) | magic).to(tl.float32, bitcast=True) - 8388607.5
@@ -112,9 +117,8 @@ def _log_f32(x):
 
 
 @triton.jit
-def _gumbel_f32(row_hash, token):
-    """The exact noise of noise.py (needs enable_fp_fusion=False). token: uint32 ids."""
-    u = _hash_and_uniform(row_hash, token)
+def _gumbel_from_uniform(u):
+    """The exact noise of noise.py (needs enable_fp_fusion=False)."""
     series = _INV7 + u * _INV8  # the Horner form of u + u^2/2 + ... + u^8/8
     series = _INV6 + u * series
     series = _INV5 + u * series
@@ -129,6 +133,12 @@ def _gumbel_f32(row_hash, token):
 
 
 @triton.jit
+def _gumbel_f32(row_hash, token):
+    """The exact noise of token ids (uint32) for a row (needs enable_fp_fusion=False)."""
+    return _gumbel_from_uniform(_uniform_from_hash(_murmur3_last_word(row_hash, token)))
+
+
+@triton.jit
 def _fast_log2(x, FAST_LOG: tl.constexpr):
     if FAST_LOG:  # lg2.approx.ftz.f32: |error| < 2^-22 absolute for normal inputs
         return libdevice.fast_log2f(x)
@@ -137,16 +147,21 @@ def _fast_log2(x, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _approx_log2_t(row_hash, token, FAST_LOG: tl.constexpr):
+def _approx_log2_t(u, FAST_LOG: tl.constexpr):
     """log2(t) with t = w~ / ln 2, so that noise~ = -ln(w~) = -ln 2 * log2(t) - ln(ln 2).
 
     t = (u + u^2/2 + u^3/3 + u^4/4) / ln 2 for u < 1/16, else -log2(max(1 - u, 2^-24)).
-    Within 2e-5 of the exact noise after scaling (derivation in _approx_error_bound).
+    `approx_noise` gives noise~, within 2e-5 of the exact noise (see _approx_error_bound).
     """
-    u = _hash_and_uniform(row_hash, token)
     series = u * (_S1 + u * (_S2 + u * (_S3 + u * _S4)))
     neg_t = tl.where(u < 0.0625, -series, _fast_log2(tl.maximum(1.0 - u, _MIN_ONE_MINUS_V), FAST_LOG))
     return _fast_log2(-neg_t, FAST_LOG)
+
+
+@triton.jit
+def approx_noise(u, FAST_LOG: tl.constexpr):
+    """noise~ of a uniform u, as stage 1 adds it (tests and the benchmark check its error)."""
+    return _approx_log2_t(u, FAST_LOG) * -_LN2 + _NEG_LN_LN2
 
 
 @triton.jit
@@ -203,8 +218,8 @@ def _approx_chunk_max(
         else:
             # NaN logits give NaN scores, which tl.maximum ignores; +inf gives M = +inf, which
             # stage 2 answers by recomputing the whole row. So no finite-mask here.
-            log2_t = _approx_log2_t(row_hash, index.to(tl.uint32), FAST_LOG)
-            score = log2_t * -_LN2 + (x * inv_t + _NEG_LN_LN2)
+            u = _uniform_from_hash(_murmur3_last_word(row_hash, index.to(tl.uint32)))
+            score = _approx_log2_t(u, FAST_LOG) * -_LN2 + (x * inv_t + _NEG_LN_LN2)
         if HAS_CUTOFF:
             score = tl.where(x >= cutoff, score, float("-inf"))
         best = tl.maximum(best, score)
