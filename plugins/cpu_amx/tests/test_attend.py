@@ -6,6 +6,7 @@ import pytest
 import torch
 from cpu_amx_problems import Problem, make_layer, make_problem, reference_attend
 from jackfield.contracts.attention import AttentionOutput
+from jackfield_cpu_amx import kernels
 from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMLAImpl
 from jackfield_cpu_amx.plan import CpuAmxMetadataBuilder
 
@@ -94,6 +95,18 @@ def test_never_written_slots_are_not_read(chunk_keys: int) -> None:
         owned[problem.metadata.block_table[b, pos // 4].long(), pos % 4] = True
     problem.kv_cache[~owned] = float("nan")
     result = run_attend("avx512_fp32", problem, group_keys=1 << 20, chunk_keys=chunk_keys)
+    ref_out, ref_lse = reference_attend(problem)
+    torch.testing.assert_close(result.out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(result.lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("slice_keys", [1, 40])
+def test_bmm_kernel_in_request_slices(monkeypatch: pytest.MonkeyPatch, slice_keys: int) -> None:
+    """64 heads (the bmm kernel) over one group, attended one request or two at a time: the
+    float64 answer, with the causal mask of multi-token rows sliced along."""
+    monkeypatch.setattr(kernels, "BMM_SLICE_KEYS", slice_keys)
+    problem = make_problem(make_layer(num_heads=64), [2, 2, 2], [17, 9, 20], 4, torch.float32, seed=5)
+    result = run_attend("avx512_fp32", problem, group_keys=1 << 20)
     ref_out, ref_lse = reference_attend(problem)
     torch.testing.assert_close(result.out.double(), ref_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(result.lse.double(), ref_lse, atol=2e-5, rtol=0)

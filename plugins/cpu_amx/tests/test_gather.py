@@ -35,8 +35,8 @@ def test_gather_copies_the_planned_blocks_bit_exactly(block_size, kv_lora_rank, 
 @pytest.mark.parametrize(
     "num_reqs,seq_len,threads,num_chunks",
     [
-        (1, 4096, 2, 4),  # one request: chunks for two tasks per thread
-        (16, 4096, 16, 2),
+        (1, 4096, 2, 2),  # one request: a chunk per thread
+        (16, 4096, 16, 1),  # a request per thread: no split, no merge
         (2, 300, 16, 2),  # short: chunks of at least MIN_CHUNK_KEYS (256 -> 320 keys, whole blocks)
         (1, 100, 1, 1),
     ],

@@ -9,10 +9,11 @@ softmax:
   (split-K), so short batches still fill every core.
 - bmm, for more rows: the flash kernel re-reads each key tile per 32-row query slice, while two
   batched products take all of a request's rows per key tile.
-Measured on the 16-core AMX host (B=16, S=4096, H=16, bf16): the gather reads 75 MB in 0.64 ms;
-the fused kernel takes 1.8 ms, ~75 GFLOP/s per core, so its 16-row products run at AVX-512 rates,
-not at AMX tile rates (PyTorch packs keys for the AMX path only from 64 query rows up). At H=128
-the bmm kernel took 12.2 ms against the fused kernel's 23-25 ms.
+Measured on the 16-core AMX host (B=16, S=4096, H=16, bf16, one group, one chunk per request):
+the gather reads 75 MB in 0.6 ms; the fused kernel takes 1.4 ms, ~105 GFLOP/s per core, so its
+16-row products run at AVX-512 rates, not at AMX tile rates (PyTorch's flash kernel packs keys for
+AMX only from 64 query rows up). At H=128 the bmm kernel (10 ms in slices of 4 requests) beat
+the fused kernel (23-25 ms).
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def attend_group_fused(
     out.view(g, rows, kv_lora_rank).copy_(torch.einsum("gnr,gnrl->grl", weights, part_out.float()))
 
 
+# The bmm kernel's float32 scores [requests, rows, keys] pass through ~6 element-wise ops; on the
+# AMX host at H=128, slices of 4 requests x 4096 keys ran 1.8x faster than all 16 at once.
+BMM_SLICE_KEYS = 16384
+
+
 def attend_group_bmm(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -118,17 +124,22 @@ def attend_group_bmm(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
-    """attend_group_fused's contract, for keys gathered one chunk per request."""
+    """attend_group_fused's contract, for keys gathered one chunk per request; requests in slices
+    of about BMM_SLICE_KEYS keys."""
     g, q_len, num_heads = group.num_reqs, group.q_len, query.shape[1]
     rows = q_len * num_heads
-    scores = torch.bmm(query.view(g, rows, -1), keys.transpose(1, 2)).view(g, q_len, num_heads, -1)
-    logits = scores.float().mul_(scale)
-    if chunks.mask is not None:
-        logits += chunks.mask.view(g, q_len, 1, -1)
-    group_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    probs = logits.sub_(group_lse).exp_().to(keys.dtype).view(g, rows, -1)
-    # The product over whole contiguous records (rope columns included, then dropped) runs ~3x
-    # faster in oneDNN than over the strided latent slice, for 12% more arithmetic.
-    latent = torch.bmm(probs, keys)[:, :, :kv_lora_rank]
-    out.view(g, rows, kv_lora_rank).copy_(latent)
-    lse.view(g, rows).copy_(group_lse.view(g, rows))
+    per_slice = max(1, BMM_SLICE_KEYS // keys.shape[1])
+    for r0 in range(0, g, per_slice):
+        r1 = min(g, r0 + per_slice)
+        n, t0, t1 = r1 - r0, r0 * q_len, r1 * q_len
+        scores = torch.bmm(query[t0:t1].view(n, rows, -1), keys[r0:r1].transpose(1, 2))
+        logits = scores.float().mul_(scale).view(n, q_len, num_heads, -1)
+        if chunks.mask is not None:
+            logits += chunks.mask[r0:r1].view(n, q_len, 1, -1)
+        group_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        probs = logits.sub_(group_lse).exp_().to(keys.dtype).view(n, rows, -1)
+        # The product over whole contiguous records (rope columns included, then dropped) runs ~3x
+        # faster in oneDNN than over the strided latent slice, for 12% more arithmetic.
+        latent = torch.bmm(probs, keys[r0:r1])[:, :, :kv_lora_rank]
+        out[t0:t1].view(n, rows, kv_lora_rank).copy_(latent)
+        lse[t0:t1].view(n, rows).copy_(group_lse.view(n, rows))

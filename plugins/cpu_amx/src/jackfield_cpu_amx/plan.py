@@ -19,9 +19,9 @@ from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBu
 
 PLANS_KEY = "cpu_amx_plans"
 MIN_CHUNK_KEYS = 256
-# One group for B=16 x S=4096 (75 MB of bf16 records gathered): on the AMX host one large group
-# beat 4 and 16 smaller ones at H=16 and H=128 (benchmarks/RESULTS.md), each fused-kernel call
-# costing ~0.3 ms beyond its share of the work.
+# One group for B=16 x S=4096 (75 MB of bf16 records gathered): on the AMX host at H=16 one group
+# beat 4 and 16 smaller ones (2.5-2.9 against 3.5-7.6 ms, benchmarks/RESULTS.md), each fused-kernel
+# call costing ~0.3 ms beyond its share of the work. The bmm kernel slices a group itself.
 DEFAULT_GROUP_KEYS = 65536
 FUSED_MAX_ROWS = 32  # the flash kernel's query slice for short queries (see kernels.py)
 PlanKey = tuple[int, int, int]  # (num_reqs, num_tokens, num_decodes) of the metadata a plan serves
@@ -144,11 +144,12 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
         self.scratch = Scratch()
 
     def _chunk_keys(self, num_reqs: int, num_keys: int) -> int:
-        """Enough (request, chunk) tasks for two per thread, none shorter than MIN_CHUNK_KEYS (the
-        chunks' partial outputs cost a merge)."""
+        """Enough (request, chunk) tasks for one per thread, none shorter than MIN_CHUNK_KEYS: the
+        chunks' partial outputs cost a merge, and on the AMX host 16 tasks of 4096 keys beat 32 of
+        2048 (2.52 against 2.75 ms at B=16, H=16)."""
         if self.chunk_keys is not None:
             return self.chunk_keys
-        return max(MIN_CHUNK_KEYS, -(-num_reqs * num_keys // (2 * torch.get_num_threads())))
+        return max(MIN_CHUNK_KEYS, -(-num_reqs * num_keys // torch.get_num_threads()))
 
     def build(self, common: AttentionMetadata, for_capture: bool = False) -> AttentionMetadata:
         qsl = common.query_start_loc_cpu.long()
