@@ -33,6 +33,7 @@ GROUP_TILE = 4096  # tokens per _group_max program
 CANDIDATE_TILE = 2048  # tokens gathered per step in _filter_and_sample
 
 DONE, NEEDS_SAMPLING, NEEDS_TORCH_CUTOFF = 0, 1, 2
+_DONE, _NEEDS_SAMPLING, _NEEDS_TORCH_CUTOFF = (tl.constexpr(s) for s in (DONE, NEEDS_SAMPLING, NEEDS_TORCH_CUTOFF))
 
 _INV_LN2 = tl.constexpr(filters.F32_INV_LN2)
 _LN2_HI = tl.constexpr(noise.F32_LN2_HI)
@@ -118,7 +119,7 @@ def _filter_and_sample(
         log_mp = _log_f32(tl.maximum(tl.where(min_p > 0.0, min_p, 1.0), 1.1754943508222875e-38))
         cutoff = tl.where(min_p > 0.0, tl.max(group_max, axis=0) + temperature * log_mp, cutoff)
 
-    status = tl.full((), NEEDS_SAMPLING, tl.int32)
+    status = tl.full((), _NEEDS_SAMPLING, tl.int32)
     if (k > 0) & (k <= KMAX):
         # Groups that can hold a top-k logit, listed in scratch memory.
         tau = _kth_largest(group_max, k)
@@ -138,14 +139,14 @@ def _filter_and_sample(
             valid = listed[:, None] & (index < vocab)
             x = tl.load(row_logits + index, mask=valid, other=float("-inf")).to(tl.float32)
             take = tl.reshape(valid & (x >= tau) & (tl.abs(x) < float("inf")), (TILE_GROUPS * GS,))
-            slot = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            fits = take & (slot < CAP)
-            tl.store(cand_value_ptr + row * CAP + slot, tl.reshape(x, (TILE_GROUPS * GS,)), mask=fits)
-            tl.store(cand_index_ptr + row * CAP + slot, tl.reshape(index, (TILE_GROUPS * GS,)), mask=fits)
+            place = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            fits = take & (place < CAP)
+            tl.store(cand_value_ptr + row * CAP + place, tl.reshape(x, (TILE_GROUPS * GS,)), mask=fits)
+            tl.store(cand_index_ptr + row * CAP + place, tl.reshape(index, (TILE_GROUPS * GS,)), mask=fits)
             count += tl.sum(take.to(tl.int32), axis=0)
         tl.debug_barrier()
         if count <= CAP:
-            status = tl.full((), DONE, tl.int32)
+            status = tl.full((), _DONE, tl.int32)
             c = tl.arange(0, CAP)
             gathered = c < count
             value = tl.load(cand_value_ptr + row * CAP + c, mask=gathered, other=float("-inf"))
@@ -171,9 +172,9 @@ def _filter_and_sample(
             tl.store(token_ptr + row, tl.where(token == _NO_INDEX, 0, token).to(tl.int64))
             tl.store(score_ptr + row, top)
         else:
-            status = tl.full((), NEEDS_TORCH_CUTOFF, tl.int32)
+            status = tl.full((), _NEEDS_TORCH_CUTOFF, tl.int32)
     elif (k > 0) | (p < 1.0):
-        status = tl.full((), NEEDS_TORCH_CUTOFF, tl.int32)  # top_k > KMAX, or top-p over the whole row
+        status = tl.full((), _NEEDS_TORCH_CUTOFF, tl.int32)  # top_k > KMAX, or top-p over the whole row
     tl.store(cutoff_ptr + row, cutoff)
     tl.store(status_ptr + row, status)
     tl.atomic_or(flags_ptr, tl.full((), 1, tl.int32) << status)
