@@ -51,6 +51,25 @@ def test_rms_norm_matches_float64(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])],
+)
+def test_bf16_rms_norm_rounds_as_the_reference(device: str) -> None:
+    """16-bit RMSNorm: normalized in float32, rounded to bf16, then scaled by the bf16 weight
+    (DeepSeek's reference order) — bit for bit, on fresh random rows."""
+    torch.manual_seed(5)
+    norm = RMSNorm(512, 1e-6, torch.bfloat16).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(512))
+    x = (torch.randn(257, 512, device=device) * 3).bfloat16()
+    x32 = x.float()
+    want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    got = norm(x)
+    mismatched = (got != want).float().mean().item()
+    assert mismatched < 1e-3, f"{mismatched:.2%} of values differ from the reference rounding"
+
+
 def test_one_token_experts_match_the_batched_path() -> None:
     """Batch-1 decode takes its own path; its result is the same token's row in a larger batch."""
     torch.manual_seed(4)

@@ -10,6 +10,10 @@ Subclasses implement `attend` (the absorbed kernel) and may override `prefill` /
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +21,8 @@ from jackfield.attention.checks import check_cache, check_kv_scale, check_slot_m
 from jackfield.attention.kv_cache import dequantize, quantize, write_slots
 from jackfield.attention.metadata import split_decode_prefill
 from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata
+
+T = TypeVar("T")
 
 
 class MLAImpl(AttentionImpl):
@@ -42,6 +48,8 @@ class MLAImpl(AttentionImpl):
             )
         self.W_UK: torch.Tensor | None = None  # [H, N, L] float32: q_nope -> latent query
         self.W_UV: torch.Tensor | None = None  # [H, L, V] float32: latent output -> v space
+        # dtype -> (the W_UK they were made from, W_UK, W_UV) in that dtype
+        self._converted: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def process_weights_after_loading(self, weights: dict[str, torch.Tensor]) -> None:
         """Split HF `kv_b_proj.weight` [H*(N+V), L] once into W_UK and W_UV."""
@@ -60,6 +68,17 @@ class MLAImpl(AttentionImpl):
         if self.W_UK is None or self.W_UV is None:
             raise RuntimeError("MLA weights are not loaded: call process_weights_after_loading first")
         return self.W_UK, self.W_UV
+
+    def _weights_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK, W_UV in `dtype` (the expanded prefill's), converted once, not per call."""
+        w_uk, w_uv = self._weights()
+        if w_uk.dtype == dtype:
+            return w_uk, w_uv
+        cached = self._converted.get(dtype)
+        if cached is None or cached[0] is not w_uk:
+            cached = (w_uk, w_uk.to(dtype), w_uv.to(dtype))
+            self._converted[dtype] = cached
+        return cached[1], cached[2]
 
     def forward(
         self,
@@ -84,7 +103,7 @@ class MLAImpl(AttentionImpl):
         if 0 < metadata.num_decodes == metadata.num_reqs and nd == q.shape[0]:
             # decode-only: the metadata is its own decode half, no split to build
             return self._absorbed(q, kv_cache, metadata, kv_scale, None)
-        decode, prefill = split_decode_prefill(metadata)
+        decode, prefill = _memo(metadata, "mla_split", lambda: split_decode_prefill(metadata))
         out = q.new_empty(q.shape[0], lay.num_heads, lay.v_head_dim)
         if decode is not None:
             out[:nd] = self._absorbed(q[:nd], kv_cache, decode, kv_scale, None)
@@ -127,7 +146,6 @@ class MLAImpl(AttentionImpl):
         a plain causal call (flash on CUDA) when every request is a whole causal prompt, else an
         explicit visibility mask. Padded rows and keys are never read back.
         """
-        w_uk, w_uv = self._weights()
         lay = self.layer
         check_cache(lay, kv_cache)
         check_kv_scale(kv_cache, kv_scale)
@@ -137,29 +155,28 @@ class MLAImpl(AttentionImpl):
                 f"block_table has {metadata.block_table.shape[1]} blocks of {block_size}, "
                 f"too few for seq_len {metadata.max_seq_len}"
             )
-        num_reqs, max_q, max_k = metadata.num_reqs, metadata.max_query_len, metadata.max_seq_len
-        device = q.device
-        # Every request's context through its block table: [B, S] slots, positions past seq_len -> 0.
-        pos = torch.arange(max_k, device=device)
-        slots = metadata.block_table[:, pos // block_size].long() * block_size + pos % block_size
-        slots = torch.where(pos < metadata.seq_lens[:, None], slots, 0)
+        num_reqs, max_q = metadata.num_reqs, metadata.max_query_len
+        plan = _memo(metadata, f"mla_prefill_{block_size}",
+                     lambda: _prefill_plan(metadata, block_size, q.shape[0]))
+        context = kv_cache.flatten(0, 1)[plan.slots]  # [B, S, L+R]
         # Expanded in the activation dtype (float32 on the CPU, bf16 on GPUs: the checkpoint's own).
-        context = dequantize(kv_cache.flatten(0, 1)[slots], kv_scale).to(q.dtype)  # [B, S, L+R]
+        context = context if context.dtype == q.dtype else dequantize(context, kv_scale).to(q.dtype)
         kv_c, k_pe = context[..., : lay.kv_lora_rank], context[..., lay.kv_lora_rank :]
+        w_uk, w_uv = self._weights_in(q.dtype)
         width = lay.qk_nope_head_dim + lay.qk_rope_head_dim
-        k_nope = torch.einsum("bsl,hnl->bhsn", kv_c, w_uk.to(q.dtype))
+        k_nope = torch.einsum("bsl,hnl->bhsn", kv_c, w_uk)
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, lay.num_heads, -1, -1)], dim=-1)
         # v padded to k's width: SDPA's fused kernels want one head size.
-        v = F.pad(torch.einsum("bsl,hlv->bhsv", kv_c, w_uv.to(q.dtype)), (0, width - lay.v_head_dim))
-        q_lens = metadata.query_start_loc_cpu.diff()
-        whole_prompts = bool((q_lens == metadata.seq_lens_cpu).all())
-        rows = _padded_rows(metadata.query_start_loc, q.shape[0], max_q)
+        v = F.pad(torch.einsum("bsl,hlv->bhsv", kv_c, w_uv), (0, width - lay.v_head_dim))
+        rows = plan.rows
         padded = q.new_zeros(num_reqs * max_q, lay.num_heads, width).index_copy_(0, rows, q)
         padded = padded.view(num_reqs, max_q, lay.num_heads, width).transpose(1, 2)
-        if metadata.causal and lay.sliding_window is None and whole_prompts:
+        if metadata.causal and lay.sliding_window is None and plan.whole_prompts:
             out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=lay.scale)
         else:
-            visible = _visibility(metadata, max_q, max_k, lay.sliding_window)
+            window = lay.sliding_window
+            visible = _memo(metadata, f"mla_visible_{window}",
+                            lambda: _visibility(metadata, max_q, metadata.max_seq_len, window))
             out = F.scaled_dot_product_attention(padded, k, v, attn_mask=visible[:, None], scale=lay.scale)
         out = out.transpose(1, 2).reshape(num_reqs * max_q, lay.num_heads, width)
         return out[rows, :, : lay.v_head_dim]
@@ -182,6 +199,41 @@ class MLAImpl(AttentionImpl):
         check_slot_mapping(slot_mapping, num_tokens, kv_cache.shape[0] * kv_cache.shape[1])
         record = quantize(torch.cat([key.float(), value.float()], dim=-1), kv_cache.dtype, kv_scale)
         write_slots(kv_cache.flatten(0, 1), slot_mapping, record)
+
+
+@dataclass(frozen=True)
+class _PrefillPlan:
+    """What every layer's expanded prefill of one step shares (built by the first layer)."""
+
+    slots: torch.Tensor  # [B, S] cache rows of each request's context (0 past its seq_len)
+    rows: torch.Tensor  # [T] where each packed query row sits in the padded [B * max_q] batch
+    whole_prompts: bool  # every request is its whole prompt (a plain causal SDPA call)
+
+
+def _memo(metadata: AttentionMetadata, key: str, build: Callable[[], T]) -> T:
+    """`build()` once per step: every layer of a step shares metadata.extra, so the first layer's
+    result is kept there, with the tensors it was built from. A hit needs those very tensors,
+    unmodified: metadata copied with other lengths (a split half, `replace`) shares `extra` but
+    builds its own."""
+    sources = (metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+               metadata.seq_lens_cpu, metadata.query_start_loc_cpu)
+    stamp = [(t, t._version) for t in sources]
+    kept = metadata.extra.get(key)
+    if kept is not None and all(a is b and v == w for (a, v), (b, w) in zip(kept[0], stamp, strict=True)):
+        return kept[1]  # type: ignore[return-value]
+    value = build()
+    metadata.extra[key] = (stamp, value)
+    return value
+
+
+def _prefill_plan(metadata: AttentionMetadata, block_size: int, num_rows: int) -> _PrefillPlan:
+    pos = torch.arange(metadata.max_seq_len, device=metadata.block_table.device)
+    slots = metadata.block_table[:, pos // block_size].long() * block_size + pos % block_size
+    slots = torch.where(pos < metadata.seq_lens[:, None], slots, 0)
+    q_lens = metadata.query_start_loc_cpu.diff()
+    whole_prompts = bool((q_lens == metadata.seq_lens_cpu).all())
+    rows = _padded_rows(metadata.query_start_loc, num_rows, metadata.max_query_len)
+    return _PrefillPlan(slots, rows, whole_prompts)
 
 
 def _padded_rows(query_start_loc: torch.Tensor, num_rows: int, max_q: int) -> torch.Tensor:

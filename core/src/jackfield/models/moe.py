@@ -74,11 +74,11 @@ class Experts(nn.Module):
         ends = torch.searchsorted(flat[order], experts, right=False)
         rows = x[order // k]
         out = self._grouped(rows, ends) if use_grouped_mm(rows) else self._looped(rows, ends.tolist())
-        scaled = out.float() * weights.flatten()[order].unsqueeze(1)
-        # Back to (token, choice) order, then each token's k choices summed in float32: no atomics,
-        # so the sum does not depend on the batch's other tokens.
-        per_choice = torch.empty_like(scaled).index_copy_(0, order, scaled)
-        return per_choice.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
+        # Back to (token, choice) order, then each token's k outputs weighted and summed in float32
+        # (as the reference combines) by one batched product: no atomics, so a token's sum does
+        # not depend on the batch's other tokens.
+        per_choice = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, k, -1)
+        return torch.bmm(weights.unsqueeze(1), per_choice.float()).squeeze(1).to(x.dtype)
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A single token (batch-1 decode): its k experts summed directly, no sort or scatter.
