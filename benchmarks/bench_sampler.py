@@ -108,7 +108,10 @@ def main() -> None:
     mean, most = recomputed_chunks(args)
     print(f"chunks recomputed exactly per row (of {triton.cdiv(VOCAB, 4096)}): mean {mean:.3f}, max {most}")
 
-    for name, filters in [("temperature only", {}), ("top-k 50 / top-p 0.9", {"top_k": top_k, "top_p": top_p})]:
+    for name, filters in [
+        ("temperature only", {}),
+        ("top-k 50 / top-p 0.9", {"top_k": top_k, "top_p": top_p}),
+    ]:
         want = sample_with_scores(*args, **filters, impl="torch")
         got = sample_with_scores(*args, **filters, impl="triton")
         assert torch.equal(got[0], want[0]), f"{name}: Triton tokens differ from torch"
@@ -124,7 +127,9 @@ def main() -> None:
         sweep.append((ms, block, per_chunk, warps))
     print("Gumbel kernels (stage 1 + stage 2) sweep (block, blocks/chunk, warps): median")
     for ms, block, per_chunk, warps in sorted(sweep):
-        print(f"  ({block:5d}, {per_chunk:2d}, {warps}) {ms * 1e3:8.1f} us  {ms / read_once_ms:5.2f}x read-once")
+        print(
+            f"  ({block:5d}, {per_chunk:2d}, {warps}) {ms * 1e3:8.1f} us  {ms / read_once_ms:5.2f}x read-once"
+        )
     filter_ms = bench_ms(lambda: filter_and_sample_triton(*args, top_k, top_p, None))
     print(f"filter kernels alone (group max + filter/sample, no sync): {filter_ms * 1e3:.1f} us")
 
@@ -132,7 +137,10 @@ def main() -> None:
         return torch.multinomial(torch.softmax(logits / temperature[:, None], dim=-1), 1)
 
     multinomial_ms = bench_ms(multinomial)
-    for name, filters in [("temperature only", {}), ("top-k 50 / top-p 0.9", {"top_k": top_k, "top_p": top_p})]:
+    for name, filters in [
+        ("temperature only", {}),
+        ("top-k 50 / top-p 0.9", {"top_k": top_k, "top_p": top_p}),
+    ]:
         triton_ms = bench_ms(lambda f=filters: sample(*args, **f, impl="triton"))
         torch_ms = bench_ms(lambda f=filters: sample(*args, **f, impl="torch"))
         print(f"\n{name}")

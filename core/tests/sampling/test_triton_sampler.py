@@ -33,7 +33,9 @@ def batch(rows: int, vocab: int, seed: int, scale: float = 3.0) -> dict:
     }
 
 
-def assert_same(b: dict, block: int | None = None, **filters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def assert_same(
+    b: dict, block: int | None = None, **filters: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     want = sample_with_scores(**b, **filters, impl="torch")
     got = sample_with_scores(**b, **filters, impl="triton", block=block)
     assert torch.equal(got[0], want[0])
@@ -45,7 +47,9 @@ def assert_same(b: dict, block: int | None = None, **filters: torch.Tensor) -> t
 def _approx_noise_kernel(r_ptr, out_ptr, n, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     r = tl.load(r_ptr + i, mask=i < n, other=0).to(tl.uint32)
-    tl.store(out_ptr + i, gumbel_triton.approx_noise(gumbel_triton._uniform_from_hash(r), FAST_LOG), mask=i < n)
+    tl.store(
+        out_ptr + i, gumbel_triton.approx_noise(gumbel_triton._uniform_from_hash(r), FAST_LOG), mask=i < n
+    )
 
 
 @needs_triton_here
@@ -128,8 +132,23 @@ def test_filter_combinations_and_statuses() -> None:
     token, score, cutoff, status, flags = filters_triton.filter_and_sample_triton(
         **b, top_k=top_k, top_p=top_p, min_p=min_p
     )
-    done, sampling, torch_cutoff = filters_triton.DONE, filters_triton.NEEDS_SAMPLING, filters_triton.NEEDS_TORCH_CUTOFF
-    assert status.tolist() == [done, sampling, done, done, sampling, torch_cutoff, torch_cutoff, torch_cutoff, done, done]
+    done, sampling, torch_cutoff = (
+        filters_triton.DONE,
+        filters_triton.NEEDS_SAMPLING,
+        filters_triton.NEEDS_TORCH_CUTOFF,
+    )
+    assert status.tolist() == [
+        done,
+        sampling,
+        done,
+        done,
+        sampling,
+        torch_cutoff,
+        torch_cutoff,
+        torch_cutoff,
+        done,
+        done,
+    ]
     assert flags.item() == 0b111
     want_cutoff = filter_cutoffs(b["logits"], b["temperature"], top_k, top_p, min_p)
     own = status != torch_cutoff
@@ -155,7 +174,9 @@ def test_top_k_top_p_sweep(vocab: int) -> None:
 
 
 def test_exp_f32_against_float64() -> None:
-    d = torch.cat([-torch.rand(100000, generator=torch.Generator().manual_seed(1)) * 32, torch.tensor([0.0, -32.0])])
+    d = torch.cat(
+        [-torch.rand(100000, generator=torch.Generator().manual_seed(1)) * 32, torch.tensor([0.0, -32.0])]
+    )
     got = exp_f32(d).double()
     want = torch.exp(d.double())
     assert float(((got - want).abs() / want).max()) < 4 * 2.0**-24

@@ -83,7 +83,11 @@ def filter_cutoffs(
     num_rows, vocab = logits.shape
     device = logits.device
     sampled = temperature > 0
-    k = top_k.to(torch.int64) if top_k is not None else torch.zeros(num_rows, dtype=torch.int64, device=device)
+    k = (
+        top_k.to(torch.int64)
+        if top_k is not None
+        else torch.zeros(num_rows, dtype=torch.int64, device=device)
+    )
     k = torch.where((k > 0) & (k < vocab) & sampled, k, 0)
     p = top_p if top_p is not None else torch.ones(num_rows, dtype=torch.float32, device=device)
     p = torch.where(sampled, p.to(torch.float32), 1.0)

@@ -33,7 +33,9 @@ GROUP_TILE = 4096  # tokens per _group_max program
 CANDIDATE_TILE = 2048  # tokens gathered per step in _filter_and_sample
 
 DONE, NEEDS_SAMPLING, NEEDS_TORCH_CUTOFF = 0, 1, 2
-_DONE, _NEEDS_SAMPLING, _NEEDS_TORCH_CUTOFF = (tl.constexpr(s) for s in (DONE, NEEDS_SAMPLING, NEEDS_TORCH_CUTOFF))
+_DONE, _NEEDS_SAMPLING, _NEEDS_TORCH_CUTOFF = (
+    tl.constexpr(s) for s in (DONE, NEEDS_SAMPLING, NEEDS_TORCH_CUTOFF)
+)
 
 _INV_LN2 = tl.constexpr(filters.F32_INV_LN2)
 _LN2_HI = tl.constexpr(noise.F32_LN2_HI)
@@ -45,7 +47,9 @@ _INT32_MIN = tl.constexpr(-(2**31))
 
 
 @triton.jit
-def _group_max(logits_ptr, row_stride, group_max_ptr, vocab, num_groups, GS: tl.constexpr, GROUPS: tl.constexpr):
+def _group_max(
+    logits_ptr, row_stride, group_max_ptr, vocab, num_groups, GS: tl.constexpr, GROUPS: tl.constexpr
+):
     row = tl.program_id(0)
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     index = group[:, None] * GS + tl.arange(0, GS)[None, :]

@@ -313,7 +313,10 @@ def gumbel_argmax_triton(
     chunk_max = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=device)
     temperature = temperature.to(torch.float32)
     common = dict(
-        HAS_CUTOFF=cutoff is not None, HAS_SKIP=skip is not None, BLOCK=block, BLOCKS_PER_CHUNK=blocks_per_chunk
+        HAS_CUTOFF=cutoff is not None,
+        HAS_SKIP=skip is not None,
+        BLOCK=block,
+        BLOCKS_PER_CHUNK=blocks_per_chunk,
     )
     rows = (logits, logits.stride(0), temperature, seeds, positions)
     cutoff_arg = cutoff if cutoff is not None else temperature
