@@ -56,23 +56,24 @@ class ModelRunner:
     def _h2d(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return async_tensor_h2d(data, dtype, self.device, pin_memory=True)
 
-    def _metadata(self, chunks: list[ScheduledChunk]) -> tuple[list[AttentionMetadata], list[int], list[int]]:
+    def _metadata(self, chunks: list[ScheduledChunk]) -> tuple[list[AttentionMetadata], list[int], torch.Tensor]:
         """(metadata per KV cache group, input ids, positions) for the step's flat batch. The
         groups' metadata differ only in block tables and slots."""
         input_ids: list[int] = []
-        positions: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed
-            end = start + chunk.num_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
+            input_ids += seq.token_ids[start : start + chunk.num_tokens]
             query_start.append(query_start[-1] + chunk.num_tokens)
-            seq_lens.append(end)
+            seq_lens.append(start + chunk.num_tokens)
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)  # the scheduler put them first
         qsl_cpu = torch.tensor(query_start, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        # Per row: its request and position (vectorized: a prefill chunk has thousands of rows).
+        q_lens = qsl_cpu.diff().long()
+        row_req = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
+        positions = torch.arange(query_start[-1]) + (seq_lens_cpu.long() - q_lens - qsl_cpu[:-1])[row_req]
         shared = dict(
             query_start_loc=self._h2d(qsl_cpu, torch.int32),
             seq_lens=self._h2d(seq_lens_cpu, torch.int32),
@@ -88,12 +89,9 @@ class ModelRunner:
         per_group = []
         for group in range(len(self.groups.windows)):
             tables = [c.seq.block_tables[group] for c in chunks]
-            slots: list[int] = []
-            for chunk, table in zip(chunks, tables, strict=True):
-                start = chunk.seq.num_computed
-                slots += [table[p // bs] * bs + p % bs for p in range(start, start + chunk.num_tokens)]
             width = max(len(table) for table in tables)
-            padded = [table + [0] * (width - len(table)) for table in tables]
+            padded = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64)
+            slots = padded[row_req, positions // bs] * bs + positions % bs
             per_group.append(AttentionMetadata(block_table=self._h2d(padded, torch.int32),
                                                slot_mapping=self._h2d(slots, torch.int64), **shared))  # type: ignore[arg-type]
         return per_group, input_ids, positions
