@@ -90,30 +90,28 @@ def _generate(checkpoint: str, graphs: bool, prompts: list[list[int]], params: l
     return outs
 
 
-def test_decode_cuda_graphs_give_the_eager_tokens(checkpoint: str) -> None:
-    """A batch of exactly a captured size (8) keeps the eager step's matmul shapes, so replayed
-    decode steps give the eager engine's greedy tokens exactly (requests of different lengths)."""
-    from jackfield import SamplingParams
-
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (7, 64, 130, 301, 33, 90, 16, 250)]
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
-    eager, replayed = (_generate(checkpoint, graphs, prompts, params) for graphs in (False, True))
-    assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
-
-
-def test_padded_graph_step_matches_the_eager_step(checkpoint: str) -> None:
-    """5 requests replayed in the graph of 8: padded rows change the matmul shapes (so rounding),
-    never a real row's result beyond it; the first decode step's top logprobs agree."""
+def test_replayed_decode_steps_match_the_eager_steps(checkpoint: str) -> None:
+    """Requests of different lengths finishing at different steps (batches 5, 4, 2, 1 replayed in
+    the graphs of 8, 4, 2, 1). Replay and eager steps differ only in rounding (padded rows change
+    matmul shapes; the graph's split-KV plan is made for max_model_len), so: every step's top-5
+    logprobs agree within bf16 noise while the tokens agree, and where greedy tokens part, it is
+    at a near-tie of the eager step (then the continuations are different texts, not compared)."""
     from jackfield import SamplingParams
 
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (7, 64, 130, 301, 33)]
-    params = [SamplingParams(temperature=0.0, max_tokens=2, logprobs=5, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=5, ignore_eos=True) for n in (24, 9, 24, 17, 3)]
     eager, replayed = (_generate(checkpoint, graphs, prompts, params) for graphs in (False, True))
+    compared = 0
     for want, got in zip(eager, replayed, strict=True):
-        assert got.token_ids[0] == want.token_ids[0]  # the prefill step runs eagerly in both
-        first_decode_want, first_decode_got = want.logprobs[1], got.logprobs[1]
-        common = set(first_decode_want) & set(first_decode_got)
-        assert len(common) >= 4, (first_decode_want, first_decode_got)
-        assert max(abs(first_decode_want[t] - first_decode_got[t]) for t in common) < 0.05
+        for step, (w_tok, g_tok, w_lp, g_lp) in enumerate(
+            zip(want.token_ids, got.token_ids, want.logprobs, got.logprobs, strict=True)
+        ):
+            if w_tok != g_tok:
+                assert g_tok in w_lp and w_lp[w_tok] - w_lp[g_tok] < 0.05, (step, w_lp, g_lp)
+                break
+            common = set(w_lp) & set(g_lp)
+            assert len(common) >= 4, (step, w_lp, g_lp)
+            assert max(abs(w_lp[t] - g_lp[t]) for t in common) < 0.05, (step, w_lp, g_lp)
+            compared += step > 0  # step 0 is the (eager) prefill in both
+    assert compared >= 20
