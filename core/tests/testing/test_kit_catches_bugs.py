@@ -1,5 +1,7 @@
 """The kit must fail real bugs: each broken torch_ref variant below trips the test meant for it."""
 
+import dataclasses
+
 import pytest
 import torch
 from jackfield.attention.kv_cache import write_slots
@@ -107,6 +109,15 @@ def test_broken_mla_prefill_fails_forward(gen: torch.Generator) -> None:
     backend = _backend("broken_mla", TorchRefMHAImpl, DropsPrefillContext)
     with pytest.raises(FAILED):
         Kit().test_forward_matches_reference(backend, "mla", False, gen)
+
+
+def test_graph_claim_of_a_backend_that_reads_host_lengths_fails(gen: torch.Generator) -> None:
+    """torch_ref plans from the host's seq_lens_cpu, which a CUDA-graph replay only bounds: a
+    claim of cuda_graph support must not survive the kit."""
+    caps = dataclasses.replace(TorchRefBackend.capabilities, cuda_graph="uniform_decode")
+    claims = type("claims_graphs", (TorchRefBackend,), {"name": "claims_graphs", "capabilities": caps})
+    with pytest.raises(FAILED):
+        Kit().test_graph_style_decode_with_padded_rows(claims, "mla", gen)
 
 
 def test_overclaiming_validate_fails(gen: torch.Generator) -> None:

@@ -173,6 +173,51 @@ class AttentionConformance(ConformanceHarness):
             checks.assert_output_close(got, want, self.tolerances[self.dtype], what)
             checks.assert_cache_close(got_cache, want_cache, kv_scale, what)
 
+    # ---- CUDA-graph decode (what capabilities.cuda_graph promises) ------------------------------
+    def test_graph_style_decode_with_padded_rows(
+        self, backend: type[AttentionBackend], kind: str, gen: torch.Generator
+    ) -> None:
+        """A decode step as a CUDA-graph replay sees it: Python lengths are upper bounds (the
+        engine's max_model_len), a padded row has seq_len 0 and slot -1. Real rows must match
+        the reference, the padded row must give exactly 0 and write nothing."""
+        if backend.capabilities.cuda_graph == "never":
+            pytest.skip("the backend does not claim CUDA-graph decode")
+        layer = self.layer(kind, self.base_kv_dtype(backend))
+        impl, ref = self.impls(backend, layer, gen)
+        bs = self.block_size_list(backend)[0]
+        batch = make_batch([1, 1, 1], [5, 2 * bs + 3, 9], 3, bs, self.device, gen)
+        kv_scale = self.kv_scale(layer.kv_cache_dtype)
+        got_cache, (key, value) = self.filled(layer, batch, kv_scale, gen)
+        want_cache = got_cache.clone()
+        width = layer.qk_nope_head_dim + layer.qk_rope_head_dim if kind == "mla" else layer.head_size
+        q = self.query(layer, 4, width, gen)  # the fourth row is padding
+        pad_kv = random_kv(layer, 1, self.dtype, self.device, gen)
+        md = batch.metadata
+        bound = md.block_table.shape[1] * bs
+        padded = dataclasses.replace(
+            md,
+            query_start_loc=torch.arange(5, dtype=torch.int32, device=self.device),
+            seq_lens=torch.cat([md.seq_lens, md.seq_lens.new_zeros(1)]),
+            block_table=torch.cat([md.block_table, md.block_table[:1]]),
+            slot_mapping=torch.cat([md.slot_mapping, md.slot_mapping.new_full((1,), -1)]),
+            query_start_loc_cpu=torch.arange(5, dtype=torch.int32),
+            seq_lens_cpu=torch.full((4,), bound, dtype=torch.int32),
+            max_seq_len=bound,
+            num_decodes=4,
+            num_decode_tokens=4,
+            extra={},
+        )
+        padded = backend.metadata_builder().build(padded, for_capture=True)
+        checks.poison_allocator(self.device)
+        got = impl.forward(  # type: ignore[attr-defined]
+            q, torch.cat([key, pad_kv[0]]), torch.cat([value, pad_kv[1]]), got_cache, padded, kv_scale=kv_scale
+        )
+        want = ref.forward(q[:3], key, value, want_cache, md, kv_scale=kv_scale)  # type: ignore[attr-defined]
+        what = "graph-style decode (upper-bound lengths, one padded row)"
+        checks.assert_output_close(got[:3], want, self.tolerances[self.dtype], what)
+        assert torch.equal(got[3], torch.zeros_like(got[3])), f"{what}: the padded row is not exactly 0"
+        checks.assert_cache_close(got_cache, want_cache, kv_scale, f"{what}: cache")
+
     # ---- fail closed -------------------------------------------------------------------------------
     def test_bad_inputs_are_rejected_at_the_entry(
         self, backend: type[AttentionBackend], kind: str, gen: torch.Generator
