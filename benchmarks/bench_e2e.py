@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="engine.max_num_batched_tokens")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per batch (medians reported)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="engine.cuda_graphs = false")
     parser.add_argument("--json-out")
     parser.add_argument("--profile", action="store_true",
@@ -165,18 +167,22 @@ def main() -> None:
         # warm-up at the measured shapes, for both engines: kernel compiles and plan caches
         # (Triton, cuDNN) are one-time start-up costs, not time to first token
         llm.generate([p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=2))
-        sync(device)
-        start = time.perf_counter()
-        outs = llm.generate([p.tolist() for p in prompts], params)
-        sync(device)
-        total = time.perf_counter() - start
-        jf_ttft = sum(o.timings.time_to_first_token_s for o in outs) / batch
-        last_first = max(o.timings.time_to_first_token_s for o in outs)
-        jf_decode = batch * (args.new_tokens - 1) / (total - last_first)
         hf_prompts = prompts.to(device)
         time_hf(hf, hf_prompts, 2, device)  # warm-up
-        hf_ttft, hf_decode_s = time_hf(hf, hf_prompts, args.new_tokens, device)
-        hf_decode = batch * (args.new_tokens - 1) / hf_decode_s
+        jf_runs, hf_runs = [], []
+        for _ in range(args.repeats):  # interleaved, so a load spike on a shared host hits both
+            sync(device)
+            start = time.perf_counter()
+            outs = llm.generate([p.tolist() for p in prompts], params)
+            sync(device)
+            total = time.perf_counter() - start
+            last_first = max(o.timings.time_to_first_token_s for o in outs)
+            jf_runs.append((sum(o.timings.time_to_first_token_s for o in outs) / batch,
+                            batch * (args.new_tokens - 1) / (total - last_first)))
+            hf_ttft_s, hf_decode_s = time_hf(hf, hf_prompts, args.new_tokens, device)
+            hf_runs.append((hf_ttft_s, batch * (args.new_tokens - 1) / hf_decode_s))
+        jf_ttft, jf_decode = (statistics.median(r[i] for r in jf_runs) for i in (0, 1))
+        hf_ttft, hf_decode = (statistics.median(r[i] for r in hf_runs) for i in (0, 1))
         ceiling = batch * bandwidth / weight_bytes
         rows.append(dict(batch=batch, jf_ttft_ms=jf_ttft * 1e3, hf_ttft_ms=hf_ttft * 1e3,
                          jf_decode_tok_s=jf_decode, hf_decode_tok_s=hf_decode,
