@@ -168,9 +168,9 @@ class MLAImpl(AttentionImpl):
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, lay.num_heads, -1, -1)], dim=-1)
         # v padded to k's width: SDPA's fused kernels want one head size.
         v = F.pad(torch.einsum("bsl,hlv->bhsv", kv_c, w_uv), (0, width - lay.v_head_dim))
-        rows = plan.rows
-        padded = q.new_zeros(num_reqs * max_q, lay.num_heads, width).index_copy_(0, rows, q)
-        padded = padded.view(num_reqs, max_q, lay.num_heads, width).transpose(1, 2)
+        rows = plan.rows  # None: every request has max_q rows, the packed rows are the batch
+        padded = q if rows is None else q.new_zeros(num_reqs * max_q, lay.num_heads, width).index_copy_(0, rows, q)
+        padded = padded.reshape(num_reqs, max_q, lay.num_heads, width).transpose(1, 2)
         if metadata.causal and lay.sliding_window is None and plan.whole_prompts:
             out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=lay.scale)
         else:
@@ -179,7 +179,7 @@ class MLAImpl(AttentionImpl):
                             lambda: _visibility(metadata, max_q, metadata.max_seq_len, window))
             out = F.scaled_dot_product_attention(padded, k, v, attn_mask=visible[:, None], scale=lay.scale)
         out = out.transpose(1, 2).reshape(num_reqs * max_q, lay.num_heads, width)
-        return out[rows, :, : lay.v_head_dim]
+        return out[:, :, : lay.v_head_dim] if rows is None else out[rows, :, : lay.v_head_dim]
 
     def write_kv(
         self,
@@ -206,7 +206,7 @@ class _PrefillPlan:
     """What every layer's expanded prefill of one step shares (built by the first layer)."""
 
     slots: torch.Tensor  # [B, S] cache rows of each request's context (0 past its seq_len)
-    rows: torch.Tensor  # [T] where each packed query row sits in the padded [B * max_q] batch
+    rows: torch.Tensor | None  # [T] each packed query row's place in the padded [B * max_q] batch
     whole_prompts: bool  # every request is its whole prompt (a plain causal SDPA call)
 
 
@@ -232,7 +232,8 @@ def _prefill_plan(metadata: AttentionMetadata, block_size: int, num_rows: int) -
     slots = torch.where(pos < metadata.seq_lens[:, None], slots, 0)
     q_lens = metadata.query_start_loc_cpu.diff()
     whole_prompts = bool((q_lens == metadata.seq_lens_cpu).all())
-    rows = _padded_rows(metadata.query_start_loc, num_rows, metadata.max_query_len)
+    uniform = num_rows == metadata.num_reqs * metadata.max_query_len  # no request is short
+    rows = None if uniform else _padded_rows(metadata.query_start_loc, num_rows, metadata.max_query_len)
     return _PrefillPlan(slots, rows, whole_prompts)
 
 

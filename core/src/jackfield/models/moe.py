@@ -61,6 +61,7 @@ class Experts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), False
         )
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), False)
+        self._ends: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and x.device.type == "cpu":
@@ -70,8 +71,7 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         # Each expert's end row in the sorted order: no bincount, whose CUDA kernel syncs on the
         # host, so a decode step stays capturable in a CUDA graph.
-        experts = torch.arange(1, self.w13.shape[0] + 1, device=ids.device, dtype=flat.dtype)
-        ends = torch.searchsorted(flat[order], experts, right=False)
+        ends = torch.searchsorted(flat[order], self._expert_ends(ids), out_int32=True)
         rows = x[order // k]
         out = self._grouped(rows, ends) if use_grouped_mm(rows) else self._looped(rows, ends.tolist())
         # Back to (token, choice) order, then each token's k outputs weighted and summed in float32
@@ -79,6 +79,13 @@ class Experts(nn.Module):
         # not depend on the batch's other tokens.
         per_choice = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, k, -1)
         return torch.bmm(weights.unsqueeze(1), per_choice.float()).squeeze(1).to(x.dtype)
+
+    def _expert_ends(self, ids: torch.Tensor) -> torch.Tensor:
+        """1..E as ids' dtype and device (made once): searching them in the sorted ids gives
+        each expert's end row."""
+        if self._ends is None or self._ends.device != ids.device or self._ends.dtype != ids.dtype:
+            self._ends = torch.arange(1, self.w13.shape[0] + 1, device=ids.device, dtype=ids.dtype)
+        return self._ends
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A single token (batch-1 decode): its k experts summed directly, no sort or scatter.
@@ -93,7 +100,7 @@ class Experts(nn.Module):
         return out
 
     def _grouped(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        offsets = ends.to(torch.int32)  # end row of each expert's group
+        offsets = ends  # int32: the end row of each expert's group
         gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
 
