@@ -87,7 +87,9 @@ class DecodeGraphs:
         return hidden[: len(chunks)]
 
     def _fill(self, chunks: list[ScheduledChunk], size: int) -> None:
-        """Write the step's rows into the static buffers; rows past the batch see no KV and write none."""
+        """Write the step's rows into the static buffers; rows past the batch see no KV and write none.
+        The pinned host buffers are rewritten safely: the previous step's copies finished at its
+        token read-back (the one sync a step)."""
         n, bs = len(chunks), self.block_size
         ids, positions, slots, seq_lens = [], [], [], []
         for chunk in chunks:
