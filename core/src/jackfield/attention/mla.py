@@ -48,8 +48,8 @@ class MLAImpl(AttentionImpl):
             )
         self.W_UK: torch.Tensor | None = None  # [H, N, L] float32: q_nope -> latent query
         self.W_UV: torch.Tensor | None = None  # [H, L, V] float32: latent output -> v space
-        # dtype -> (the W_UK they were made from, W_UK, W_UV) in that dtype
-        self._converted: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # dtype -> (the W_UK it was made from, the expansion weight in that dtype)
+        self._kv_b: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def process_weights_after_loading(self, weights: dict[str, torch.Tensor]) -> None:
         """Split HF `kv_b_proj.weight` [H*(N+V), L] once into W_UK and W_UV."""
@@ -69,16 +69,17 @@ class MLAImpl(AttentionImpl):
             raise RuntimeError("MLA weights are not loaded: call process_weights_after_loading first")
         return self.W_UK, self.W_UV
 
-    def _weights_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK, W_UV in `dtype` (the expanded prefill's), converted once, not per call."""
+    def _kv_b_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The expansion weight [H * (N + V), L] (W_UK ‖ W_UV^T per head, kv_b_proj's layout) in
+        `dtype`: the expanded prefill makes every head's k_nope and v with one matmul. Built once
+        per dtype from the loaded split."""
         w_uk, w_uv = self._weights()
-        if w_uk.dtype == dtype:
-            return w_uk, w_uv
-        cached = self._converted.get(dtype)
+        cached = self._kv_b.get(dtype)
         if cached is None or cached[0] is not w_uk:
-            cached = (w_uk, w_uk.to(dtype), w_uv.to(dtype))
-            self._converted[dtype] = cached
-        return cached[1], cached[2]
+            fused = torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).flatten(0, 1).to(dtype)
+            cached = (w_uk, fused)
+            self._kv_b[dtype] = cached
+        return cached[1]
 
     def forward(
         self,
@@ -162,12 +163,12 @@ class MLAImpl(AttentionImpl):
         # Expanded in the activation dtype (float32 on the CPU, bf16 on GPUs: the checkpoint's own).
         context = context if context.dtype == q.dtype else dequantize(context, kv_scale).to(q.dtype)
         kv_c, k_pe = context[..., : lay.kv_lora_rank], context[..., lay.kv_lora_rank :]
-        w_uk, w_uv = self._weights_in(q.dtype)
-        width = lay.qk_nope_head_dim + lay.qk_rope_head_dim
-        k_nope = torch.einsum("bsl,hnl->bhsn", kv_c, w_uk)
-        k = torch.cat([k_nope, k_pe[:, None].expand(-1, lay.num_heads, -1, -1)], dim=-1)
+        h, n, width = lay.num_heads, lay.qk_nope_head_dim, lay.qk_nope_head_dim + lay.qk_rope_head_dim
+        b, s = kv_c.shape[:2]
+        kv = F.linear(kv_c, self._kv_b_in(q.dtype)).view(b, s, h, n + lay.v_head_dim)
+        k = torch.cat([kv[..., :n], k_pe[:, :, None].expand(-1, -1, h, -1)], dim=-1).transpose(1, 2)
         # v padded to k's width: SDPA's fused kernels want one head size.
-        v = F.pad(torch.einsum("bsl,hlv->bhsv", kv_c, w_uv), (0, width - lay.v_head_dim))
+        v = F.pad(kv[..., n:], (0, width - lay.v_head_dim)).transpose(1, 2)
         rows = plan.rows  # None: every request has max_q rows, the packed rows are the batch
         padded = q if rows is None else q.new_zeros(num_reqs * max_q, lay.num_heads, width).index_copy_(0, rows, q)
         padded = padded.reshape(num_reqs, max_q, lay.num_heads, width).transpose(1, 2)
