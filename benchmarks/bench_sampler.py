@@ -4,8 +4,9 @@ Ceiling from the same run: the time to read the logits once at the measured devi
 Baselines from the same process: torch.multinomial(softmax(logits / T)) and the PyTorch reference
 (impl="torch"). Before timing: the approximate noise of stage 1 against the exact noise over all
 2^32 hashes (the bound E rests on it), Triton == torch tokens and scores on the benchmark inputs,
-and how many chunks per row stage 2 recomputes. Also a sweep of stage-1 shapes (tokens must not
-change) and top-k 50 / top-p 0.9.
+and how many sub-blocks per row stage 2 recomputes. Then a sweep of launch shapes with each stage
+timed on its own (tokens must not change), a batch with greedy rows mixed in, and top-k 50 /
+top-p 0.9.
 
     PYTHONPATH=core/src python3 benchmarks/bench_sampler.py
 """
@@ -20,19 +21,34 @@ import triton.language as tl
 from jackfield.sampling import sample
 from jackfield.sampling.filters_triton import filter_and_sample_triton
 from jackfield.sampling.gumbel_triton import (
-    DEFAULT_BLOCK,
-    DEFAULT_BLOCKS_PER_CHUNK,
-    DEFAULT_NUM_WARPS,
-    _approx_chunk_max,
+    DEFAULT_SHAPE,
+    LaunchShape,
     _gumbel_from_uniform,
     _uniform_from_hash,
+    approx_maxima,
     approx_noise,
+    exact_from_maxima,
     gumbel_argmax_triton,
 )
 from jackfield.sampling.sample import sample_with_scores
 
 ROWS, VOCAB = 256, 129_280
 HASHES_PER_STEP = 1 << 28
+NOISE_BOUND = 3e-5  # what _approx_error_bound assumes of |approximate - exact noise|
+# (rows per program, step, stage-1 warps, max registers, sub-block, stage-2 warps)
+SWEEP = [
+    (1, 512, 1, None, 1024, 4),
+    (2, 256, 1, None, 1024, 4),
+    (4, 128, 1, None, 1024, 4),
+    (4, 256, 1, None, 1024, 4),
+    (2, 256, 1, 96, 1024, 4),
+    (1, 256, 1, None, 1024, 4),
+    (1, 1024, 2, None, 1024, 4),
+    (2, 256, 2, None, 1024, 4),
+    (2, 256, 1, None, 512, 4),
+    (2, 256, 1, None, 2048, 4),
+    (2, 256, 1, None, 1024, 8),
+]
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
@@ -72,22 +88,24 @@ def max_noise_error() -> float:
     return worst
 
 
-def recomputed_chunks(args: tuple[torch.Tensor, ...]) -> tuple[float, int]:
-    """Mean and max number of chunks per row within 2E of the approximate maximum (stage 2's
+def recomputed_sub_blocks(args: tuple[torch.Tensor, ...]) -> tuple[float, int]:
+    """Mean and max number of sub-blocks per row within 2E of the approximate maximum (stage 2's
     rule, recomputed here in float64 as a diagnostic)."""
-    logits, temperature, seeds, positions = args
-    chunk = DEFAULT_BLOCK * DEFAULT_BLOCKS_PER_CHUNK
-    num_chunks = triton.cdiv(VOCAB, chunk)
-    chunk_max = torch.empty((ROWS, num_chunks), device="cuda")
-    _approx_chunk_max[(ROWS, num_chunks)](
-        logits, logits.stride(0), temperature, seeds, positions, temperature, temperature, chunk_max,
-        VOCAB, num_chunks, HAS_CUTOFF=False, HAS_SKIP=False, BLOCK=DEFAULT_BLOCK,
-        BLOCKS_PER_CHUNK=DEFAULT_BLOCKS_PER_CHUNK, FAST_LOG=True, num_warps=DEFAULT_NUM_WARPS,
-    )  # fmt: skip
-    m = chunk_max.double().max(dim=1, keepdim=True).values
+    maxima = approx_maxima(*args, None).double()
+    m = maxima.max(dim=1, keepdim=True).values
     e = 1e-4 + 2.0**-16 * (m.abs() + 32)
-    count = (chunk_max.double() >= m - 2 * e).sum(dim=1).double()
+    count = (maxima >= m - 2 * e).sum(dim=1).double()
     return float(count.mean()), int(count.max())
+
+
+def stage_times(args: tuple[torch.Tensor, ...], shape: LaunchShape) -> tuple[float, float, float]:
+    """Milliseconds of stage 1 alone, stage 2 alone (from stage 1's maxima) and both."""
+    out = (torch.empty(ROWS, dtype=torch.int64, device="cuda"), torch.empty(ROWS, device="cuda"))
+    maxima = approx_maxima(*args, None, shape)
+    stage1 = bench_ms(lambda: approx_maxima(*args, None, shape))
+    stage2 = bench_ms(lambda: exact_from_maxima(*args, None, maxima, out, shape))
+    both = bench_ms(lambda: gumbel_argmax_triton(*args, None, shape, out=out))
+    return stage1, stage2, both
 
 
 def main() -> None:
@@ -104,31 +122,50 @@ def main() -> None:
     read_once_ms = logits.numel() * 4 / bandwidth * 1e3
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(f"read logits once at that bandwidth: {read_once_ms * 1e3:.1f} us")
-    print(f"max |approximate - exact noise| over all 2^32 hashes: {max_noise_error():.3g} (bound used: 2e-5)")
-    mean, most = recomputed_chunks(args)
-    print(f"chunks recomputed exactly per row (of {triton.cdiv(VOCAB, 4096)}): mean {mean:.3f}, max {most}")
+    noise_error = max_noise_error()
+    print(
+        f"max |approximate - exact noise| over all 2^32 hashes: {noise_error:.3g} (bound used: {NOISE_BOUND})"
+    )
+    assert noise_error < NOISE_BOUND
+    mean, most = recomputed_sub_blocks(args)
+    total = triton.cdiv(VOCAB, DEFAULT_SHAPE.sub_block)
+    sub = DEFAULT_SHAPE.sub_block
+    print(f"sub-blocks of {sub} recomputed exactly per row (of {total}): mean {mean:.3f}, max {most}")
 
-    for name, filters in [
-        ("temperature only", {}),
-        ("top-k 50 / top-p 0.9", {"top_k": top_k, "top_p": top_p}),
+    greedy_t = temperature.clone()
+    greedy_t[::8] = 0.0  # one row in 8 greedy: stage 1's mixed path for the groups holding one
+    for name, filters, t in [
+        ("temperature only", {}, temperature),
+        ("temperature only, 1 row in 8 greedy", {}, greedy_t),
+        ("top-k 50 / top-p 0.9", {"top_k": top_k, "top_p": top_p}, temperature),
     ]:
-        want = sample_with_scores(*args, **filters, impl="torch")
-        got = sample_with_scores(*args, **filters, impl="triton")
+        want = sample_with_scores(logits, t, seeds, positions, **filters, impl="torch")
+        got = sample_with_scores(logits, t, seeds, positions, **filters, impl="triton")
         assert torch.equal(got[0], want[0]), f"{name}: Triton tokens differ from torch"
         assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32)), f"{name}: scores differ"
         print(f"{name}: Triton tokens and scores == torch reference (bit for bit)")
 
     want = gumbel_argmax_triton(*args, None)
     sweep = []
-    for block, per_chunk, warps in [(1024, 4, 4), (1024, 8, 4), (2048, 2, 8), (512, 8, 4), (1024, 4, 8)]:
-        got = gumbel_argmax_triton(*args, None, block=block, blocks_per_chunk=per_chunk, num_warps=warps)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (block, per_chunk, warps)
-        ms = bench_ms(lambda b=block, c=per_chunk, w=warps: gumbel_argmax_triton(*args, None, b, c, w))
-        sweep.append((ms, block, per_chunk, warps))
-    print("Gumbel kernels (stage 1 + stage 2) sweep (block, blocks/chunk, warps): median")
-    for ms, block, per_chunk, warps in sorted(sweep):
+    for rows, step, warps, registers, sub, exact_warps in SWEEP:
+        shape = LaunchShape(
+            sub_block=sub, step=step, rows_per_program=rows, num_warps=warps,
+            max_registers=registers, exact_warps=exact_warps,
+        )  # fmt: skip
+        got = gumbel_argmax_triton(*args, None, shape)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), shape
+        sweep.append((stage_times(args, shape), shape))
+    print("Gumbel kernels by launch shape, medians in us (stage 1 alone, stage 2 alone, both in one call):")
+    print(
+        "| rows/program | step | stage-1 warps | max registers | sub-block | stage-2 warps"
+        " | stage 1 | stage 2 | both | x read-once |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (stage1, stage2, both), sh in sorted(sweep, key=lambda item: item[0][2]):
         print(
-            f"  ({block:5d}, {per_chunk:2d}, {warps}) {ms * 1e3:8.1f} us  {ms / read_once_ms:5.2f}x read-once"
+            f"| {sh.rows_per_program} | {sh.step} | {sh.num_warps} | {sh.max_registers} | {sh.sub_block} |"
+            f" {sh.exact_warps} | {stage1 * 1e3:.1f} | {stage2 * 1e3:.1f} | {both * 1e3:.1f} |"
+            f" {both / read_once_ms:.2f} |"
         )
     filter_ms = bench_ms(lambda: filter_and_sample_triton(*args, top_k, top_p, None))
     print(f"filter kernels alone (group max + filter/sample, no sync): {filter_ms * 1e3:.1f} us")
@@ -137,12 +174,14 @@ def main() -> None:
         return torch.multinomial(torch.softmax(logits / temperature[:, None], dim=-1), 1)
 
     multinomial_ms = bench_ms(multinomial)
-    for name, filters in [
-        ("temperature only", {}),
-        ("top-k 50 / top-p 0.9", {"top_k": top_k, "top_p": top_p}),
+    for name, filters, t in [
+        ("temperature only", {}, temperature),
+        ("temperature only, 1 row in 8 greedy", {}, greedy_t),
+        ("top-k 50 / top-p 0.9", {"top_k": top_k, "top_p": top_p}, temperature),
     ]:
-        triton_ms = bench_ms(lambda f=filters: sample(*args, **f, impl="triton"))
-        torch_ms = bench_ms(lambda f=filters: sample(*args, **f, impl="torch"))
+        rows_args = (logits, t, seeds, positions)
+        triton_ms = bench_ms(lambda f=filters, a=rows_args: sample(*a, **f, impl="triton"))
+        torch_ms = bench_ms(lambda f=filters, a=rows_args: sample(*a, **f, impl="torch"))
         print(f"\n{name}")
         print("| what | time (us) | x read-once | x torch.multinomial | x torch reference |")
         print("|---|---|---|---|---|")

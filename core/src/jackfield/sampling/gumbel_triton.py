@@ -1,24 +1,30 @@
 """The Triton Gumbel-max sampler: approximate scores everywhere, exact scores where they can win.
 
-Stage 1 (`_approx_chunk_max`, program per (row, chunk)) scores every token with a cheap
-approximation of the exact score and writes each chunk's approximate maximum. Stage 2
-(`_exact_rows`, program per row) takes M = the largest chunk maximum and recomputes EXACTLY (the
-noise of noise.py, IEEE div_rn, no FMA fusion) only the chunks whose approximate maximum is
->= M - 2E, in index order with a strict >, so the lowest index wins ties. E bounds the error of the
-approximation (see `_approx_error_bound`), so every chunk that can hold the exact winner is
-recomputed: the result is the exact (token, score) of gumbel_torch.py, bit for bit, and does not
-depend on BLOCK or the chunking. Typically one chunk per row is recomputed.
+Stage 1 (`_approx_maxima`, program per (group of rows, sub-blocks of the vocabulary)) scores every
+token with a cheap approximation of the exact score and writes the approximate maximum of each
+sub-block (1024 tokens by default). Stage 2 (`_exact_rows`, program per row) takes M = the row's
+largest sub-block maximum and recomputes EXACTLY (the noise of noise.py, IEEE div_rn, no FMA
+fusion) only the sub-blocks whose approximate maximum is >= M - 2E, in index order with a strict
+>, so the lowest index wins ties. E bounds the error of the approximation (see
+`_approx_error_bound`), so every sub-block that can hold the exact winner is recomputed: the result
+is the exact (token, score) of gumbel_torch.py, bit for bit, and does not depend on the launch
+shape. Typically one sub-block per row is recomputed.
 
-The approximate score of a token (stage 1, FMA fusion allowed):
-  x * fl(1 / T) + noise~, noise~ = -ln(w~), w~ ~ -ln(1 - u) with u the exact uniform of noise.py,
-  w~ = u (1 + u/2 + u^2/3 + u^3/4) for u < 1/16, else -ln(max(1 - u, 2^-24)), logs from the
-  hardware log2 (lg2.approx on CUDA). About 40 SASS instructions per token instead of ~110.
+The approximate score of a token (stage 1, FMA fusion allowed), in log2 units:
+  x * fl(fl(1/T) log2 e) - log2(t), t = w~ / ln 2, w~ ~ -ln(1 - u) with u the exact uniform of
+  noise.py: w~ = u (1 + u/2 + u^2/3) for u < 1/32, else -ln(max(1 - u, 2^-24)), logs from the
+  hardware log2 (lg2.approx on CUDA); each sub-block maximum m becomes ln 2 * m - ln(ln 2), the
+  natural-unit score (noise~ = -ln w~). The hash's token word is not recomputed per row: Murmur3
+  mixes it as rotl(h ^ k, 13) = rotl(h, 13) ^ rotl(k, 13), so a per-device table holds
+  rotl(k, 13) of every token id (`token_table`, L2-resident, shared by the rows of a program) and
+  a row needs only rotl(h, 13). About 27 SASS instructions per token (sm_90) instead of ~110.
 Temperature-0 rows score the logit itself (exact in both stages).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -27,11 +33,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from jackfield.sampling import noise
-
-# Fastest of the shapes swept on the H200 (benchmarks/RESULTS.md, 2026-11-29).
-DEFAULT_BLOCK = 1024
-DEFAULT_BLOCKS_PER_CHUNK = 4
-DEFAULT_NUM_WARPS = 4
 
 # Kernels read module globals only as constexpr: the same float32 values noise.py uses.
 _NO_INDEX = tl.constexpr(2**31 - 1)
@@ -42,10 +43,11 @@ _ATANH3, _ATANH5, _ATANH7, _ATANH9 = (tl.constexpr(c) for c in noise.F32_ATANH_C
 _INV8, _INV7, _INV6, _INV5, _INV4, _INV3, _INV2, _INV1 = (tl.constexpr(c) for c in noise.F32_INV_K)
 _MIN_ONE_MINUS_V = tl.constexpr(noise.F32_MIN_ONE_MINUS_V)
 _LN2 = tl.constexpr(0.693147182464599609375)  # float32(ln 2)
+_LOG2E = tl.constexpr(1.44269502162933349609375)  # float32(log2 e)
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: (MAGIC | n) is 2^23 + n for n < 2^23
 _RELIABLE = tl.constexpr(2.0**64)  # |M| below this: no score near float32 overflow
-# 1/(k ln 2), k = 1..4: the series of -ln(1 - u) in units of ln 2; -ln(ln 2) in float32.
-_S1, _S2, _S3, _S4 = (tl.constexpr(float(np.float32(1.0 / (k * math.log(2))))) for k in (1, 2, 3, 4))
+# 1/(k ln 2), k = 1..3: the series of -ln(1 - u) in units of ln 2; -ln(ln 2) in float32.
+_S1, _S2, _S3 = (tl.constexpr(float(np.float32(1.0 / (k * math.log(2))))) for k in (1, 2, 3))
 _NEG_LN_LN2 = tl.constexpr(float(np.float32(-math.log(math.log(2)))))
 
 
@@ -150,11 +152,11 @@ def _fast_log2(x, FAST_LOG: tl.constexpr):
 def _approx_log2_t(u, FAST_LOG: tl.constexpr):
     """log2(t) with t = w~ / ln 2, so that noise~ = -ln(w~) = -ln 2 * log2(t) - ln(ln 2).
 
-    t = (u + u^2/2 + u^3/3 + u^4/4) / ln 2 for u < 1/16, else -log2(max(1 - u, 2^-24)).
-    `approx_noise` gives noise~, within 2e-5 of the exact noise (see _approx_error_bound).
+    t = (u + u^2/2 + u^3/3) / ln 2 for u < 1/32, else -log2(max(1 - u, 2^-24)).
+    `approx_noise` gives noise~, within 3e-5 of the exact noise (see _approx_error_bound).
     """
-    series = u * (_S1 + u * (_S2 + u * (_S3 + u * _S4)))
-    neg_t = tl.where(u < 0.0625, -series, _fast_log2(tl.maximum(1.0 - u, _MIN_ONE_MINUS_V), FAST_LOG))
+    series = u * (_S1 + u * (_S2 + u * _S3))
+    neg_t = tl.where(u < 0.03125, -series, _fast_log2(tl.maximum(1.0 - u, _MIN_ONE_MINUS_V), FAST_LOG))
     return _fast_log2(-neg_t, FAST_LOG)
 
 
@@ -169,71 +171,133 @@ def _approx_error_bound(m):
     """E(M): a bound on |approx - exact| for every score that can come within E of M.
 
     Per token with exact score s = fl(y + g), y = div_rn(x, T), g the exact noise of noise.py:
-    - temperature: x * fl(1/T) has two roundings, div_rn one: |y~ - y| <= 3 * 2^-24 |x/T|.
+    - temperature: the stage-1 factor fl(fl(1/T) fl(log2 e)) times fl(ln 2) is within 5 * 2^-24
+      of 1/T, and the product with x is rounded inside one FFMA: |y~ - y| <= 2^-21 |x/T|.
     - noise: noise~ = -ln 2 * log2(t) - ln(ln 2) (float32 constants) with w~ = t ln 2 close to
-      w = -ln(1 - u). Relative error of w~: the series' tail u^4 / (5 (1 - u)) <= 3.3e-6 for
-      u < 1/16; above, fl(1 - u) is within 2^-24 of 1 - u and |ln(1 - u)| >= ln(16/15) = 0.0645,
-      so lg2.approx's absolute error (2^-22.6 documented, taken as 2^-21) is <= 5.1e-6; constants
-      and roundings add < 5e-7. The outer log adds 2^-21 ln 2, ln 2's rounding times
+      w = -ln(1 - u). Relative error of w~: the series' tail u^3 / (4 (1 - u)) <= 7.9e-6 for
+      u < 1/32; above, fl(1 - u) is within 2^-25 of 1 - u and |log2(1 - u)| >= log2(32/31) =
+      0.0458, so lg2.approx's absolute error (2^-22.6 documented, taken as 2^-21) is <= 1.1e-5;
+      constants and roundings add < 2e-6. The outer log adds 2^-21 ln 2, ln 2's rounding times
       |log2 t| <= 34 adds 7e-7, the last roundings 23 * 2^-23. The exact noise is within 1e-5 of
-      -ln(-ln(1 - u)) (8-term series, log_f32 within 2 ulps). So |noise~ - g| < 1.9e-5 (checked
+      -ln(-ln(1 - u)) (8-term series, log_f32 within 2 ulps). So |noise~ - g| < 3e-5 (checked
       over all 2^32 hashes on the GPU by benchmarks/bench_sampler.py). The noise lies in
       [-2.82, 22.9].
-    - the sum: one rounding each, <= 2^-24 |s| plus ulp slack.
-    So |s~ - s| <= 2e-5 + 2^-21 (|s| + 24) =: e(s). Two tokens whose scores lie within e of M
-    have |s| <= |M| (1 + 2^-20) + 1, and e(s1) + e(s2) < 2 E(M) with
-    E(M) = 1e-4 + 2^-16 (|M| + 32): a margin of 2.5x on the constant and 16x on the slope.
+    - the score: one rounding in the FFMA (units of log2, 2^-24 (|s| + 1) after the conversion),
+      two in the conversion of the maximum (2^-23 (|s| + 1)).
+    So |s~ - s| <= 3e-5 + 2^-20 (|s| + 24) =: e(s). Two tokens whose scores lie within e of M
+    have |s| <= |M| (1 + 2^-19) + 1, and e(s1) + e(s2) < 2 E(M) with
+    E(M) = 1e-4 + 2^-16 (|M| + 32): a margin of 3x on the constant and 16x on the slope.
     """
     return 1e-4 + 1.52587890625e-05 * (tl.abs(m) + 32.0)
 
 
 @triton.jit
-def _approx_chunk_max(
-    logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr, skip_ptr,
-    chunk_max_ptr, vocab, num_chunks,
-    HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCKS_PER_CHUNK: tl.constexpr, FAST_LOG: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    if HAS_SKIP:
-        if tl.load(skip_ptr + row) != 0:
-            return
-    row_logits = logits_ptr + row.to(tl.int64) * row_stride
-    temperature = tl.load(temperature_ptr + row)
-    inv_t = 1.0 / tl.where(temperature == 0.0, 1.0, temperature)  # T = 0 scores the logits
-    cutoff = float("-inf")
-    if HAS_CUTOFF:
-        cutoff = tl.load(cutoff_ptr + row)
-    row_hash = _row_hash(seed_ptr, pos_ptr, row)
+def _step_scores(x, r13, k13, scale, greedy, FAST_LOG: tl.constexpr, MIXED: tl.constexpr):
+    """Approximate scores of a [ROWS, STEP] tile in log2 units: x * scale - log2(t) (see module).
 
-    lanes = tl.arange(0, BLOCK)
-    best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    start = chunk * BLOCK * BLOCKS_PER_CHUNK
-    for b in tl.static_range(BLOCKS_PER_CHUNK):
-        index = start + b * BLOCK + lanes
-        x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf")).to(tl.float32)
-        if temperature == 0.0:
-            score = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))  # exact: +inf excluded
-        else:
+    r13 [ROWS] and k13 [STEP] are the two halves of the Murmur3 state after the token word:
+    rotl(h ^ k, 13) = rotl(h, 13) ^ rotl(k, 13), so only the XOR is left per token. MIXED: some
+    rows are greedy and score their finite logits themselves (exact).
+    """
+    h = _mul32(r13[:, None] ^ k13[None, :], 5) + tl.full((), 0xE6546B64, tl.uint32)
+    h = h ^ 16
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    u = _uniform_from_hash(h ^ (h >> 16))
+    score = x * scale[:, None] - _approx_log2_t(u, FAST_LOG)  # one FFMA
+    if MIXED:
+        finite = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))  # +inf is never sampled
+        score = tl.where(greedy[:, None], finite, score)
+    return score
+
+
+@triton.jit
+def _approx_chunk(
+    row_logits, r13, scale, greedy, cutoff, table_ptr, maxima_ptr, rows, live, vocab, num_sub, first_sub,
+    HAS_CUTOFF: tl.constexpr, SUB: tl.constexpr, STEP: tl.constexpr, SUBS: tl.constexpr,
+    MASKED: tl.constexpr, MIXED: tl.constexpr, FAST_LOG: tl.constexpr,
+):  # fmt: skip
+    """Stage 1 over SUBS sub-blocks of SUB tokens for a group of rows: one maximum per (row,
+    sub-block), in natural units (the approximate score of the module docstring)."""
+    lanes = tl.arange(0, STEP)
+    for s in tl.static_range(SUBS):
+        sub = first_sub + s
+        best = tl.full((rows.shape[0], STEP), float("-inf"), tl.float32)
+        for j in tl.static_range(SUB // STEP):
+            index = sub * SUB + j * STEP + lanes
+            k13 = tl.load(table_ptr + index).to(tl.uint32, bitcast=True)  # padded: never masked
+            if MASKED:
+                x = tl.load(row_logits + index[None, :], mask=(index < vocab)[None, :], other=float("-inf"))
+            else:
+                x = tl.load(row_logits + index[None, :], eviction_policy="evict_first")
+            x = x.to(tl.float32)
+            score = _step_scores(x, r13, k13, scale, greedy, FAST_LOG, MIXED)
+            if HAS_CUTOFF:
+                score = tl.where(x >= cutoff[:, None], score, float("-inf"))
             # NaN logits give NaN scores, which tl.maximum ignores; +inf gives M = +inf, which
             # stage 2 answers by recomputing the whole row. So no finite-mask here.
-            u = _uniform_from_hash(_murmur3_last_word(row_hash, index.to(tl.uint32)))
-            score = _approx_log2_t(u, FAST_LOG) * -_LN2 + (x * inv_t + _NEG_LN_LN2)
-        if HAS_CUTOFF:
-            score = tl.where(x >= cutoff, score, float("-inf"))
-        best = tl.maximum(best, score)
-    tl.store(chunk_max_ptr + row * num_chunks + chunk, tl.max(best, axis=0))
+            best = tl.maximum(best, score)
+        m = tl.max(best, axis=1)
+        m = tl.where(greedy, m, m * _LN2 + _NEG_LN_LN2)  # log2 units -> the approximate score
+        if sub < num_sub:
+            tl.store(maxima_ptr + rows * num_sub + sub, m, mask=live)
+
+
+@triton.jit
+def _approx_maxima(
+    logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr, skip_ptr, table_ptr,
+    maxima_ptr, num_rows, vocab, num_sub,
+    HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr,
+    STEP: tl.constexpr, SUBS: tl.constexpr, FAST_LOG: tl.constexpr,
+):  # fmt: skip
+    """Stage 1: program per (group of ROWS rows, SUBS sub-blocks); the rows share the table loads."""
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    live = rows < num_rows
+    rows = tl.minimum(rows, num_rows - 1)  # the last group repeats a row: loads need no row mask
+    if HAS_SKIP:
+        if tl.min(tl.load(skip_ptr + rows), axis=0) != 0:  # every row already sampled
+            return
+    temperature = tl.load(temperature_ptr + rows)
+    greedy = temperature == 0.0
+    # 1/T rounded, then times log2(e) rounded: within 2^-23 of log2(e)/T (the bound allows 2^-20)
+    scale = (1.0 / tl.where(greedy, 1.0, temperature)) * _LOG2E
+    r13 = _rotl32(_row_hash(seed_ptr, pos_ptr, rows), 13)
+    cutoff = tl.full((ROWS,), float("-inf"), tl.float32)
+    if HAS_CUTOFF:
+        cutoff = tl.load(cutoff_ptr + rows)
+    row_logits = logits_ptr + rows.to(tl.int64)[:, None] * row_stride
+    first_sub = tl.program_id(0) * SUBS
+    args = (
+        row_logits,
+        r13,
+        scale,
+        greedy,
+        cutoff,
+        table_ptr,
+        maxima_ptr,
+        rows,
+        live,
+        vocab,
+        num_sub,
+        first_sub,
+    )
+    masked = (first_sub + SUBS) * SUB > vocab
+    mixed = tl.max(greedy.to(tl.int32), axis=0) != 0
+    if masked:
+        _approx_chunk(*args, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=True, MIXED=True, FAST_LOG=FAST_LOG)
+    elif mixed:
+        _approx_chunk(*args, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=False, MIXED=True, FAST_LOG=FAST_LOG)
+    else:
+        _approx_chunk(*args, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=False, MIXED=False, FAST_LOG=FAST_LOG)
 
 
 @triton.jit
 def _exact_rows(
     logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr, skip_ptr,
-    chunk_max_ptr, token_ptr, score_ptr, vocab, num_chunks,
-    HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCKS_PER_CHUNK: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+    maxima_ptr, token_ptr, score_ptr, vocab, num_sub,
+    HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, SUB: tl.constexpr, SUBS_POW2: tl.constexpr,
 ):  # fmt: skip
-    """Compile with enable_fp_fusion=False: these are the exact scores of gumbel_torch.py."""
+    """Stage 2. Compile with enable_fp_fusion=False: these are the exact scores of gumbel_torch.py."""
     row = tl.program_id(0)
     if HAS_SKIP:
         if tl.load(skip_ptr + row) != 0:
@@ -245,42 +309,154 @@ def _exact_rows(
         cutoff = tl.load(cutoff_ptr + row)
     row_hash = _row_hash(seed_ptr, pos_ptr, row)
 
-    chunks = tl.arange(0, CHUNKS_POW2)
-    in_row = chunks < num_chunks
-    approx = tl.load(chunk_max_ptr + row * num_chunks + chunks, mask=in_row, other=float("-inf"))
+    subs = tl.arange(0, SUBS_POW2)
+    in_row = subs < num_sub
+    approx = tl.load(maxima_ptr + row * num_sub + subs, mask=in_row, other=float("-inf"))
     m = tl.max(approx, axis=0)
     if temperature == 0.0:
-        threshold = m  # stage 1 scored the logits themselves: exact (-inf: every chunk)
+        threshold = m  # stage 1 scored the logits themselves: exact (-inf: every sub-block)
     else:
         threshold = m - 2.0 * _approx_error_bound(m)
-        # No finite M (nothing kept, overflow, x * inf from a subnormal T): recompute every chunk.
+        # No finite M (nothing kept, overflow, x * inf from a subnormal T): recompute everything.
         threshold = tl.where(tl.abs(m) < _RELIABLE, threshold, float("-inf"))
     candidate = in_row & (approx >= threshold)  # stage 1's maxima are never NaN (tl.maximum)
 
-    lanes = tl.arange(0, BLOCK)
+    lanes = tl.arange(0, SUB)
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), _NO_INDEX, tl.int32)
-    chunk = tl.min(tl.where(candidate, chunks, CHUNKS_POW2), axis=0)
-    while chunk < num_chunks:
-        for b in tl.static_range(BLOCKS_PER_CHUNK):
-            index = (chunk * BLOCKS_PER_CHUNK + b) * BLOCK + lanes
-            in_vocab = index < vocab
-            x = tl.load(row_logits + index, mask=in_vocab, other=float("-inf")).to(tl.float32)
-            keep = in_vocab & (x == x) & (tl.abs(x) < float("inf")) & (x >= cutoff)
-            if temperature == 0.0:
-                score = x
-            else:
-                score = tl.math.div_rn(x, temperature) + _gumbel_f32(row_hash, index.to(tl.uint32))
-            score = tl.where(keep, score, float("-inf"))
-            top = tl.max(score, axis=0)
-            top_index = tl.min(tl.where(score == top, index, _NO_INDEX), axis=0)
-            better = top > best  # strict, blocks in index order: the lowest index wins ties
-            best_index = tl.where(better, top_index, best_index)
-            best = tl.where(better, top, best)
-        chunk = tl.min(tl.where(candidate & (chunks > chunk), chunks, CHUNKS_POW2), axis=0)
+    sub = tl.min(tl.where(candidate, subs, SUBS_POW2), axis=0)
+    while sub < num_sub:
+        index = sub * SUB + lanes
+        in_vocab = index < vocab
+        x = tl.load(row_logits + index, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        keep = in_vocab & (x == x) & (tl.abs(x) < float("inf")) & (x >= cutoff)
+        if temperature == 0.0:
+            score = x
+        else:
+            score = tl.math.div_rn(x, temperature) + _gumbel_f32(row_hash, index.to(tl.uint32))
+        score = tl.where(keep, score, float("-inf"))
+        top = tl.max(score, axis=0)
+        top_index = tl.min(tl.where(score == top, index, _NO_INDEX), axis=0)
+        better = top > best  # strict, sub-blocks in index order: the lowest index wins ties
+        best_index = tl.where(better, top_index, best_index)
+        best = tl.where(better, top, best)
+        sub = tl.min(tl.where(candidate & (subs > sub), subs, SUBS_POW2), axis=0)
     best_index = tl.where(best_index == _NO_INDEX, 0, best_index)  # nothing finite: token 0
     tl.store(token_ptr + row, best_index.to(tl.int64))
     tl.store(score_ptr + row, best)
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """How the two stages split the work; tokens and scores do not depend on it (tests vary it).
+
+    sub_block: tokens per stage-1 maximum, the unit stage 2 recomputes exactly.
+    step: tokens per row per stage-1 iteration (at most sub_block; sets the register tile).
+    rows_per_program: rows of a stage-1 program; they share each load of the token table.
+    sub_blocks_per_program: sub-blocks a stage-1 program covers.
+    num_warps / exact_warps: warps of a stage-1 / stage-2 program.
+    max_registers: a cap on stage 1's registers per thread (more programs per SM), or None.
+    """
+
+    sub_block: int = 1024
+    step: int = 256
+    rows_per_program: int = 4
+    sub_blocks_per_program: int = 1
+    num_warps: int = 1
+    exact_warps: int = 4
+    max_registers: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "sub_block",
+            "step",
+            "rows_per_program",
+            "sub_blocks_per_program",
+            "num_warps",
+            "exact_warps",
+        ):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"LaunchShape.{name} must be a power of two, got {value}")
+        if self.step > self.sub_block:
+            raise ValueError(f"LaunchShape.step ({self.step}) must not exceed sub_block ({self.sub_block})")
+
+    def with_sub_block(self, sub_block: int) -> LaunchShape:
+        return replace(self, sub_block=sub_block, step=min(self.step, sub_block))
+
+
+# Fastest of the shapes swept on the H200 (benchmarks/RESULTS.md, 2026-11-29).
+DEFAULT_SHAPE = LaunchShape()
+
+# One table per device, grown to the longest vocabulary seen (so never more than one of them).
+_TOKEN_TABLES: dict[torch.device, torch.Tensor] = {}
+_TABLE_ROUNDING = 1 << 16
+
+
+def token_table(length: int, device: torch.device) -> torch.Tensor:
+    """int32 [>= length]: entry t holds the bits of rotl(rotl(t * c1, 15) * c2, 13), the token
+    word of Murmur3 scrambled and rotated (the row half is rotl(h, 13)); cached per device."""
+    table = _TOKEN_TABLES.get(device)
+    if table is not None and table.numel() >= length:
+        return table
+    padded = triton.cdiv(length, _TABLE_ROUNDING) * _TABLE_ROUNDING
+    token = torch.arange(padded, dtype=torch.int64, device=device)
+    k = noise.scrambled_word(token)
+    k13 = ((k << 13) | (k >> 19)) & noise.MASK32
+    table = (k13 - ((k13 >> 31) << 32)).to(torch.int32)  # the same 32 bits, as int32
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _TOKEN_TABLES[device] = table  # a table built inside a CUDA graph capture is not kept
+    return table
+
+
+def approx_maxima(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    cutoff: torch.Tensor | None,
+    shape: LaunchShape = DEFAULT_SHAPE,
+    skip: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stage 1: float32 [R, cdiv(V, sub_block)], the approximate maximum of each sub-block."""
+    num_rows, vocab = logits.shape
+    num_sub = triton.cdiv(vocab, shape.sub_block)
+    chunks = triton.cdiv(num_sub, shape.sub_blocks_per_program)
+    table = token_table(chunks * shape.sub_blocks_per_program * shape.sub_block, logits.device)
+    maxima = torch.empty((num_rows, num_sub), dtype=torch.float32, device=logits.device)
+    _approx_maxima[(chunks, triton.cdiv(num_rows, shape.rows_per_program))](
+        logits, logits.stride(0), temperature, seeds, positions,
+        cutoff if cutoff is not None else temperature, skip if skip is not None else temperature,
+        table, maxima, num_rows, vocab, num_sub,
+        HAS_CUTOFF=cutoff is not None, HAS_SKIP=skip is not None, ROWS=shape.rows_per_program,
+        SUB=shape.sub_block, STEP=shape.step, SUBS=shape.sub_blocks_per_program,
+        FAST_LOG=logits.device.type == "cuda", num_warps=shape.num_warps, maxnreg=shape.max_registers,
+    )  # fmt: skip
+    return maxima
+
+
+def exact_from_maxima(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    cutoff: torch.Tensor | None,
+    maxima: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor],
+    shape: LaunchShape = DEFAULT_SHAPE,
+    skip: torch.Tensor | None = None,
+) -> None:
+    """Stage 2: the exact (token, score) of each row into `out`, from stage 1's maxima."""
+    num_rows, vocab = logits.shape
+    num_sub = maxima.shape[1]
+    _exact_rows[(num_rows,)](
+        logits, logits.stride(0), temperature, seeds, positions,
+        cutoff if cutoff is not None else temperature, skip if skip is not None else temperature,
+        maxima, out[0], out[1], vocab, num_sub,
+        HAS_CUTOFF=cutoff is not None, HAS_SKIP=skip is not None, SUB=shape.sub_block,
+        SUBS_POW2=triton.next_power_of_2(num_sub),
+        num_warps=shape.exact_warps, enable_fp_fusion=False,
+    )  # fmt: skip
 
 
 def gumbel_argmax_triton(
@@ -289,9 +465,7 @@ def gumbel_argmax_triton(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     cutoff: torch.Tensor | None,
-    block: int = DEFAULT_BLOCK,
-    blocks_per_chunk: int = DEFAULT_BLOCKS_PER_CHUNK,
-    num_warps: int = DEFAULT_NUM_WARPS,
+    shape: LaunchShape = DEFAULT_SHAPE,
     skip: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,34 +473,16 @@ def gumbel_argmax_triton(
 
     skip (uint8 [R], optional): rows left as they are in `out` (already sampled elsewhere).
     """
-    num_rows, vocab = logits.shape
-    num_chunks = triton.cdiv(vocab, block * blocks_per_chunk)
+    num_rows = logits.shape[0]
     device = logits.device
     if out is None:
         out = (
             torch.empty(num_rows, dtype=torch.int64, device=device),
             torch.empty(num_rows, dtype=torch.float32, device=device),
         )
-    token, score = out
     if num_rows == 0:
-        return token, score
-    chunk_max = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=device)
+        return out
     temperature = temperature.to(torch.float32)
-    common = dict(
-        HAS_CUTOFF=cutoff is not None,
-        HAS_SKIP=skip is not None,
-        BLOCK=block,
-        BLOCKS_PER_CHUNK=blocks_per_chunk,
-    )
-    rows = (logits, logits.stride(0), temperature, seeds, positions)
-    cutoff_arg = cutoff if cutoff is not None else temperature
-    skip_arg = skip if skip is not None else temperature
-    _approx_chunk_max[(num_rows, num_chunks)](
-        *rows, cutoff_arg, skip_arg, chunk_max, vocab, num_chunks,
-        FAST_LOG=device.type == "cuda", num_warps=num_warps, **common,
-    )  # fmt: skip
-    _exact_rows[(num_rows,)](
-        *rows, cutoff_arg, skip_arg, chunk_max, token, score, vocab, num_chunks,
-        CHUNKS_POW2=triton.next_power_of_2(num_chunks), num_warps=num_warps, enable_fp_fusion=False, **common,
-    )  # fmt: skip
-    return token, score
+    maxima = approx_maxima(logits, temperature, seeds, positions, cutoff, shape, skip)
+    exact_from_maxima(logits, temperature, seeds, positions, cutoff, maxima, out, shape, skip)
+    return out

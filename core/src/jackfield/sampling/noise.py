@@ -58,6 +58,11 @@ def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
     return ((x << r) | (x >> (32 - r))) & MASK32
 
 
+def scrambled_word(word: torch.Tensor) -> torch.Tensor:
+    """k = rotl(word * c1, 15) * c2 (mod 2^32): the scramble of one message word (int64 in, out)."""
+    return _mul32(_rotl32(_mul32(word & MASK32, _C1), 15), _C2)
+
+
 def murmur3_hash32(
     seed: torch.Tensor, pos: torch.Tensor, token: torch.Tensor, domain: int = 0
 ) -> torch.Tensor:
@@ -75,8 +80,7 @@ def murmur3_hash32(
     )
     h = torch.tensor(domain & MASK32, dtype=torch.int64, device=seed.device)
     for word in words:
-        k = _mul32(_rotl32(_mul32(word, _C1), 15), _C2)
-        h = _rotl32(h ^ k, 13)
+        h = _rotl32(h ^ scrambled_word(word), 13)
         h = (_mul32(h, 5) + _MIX_ADD) & MASK32
     h = h ^ _MESSAGE_BYTES
     h = _mul32(h ^ (h >> 16), _FMIX1)

@@ -101,7 +101,7 @@ def sample_with_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` that also returns each row's winning score (-inf: the row had no finite logit).
 
-    block: the Triton vocab block size (results do not depend on it; tests vary it).
+    block: the Triton sub-block size (LaunchShape.sub_block; results do not depend on it).
     """
     validate_inputs(logits, temperature, seeds, positions, top_k, top_p, min_p)
     chosen = resolve_impl(impl, logits.device)
@@ -129,11 +129,11 @@ def _sample_triton(
     (k <= KMAX) are filtered and sampled from their candidates (filters_triton.py); one sync reads
     which other rows remain, and those get the whole-row kernels with their cutoff."""
     from jackfield.sampling import filters_triton
-    from jackfield.sampling.gumbel_triton import DEFAULT_BLOCK, gumbel_argmax_triton
+    from jackfield.sampling.gumbel_triton import DEFAULT_SHAPE, gumbel_argmax_triton
 
-    block = block or DEFAULT_BLOCK
+    shape = DEFAULT_SHAPE if block is None else DEFAULT_SHAPE.with_sub_block(block)
     if top_k is None and top_p is None and min_p is None:
-        return gumbel_argmax_triton(logits, temperature, seeds, positions, None, block=block)
+        return gumbel_argmax_triton(logits, temperature, seeds, positions, None, shape)
     token, score, cutoff, status, flags = filters_triton.filter_and_sample_triton(
         logits, temperature, seeds, positions, top_k, top_p, min_p
     )
@@ -145,7 +145,7 @@ def _sample_triton(
     if present & ~(1 << filters_triton.DONE):
         done = (status == filters_triton.DONE).to(torch.uint8)
         gumbel_argmax_triton(
-            logits, temperature, seeds, positions, cutoff, block=block, skip=done, out=(token, score)
+            logits, temperature, seeds, positions, cutoff, shape, skip=done, out=(token, score)
         )
     return token, score
 
