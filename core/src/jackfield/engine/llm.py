@@ -126,6 +126,19 @@ class LLM:
             self.runner.graphs.capture(say)
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
+        if self.device.type == "cuda" and not getattr(self.model, "non_causal", False):
+            say("warming up")
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One short sampled request through prefill and decode, so kernel compiles (Triton) and
+        library plan builds happen at start-up, not in the first request's time to first token.
+        It leaves nothing behind: its blocks are freed and request ids start at 0 again."""
+        length = min(self.config.engine.block_size, self.max_model_len - 2)
+        if length < 1:
+            return
+        self.generate([[0] * length], SamplingParams(temperature=1.0, seed=0, max_tokens=2, ignore_eos=True))
+        self._next_id = 0
 
     def _cuda_graphs_off_reason(self, backends: AttentionBackends) -> str | None:
         """Why decode steps run eagerly (None: they are replayed from CUDA graphs)."""
