@@ -35,19 +35,17 @@ from jackfield.sampling.sample import sample_with_scores
 ROWS, VOCAB = 256, 129_280
 HASHES_PER_STEP = 1 << 28
 NOISE_BOUND = 3e-5  # what _approx_error_bound assumes of |approximate - exact noise|
-# (rows per program, step, stage-1 warps, max registers, sub-block, stage-2 warps)
 SWEEP = [
-    (1, 512, 1, None, 1024, 4),
-    (2, 256, 1, None, 1024, 4),
-    (4, 128, 1, None, 1024, 4),
-    (4, 256, 1, None, 1024, 4),
-    (2, 256, 1, 96, 1024, 4),
-    (1, 256, 1, None, 1024, 4),
-    (1, 1024, 2, None, 1024, 4),
-    (2, 256, 2, None, 1024, 4),
-    (2, 256, 1, None, 512, 4),
-    (2, 256, 1, None, 2048, 4),
-    (2, 256, 1, None, 1024, 8),
+    LaunchShape(rows_per_program=1, step=512),
+    LaunchShape(rows_per_program=2, step=256),
+    LaunchShape(rows_per_program=4, step=128),
+    LaunchShape(rows_per_program=4, step=256),
+    LaunchShape(rows_per_program=2, step=256, max_registers=96),
+    LaunchShape(rows_per_program=1, step=1024, num_warps=2),
+    LaunchShape(rows_per_program=2, step=256, sub_blocks_per_program=4),
+    LaunchShape(rows_per_program=2, step=256, sub_block=512),
+    LaunchShape(rows_per_program=2, step=256, sub_block=2048),
+    LaunchShape(rows_per_program=2, step=256, exact_warps=8),
 ]
 
 
@@ -147,23 +145,21 @@ def main() -> None:
 
     want = gumbel_argmax_triton(*args, None)
     sweep = []
-    for rows, step, warps, registers, sub, exact_warps in SWEEP:
-        shape = LaunchShape(
-            sub_block=sub, step=step, rows_per_program=rows, num_warps=warps,
-            max_registers=registers, exact_warps=exact_warps,
-        )  # fmt: skip
+    for shape in SWEEP:
         got = gumbel_argmax_triton(*args, None, shape)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), shape
         sweep.append((stage_times(args, shape), shape))
+        print(f"  measured {shape}: {[round(ms * 1e3, 1) for ms in sweep[-1][0]]} us", flush=True)
     print("Gumbel kernels by launch shape, medians in us (stage 1 alone, stage 2 alone, both in one call):")
     print(
-        "| rows/program | step | stage-1 warps | max registers | sub-block | stage-2 warps"
-        " | stage 1 | stage 2 | both | x read-once |"
+        "| rows/program | step | sub-blocks/program | stage-1 warps | max registers | sub-block"
+        " | stage-2 warps | stage 1 | stage 2 | both | x read-once |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (stage1, stage2, both), sh in sorted(sweep, key=lambda item: item[0][2]):
         print(
-            f"| {sh.rows_per_program} | {sh.step} | {sh.num_warps} | {sh.max_registers} | {sh.sub_block} |"
+            f"| {sh.rows_per_program} | {sh.step} | {sh.sub_blocks_per_program} | {sh.num_warps} |"
+            f" {sh.max_registers} | {sh.sub_block} |"
             f" {sh.exact_warps} | {stage1 * 1e3:.1f} | {stage2 * 1e3:.1f} | {both * 1e3:.1f} |"
             f" {both / read_once_ms:.2f} |"
         )

@@ -267,28 +267,23 @@ def _approx_maxima(
         cutoff = tl.load(cutoff_ptr + rows)
     row_logits = logits_ptr + rows.to(tl.int64)[:, None] * row_stride
     first_sub = tl.program_id(0) * SUBS
-    args = (
-        row_logits,
-        r13,
-        scale,
-        greedy,
-        cutoff,
-        table_ptr,
-        maxima_ptr,
-        rows,
-        live,
-        vocab,
-        num_sub,
-        first_sub,
-    )
-    masked = (first_sub + SUBS) * SUB > vocab
-    mixed = tl.max(greedy.to(tl.int32), axis=0) != 0
-    if masked:
-        _approx_chunk(*args, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=True, MIXED=True, FAST_LOG=FAST_LOG)
-    elif mixed:
-        _approx_chunk(*args, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=False, MIXED=True, FAST_LOG=FAST_LOG)
+    # Three copies of the chunk loop: the last chunk masks the vocabulary, groups holding a
+    # greedy row select per row, the common case does neither.
+    if (first_sub + SUBS) * SUB > vocab:
+        _approx_chunk(
+            row_logits, r13, scale, greedy, cutoff, table_ptr, maxima_ptr, rows, live, vocab, num_sub,
+            first_sub, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=True, MIXED=True, FAST_LOG=FAST_LOG,
+        )  # fmt: skip
+    elif tl.max(greedy.to(tl.int32), axis=0) != 0:
+        _approx_chunk(
+            row_logits, r13, scale, greedy, cutoff, table_ptr, maxima_ptr, rows, live, vocab, num_sub,
+            first_sub, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=False, MIXED=True, FAST_LOG=FAST_LOG,
+        )  # fmt: skip
     else:
-        _approx_chunk(*args, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=False, MIXED=False, FAST_LOG=FAST_LOG)
+        _approx_chunk(
+            row_logits, r13, scale, greedy, cutoff, table_ptr, maxima_ptr, rows, live, vocab, num_sub,
+            first_sub, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=False, MIXED=False, FAST_LOG=FAST_LOG,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -360,7 +355,7 @@ class LaunchShape:
 
     sub_block: int = 1024
     step: int = 256
-    rows_per_program: int = 4
+    rows_per_program: int = 2
     sub_blocks_per_program: int = 1
     num_warps: int = 1
     exact_warps: int = 4
