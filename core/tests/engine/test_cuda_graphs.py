@@ -6,7 +6,7 @@ test_gpu_engine.py compares replayed and eager tokens there.
 
 from __future__ import annotations
 
-from jackfield import LLM
+from jackfield import LLM, SamplingParams
 from jackfield.engine.cuda_graphs import capture_sizes
 
 
@@ -24,3 +24,15 @@ def test_engine_says_why_decode_runs_eagerly(v3_dir) -> None:
     llm = LLM(str(v3_dir), **{"engine.device": "cpu"})
     assert llm.cuda_graphs_off == "the device is cpu"
     assert llm.runner.graphs is None
+
+
+def test_start_up_warm_up_leaves_nothing_behind(v3_dir) -> None:
+    """The warm-up request (run at start-up on CUDA) frees its blocks and restarts request ids;
+    here it is called directly on the CPU engine."""
+    llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.enable_prefix_caching": False})
+    free = llm.block_manager.num_free
+    llm._warm_up()
+    assert llm.block_manager.num_free == free
+    assert not llm.scheduler.has_work()
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert out.request_id == 0 and len(out.token_ids) == 2
