@@ -7,7 +7,7 @@ distribution, then min-p (relative to the most likely token, so it ignores renor
 Non-finite logits (NaN, +-inf) are never sampled and take no part in the filters.
 
 Top-p is defined so that every device computes the same boundary bit for bit (the Triton filter
-kernel, topk_triton.py, mirrors it): over the first k values of the descending row (all of them
+kernel, filters_triton.py, mirrors it): over the first k values of the descending row (all of them
 without top-k), the weight of value v is the integer trunc(exp32(v/T - v0/T) * 2^32) with v0 the
 row's largest value and exp32 built from IEEE float32 +, -, * (`exp_f32`); prefix sums are int64
 (exact, so their order does not matter), and position i is kept iff float64(sum of weights

@@ -26,13 +26,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from jackfield.sampling import noise
+
+def _f32(x: float) -> float:
+    """x rounded to float32 (as a Python float)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
 
 # Kernels read module globals only as constexpr: the same float32 values noise.py uses.
 _NO_INDEX = tl.constexpr(2**31 - 1)
@@ -47,8 +51,8 @@ _LOG2E = tl.constexpr(1.44269502162933349609375)  # float32(log2 e)
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: (MAGIC | n) is 2^23 + n for n < 2^23
 _RELIABLE = tl.constexpr(2.0**64)  # |M| below this: no score near float32 overflow
 # 1/(k ln 2), k = 1..3: the series of -ln(1 - u) in units of ln 2; -ln(ln 2) in float32.
-_S1, _S2, _S3 = (tl.constexpr(float(np.float32(1.0 / (k * math.log(2))))) for k in (1, 2, 3))
-_NEG_LN_LN2 = tl.constexpr(float(np.float32(-math.log(math.log(2)))))
+_S1, _S2, _S3 = (tl.constexpr(_f32(1.0 / (k * math.log(2)))) for k in (1, 2, 3))
+_NEG_LN_LN2 = tl.constexpr(_f32(-math.log(math.log(2))))
 
 
 @triton.jit
