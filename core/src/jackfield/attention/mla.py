@@ -218,6 +218,8 @@ def _memo(metadata: AttentionMetadata, key: str, build: Callable[[], T]) -> T:
     builds its own."""
     sources = (metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
                metadata.seq_lens_cpu, metadata.query_start_loc_cpu)
+    if any(t.is_inference() for t in sources):  # no version counter to trust: build every time
+        return build()
     stamp = [(t, t._version) for t in sources]
     kept = metadata.extra.get(key)
     if kept is not None and all(a is b and v == w for (a, v), (b, w) in zip(kept[0], stamp, strict=True)):
