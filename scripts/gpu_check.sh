@@ -12,7 +12,7 @@ python3 -m jackfield.cli plugins > "$out/plugins.txt" 2>&1; grep -A1 "cuda_mla "
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider core plugins tests \
     > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
 timeout 60 python3 -m jackfield.cli run --max-tokens 32 > "$out/run.txt" 2>&1; tail -4 "$out/run.txt"
-for bench in ${BENCHES:-bench_e2e bench_sampler}; do
+for bench in ${BENCHES:-bench_e2e bench_sampler accuracy_e2e}; do
     timeout "${BENCH_TIMEOUT:-240}" python3 "benchmarks/$bench.py" > "$out/$bench.txt" 2>&1
     echo "== $bench (rc=$?)"; tail -25 "$out/$bench.txt"
 done
