@@ -193,6 +193,7 @@ def test_greedy_steps_match_the_sampler_and_flag_rows_with_no_finite_logit() -> 
     logits[1, 7] = logits[1, 9] = 50.0  # a tie: the lowest index wins
     logits[2, :] = float("-inf")
     logits[3, 4] = float("nan")
+    logits[4, 11] = float("inf")  # never chosen: not finite
     rows = logits.shape[0]
     meta = SamplingMetadata(
         temperature=torch.zeros(rows),
@@ -208,3 +209,4 @@ def test_greedy_steps_match_the_sampler_and_flag_rows_with_no_finite_logit() -> 
     valid = ~got.invalid_rows
     assert got.token_ids[valid].tolist() == want.token_ids[valid].tolist()
     assert got.token_ids[1] == 7
+    assert got.token_ids[3] != 4 and got.token_ids[4] != 11

@@ -7,6 +7,7 @@ of its request's known tokens).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +33,9 @@ class StepResult:
 def greedy(logits: torch.Tensor) -> SamplerOutput:
     """An all-greedy step needs no sampler (nor its noise over the vocabulary): per row the first
     maximum of the finite logits, as every sampler's temperature-0 rows; invalid: none finite."""
-    finite = torch.isfinite(logits)
-    tokens = logits.masked_fill(~finite, float("-inf")).argmax(dim=1)
-    return SamplerOutput(tokens, invalid_rows=~finite.any(dim=1))
+    not_finite = -math.inf  # NaN and +-inf are never chosen
+    best, tokens = torch.nan_to_num(logits, nan=not_finite, posinf=not_finite, neginf=not_finite).max(dim=1)
+    return SamplerOutput(tokens, invalid_rows=best == -math.inf)
 
 
 class ModelRunner:
