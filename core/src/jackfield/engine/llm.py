@@ -123,7 +123,11 @@ class LLM:
         if self.cuda_graphs_off is None:
             self.runner.graphs = DecodeGraphs(self.model, kv_caches, self.runner.builders[0][0], backends.split,
                                               engine.block_size, self.max_model_len, engine.max_num_seqs, self.device)
-            self.runner.graphs.capture(say)
+            try:
+                self.runner.graphs.capture(say)
+            except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
+                raise RuntimeError(f"recording decode CUDA graphs with attention backend {backends.decode.name} "
+                                   f"failed ({exc}); set engine.cuda_graphs = false to decode eagerly") from exc
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
         if self.device.type == "cuda" and not getattr(self.model, "non_causal", False):
