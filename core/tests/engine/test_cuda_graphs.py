@@ -27,12 +27,31 @@ def test_engine_says_why_decode_runs_eagerly(v3_dir) -> None:
 
 
 def test_start_up_warm_up_leaves_nothing_behind(v3_dir) -> None:
-    """The warm-up request (run at start-up on CUDA) frees its blocks and restarts request ids;
-    here it is called directly on the CPU engine."""
-    llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.enable_prefix_caching": False})
+    """The warm-up request (run at start-up on CUDA) frees its blocks, caches no prefix block and
+    restarts request ids; here it is called directly on the CPU engine."""
+    llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.enable_prefix_caching": True})
     free = llm.block_manager.num_free
     llm._warm_up()
     assert llm.block_manager.num_free == free
+    assert not llm.block_manager.cached
     assert not llm.scheduler.has_work()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))[0]
     assert out.request_id == 0 and len(out.token_ids) == 2
+
+
+def test_only_steps_of_sampling_decodes_are_replayed(v3_dir) -> None:
+    """A one-token slice of a chunked prefill has one row but samples nothing: a step holding it
+    runs eagerly (the replayed path assumes every row samples and the step ends in a sync)."""
+    from jackfield.engine.cuda_graphs import DecodeGraphs
+    from jackfield.engine.scheduler import ScheduledChunk
+    from jackfield.engine.sequence import Sequence
+
+    llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.max_num_seqs": 4})
+    graphs = DecodeGraphs(llm.model, llm.runner.kv_caches, llm.runner.builders[0][0], False, llm.num_blocks,
+                          llm.config.engine.block_size, llm.max_model_len, 4, llm.device)
+    params = SamplingParams(max_tokens=4)
+    decoding = Sequence(0, 3, [5, 6, 7, 8], params, seed=0, num_computed=3)  # its 4th token is new
+    prefilling = Sequence(1, 40, list(range(40)), params, seed=0, num_computed=9)
+    assert graphs.fits([ScheduledChunk(decoding, 1)])
+    assert not graphs.fits([ScheduledChunk(decoding, 1), ScheduledChunk(prefilling, 1)])
+    assert not graphs.fits([ScheduledChunk(decoding, 1)] * 5)  # past the largest captured batch

@@ -50,6 +50,21 @@ def test_looped_experts_match_float64(tokens: int) -> None:
     )
 
 
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_bf16_experts_take_routing_weights_of_any_float_dtype(tokens: int) -> None:
+    """Granite MoE hands bf16 routing weights, DeepSeek float32: both combine in float32."""
+    torch.manual_seed(20 + tokens)
+    experts = _random_experts(6, 32, 24, torch.bfloat16, "cpu")
+    x = torch.randn(tokens, 32).bfloat16()
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2)
+    want = _experts_reference(x.float(), experts, weights, ids)
+    for w in (weights, weights.bfloat16()):
+        got = experts(x, w, ids)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 64, 300])

@@ -48,8 +48,7 @@ class MLAImpl(AttentionImpl):
             )
         self.W_UK: torch.Tensor | None = None  # [H, N, L] float32: q_nope -> latent query
         self.W_UV: torch.Tensor | None = None  # [H, L, V] float32: latent output -> v space
-        # dtype -> (the W_UK it was made from, the expansion weight in that dtype)
-        self._kv_b: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kv_b: dict[torch.dtype, torch.Tensor] = {}  # dtype -> expansion weight [H*(N+V), L]
 
     def process_weights_after_loading(self, weights: dict[str, torch.Tensor]) -> None:
         """Split HF `kv_b_proj.weight` [H*(N+V), L] once into W_UK and W_UV."""
@@ -60,6 +59,8 @@ class MLAImpl(AttentionImpl):
         w = weights["kv_b_proj"]
         if tuple(w.shape) != (h * (n + v), lat):
             raise ValueError(f"kv_b_proj must be [{h * (n + v)}, {lat}] (H*(N+V), L), got {list(w.shape)}")
+        # kv_b_proj's own layout is the expanded prefill's weight: kept as loaded (no copy).
+        self._kv_b = {w.dtype: w.detach()}
         w = w.detach().float().reshape(h, n + v, lat)
         self.W_UK = w[:, :n].contiguous()
         self.W_UV = w[:, n:].transpose(1, 2).contiguous()
@@ -70,16 +71,14 @@ class MLAImpl(AttentionImpl):
         return self.W_UK, self.W_UV
 
     def _kv_b_in(self, dtype: torch.dtype) -> torch.Tensor:
-        """The expansion weight [H * (N + V), L] (W_UK ‖ W_UV^T per head, kv_b_proj's layout) in
-        `dtype`: the expanded prefill makes every head's k_nope and v with one matmul. Built once
-        per dtype from the loaded split."""
-        w_uk, w_uv = self._weights()
-        cached = self._kv_b.get(dtype)
-        if cached is None or cached[0] is not w_uk:
-            fused = torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).flatten(0, 1).to(dtype)
-            cached = (w_uk, fused)
-            self._kv_b[dtype] = cached
-        return cached[1]
+        """The expansion weight [H * (N + V), L] (kv_b_proj's layout: W_UK ‖ W_UV^T per head) in
+        `dtype`: the expanded prefill makes every head's k_nope and v with one matmul. The loaded
+        weight serves its own dtype; another dtype is converted once."""
+        if dtype not in self._kv_b:
+            if not self._kv_b:
+                raise RuntimeError("MLA weights are not loaded: call process_weights_after_loading first")
+            self._kv_b[dtype] = next(iter(self._kv_b.values())).to(dtype)
+        return self._kv_b[dtype]
 
     def forward(
         self,
@@ -221,11 +220,14 @@ def _memo(metadata: AttentionMetadata, key: str, build: Callable[[], T]) -> T:
     if any(t.is_inference() for t in sources):  # no version counter to trust: build every time
         return build()
     stamp = [(t, t._version) for t in sources]
+    scalars = (metadata.max_query_len, metadata.max_seq_len, metadata.num_decodes,
+               metadata.num_decode_tokens, metadata.causal)
     kept = metadata.extra.get(key)
-    if kept is not None and all(a is b and v == w for (a, v), (b, w) in zip(kept[0], stamp, strict=True)):
-        return kept[1]  # type: ignore[return-value]
+    if (kept is not None and kept[1] == scalars
+            and all(a is b and v == w for (a, v), (b, w) in zip(kept[0], stamp, strict=True))):
+        return kept[2]  # type: ignore[return-value]
     value = build()
-    metadata.extra[key] = (stamp, value)
+    metadata.extra[key] = (stamp, scalars, value)
     return value
 
 

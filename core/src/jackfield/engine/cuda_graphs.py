@@ -38,12 +38,12 @@ class DecodeGraphs:
     """One CUDA graph of the model's forward per captured batch size (decode rows only)."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], builder: AttentionMetadataBuilder,
-                 split_roles: bool, block_size: int, max_model_len: int, max_num_seqs: int,
+                 split_roles: bool, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  device: torch.device) -> None:
         self.model, self.kv_caches, self.builder = model, kv_caches, builder
         self.split_roles = split_roles
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.capacity = kv_caches[0].shape[0] * block_size  # slots of every cache (one block pool)
+        self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
         self.sizes = capture_sizes(max_num_seqs)
         largest, width = self.sizes[-1], -(-max_model_len // block_size)
         self.input_ids = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
@@ -74,8 +74,10 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
-        """A decode-only step no larger than the largest captured batch."""
-        return len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 for c in chunks)
+        """A step of sampling decodes only (one row each, every row samples, so the step ends in
+        the token read-back), no larger than the largest captured batch. A one-token slice of a
+        chunked prefill does not sample: such a step runs eagerly."""
+        return len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 and c.samples for c in chunks)
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """The step's final hidden states [len(chunks), D] (a view of the graph's output buffer,

@@ -122,7 +122,8 @@ class LLM:
         self.cuda_graphs_off = self._cuda_graphs_off_reason(backends)
         if self.cuda_graphs_off is None:
             self.runner.graphs = DecodeGraphs(self.model, kv_caches, self.runner.builders[0][0], backends.split,
-                                              engine.block_size, self.max_model_len, engine.max_num_seqs, self.device)
+                                              self.num_blocks, engine.block_size, self.max_model_len,
+                                              engine.max_num_seqs, self.device)
             try:
                 self.runner.graphs.capture(say)
             except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
@@ -137,8 +138,9 @@ class LLM:
     def _warm_up(self) -> None:
         """One short sampled request through prefill and decode, so kernel compiles (Triton) and
         library plan builds happen at start-up, not in the first request's time to first token.
-        It leaves nothing behind: its blocks are freed and request ids start at 0 again."""
-        length = min(self.config.engine.block_size, self.max_model_len - 2)
+        It leaves nothing behind: it never fills a block (so the prefix cache keeps nothing), its
+        blocks are freed and request ids start at 0 again."""
+        length = min(self.config.engine.block_size, self.max_model_len) - 2
         if length < 1:
             return
         self.generate([[0] * length], SamplingParams(temperature=1.0, seed=0, max_tokens=2, ignore_eos=True))
@@ -153,8 +155,11 @@ class LLM:
             return "engine.cuda_graphs = false"
         if decode.capabilities.cuda_graph == "never":
             return f"decode backend {decode.name} declares cuda_graph = never"
+        if getattr(self.model, "non_causal", False):
+            return "the model is bidirectional (no decode steps)"
         if not getattr(self.model, "cuda_graph_safe", False):
-            return f"{type(self.model).__name__} is not marked capture-safe"
+            return (f"{type(self.model).__name__} cannot be recorded here (a host sync in its decode forward, "
+                    "e.g. MoE experts without bf16 grouped matmuls on compute capability >= 9.0)")
         if self.kv_groups.hybrid:
             return "the model has several KV cache groups (sliding-window layers)"
         return None

@@ -143,7 +143,7 @@ class ModelRunner:
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk]) -> StepResult:
         if self.graphs is not None and self.graphs.fits(chunks):
-            hidden = self.graphs.run(chunks)  # every row is a sampling decode
+            hidden = self.graphs.run(chunks)  # every row is a sampling decode (fits() checked it)
         else:
             hidden, common = self.forward(chunks)
         sampling = [c for c in chunks if c.samples]

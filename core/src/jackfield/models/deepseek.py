@@ -18,7 +18,7 @@ from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
 from jackfield.models.attention import AttentionBackends, RoleImpls, StepContext
 from jackfield.models.hf_config import DeepseekArch, deepseek_arch, rope_inv_freq
 from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
-from jackfield.models.moe import DeepseekMoE
+from jackfield.models.moe import DeepseekMoE, grouped_mm_supported
 from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
 
 _MLP = r"(?P<mlp>model\.layers\.\d+\.mlp(?:\.shared_experts)?)"
@@ -155,9 +155,13 @@ class DecoderLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """Built from the transformers config; `from_pretrained` loads a local checkpoint directory."""
 
-    # A decode forward has no host sync and no data-dependent shapes: the engine may record it in
-    # a CUDA graph (engine/cuda_graphs.py). A subclass that adds either must set this False.
-    cuda_graph_safe = True
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """A decode forward without host syncs or data-dependent shapes, which the engine may record
+        in a CUDA graph (engine/cuda_graphs.py): true where the experts run as grouped matmuls (the
+        per-expert loop reads group sizes on the host). A subclass adding a sync overrides this."""
+        moe = any(isinstance(layer.mlp, DeepseekMoE) for layer in self.model.layers)
+        return not moe or grouped_mm_supported(self.model.embed_tokens.weight.device, self.dtype)
 
     def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
                  kv_cache_dtype: KVCacheDType = "auto") -> None:

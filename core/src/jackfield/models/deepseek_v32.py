@@ -129,7 +129,9 @@ class SparseMLAAttention(MLAAttention):
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
-    cuda_graph_safe = False  # the indexer's top-k path is not checked for host syncs
+    @property
+    def cuda_graph_safe(self) -> bool:
+        return False  # the indexer's top-k path is not checked for host syncs
 
     def __init__(
         self,

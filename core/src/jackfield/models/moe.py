@@ -77,8 +77,8 @@ class Experts(nn.Module):
         # Back to (token, choice) order, then each token's k outputs weighted and summed in float32
         # (as the reference combines) by one batched product: no atomics, so a token's sum does
         # not depend on the batch's other tokens.
-        per_choice = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, k, -1)
-        return torch.bmm(weights.unsqueeze(1), per_choice.float()).squeeze(1).to(x.dtype)
+        per_choice = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, k, out.shape[-1])
+        return torch.bmm(weights.float().unsqueeze(1), per_choice.float()).squeeze(1).to(x.dtype)
 
     def _expert_ends(self, ids: torch.Tensor) -> torch.Tensor:
         """1..E as ids' dtype and device (made once): searching them in the sorted ids gives
@@ -88,21 +88,19 @@ class Experts(nn.Module):
         return self._ends
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """A single token (batch-1 decode): its k experts summed directly, no sort or scatter.
-        Summed in expert order, as the looped path sums."""
-        out: torch.Tensor | None = None
-        for expert, weight in sorted(zip(ids[0].tolist(), weights[0].tolist(), strict=True)):
+        """A single token (batch-1 decode): its k experts run directly, no sort or scatter; their
+        outputs are weighted and summed in float32 in choice order and rounded once, as the
+        batched combine does."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert, weight in zip(ids[0].tolist(), weights[0].float().tolist(), strict=True):
             gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert])
-            y = (y.float() * weight).to(x.dtype)
-            out = y if out is None else out.add_(y)
-        assert out is not None  # k >= 1
-        return out
+            out.add_(F.linear(F.silu(gate) * up, self.w2[expert]).float(), alpha=weight)
+        return out.to(x.dtype)
 
     def _grouped(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        offsets = ends  # int32: the end row of each expert's group
-        gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
+        """`ends` (int32): each expert's end row, the grouped matmul's offsets."""
+        gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=ends)
 
     def _looped(self, rows: torch.Tensor, ends: list[int]) -> torch.Tensor:
         out = torch.empty_like(rows)
@@ -119,11 +117,17 @@ class Experts(nn.Module):
 
 def use_grouped_mm(rows: torch.Tensor) -> bool:
     """torch._grouped_mm's fast kernels: CUDA, bf16 (Hopper and newer)."""
+    return grouped_mm_supported(rows.device, rows.dtype)
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether experts on `device` in `dtype` run as grouped matmuls (no host sync); elsewhere the
+    per-expert loop reads the group sizes on the host, which a CUDA graph cannot record."""
     return (
-        rows.is_cuda
-        and rows.dtype == torch.bfloat16
+        device.type == "cuda"
+        and dtype == torch.bfloat16
         and hasattr(torch, "_grouped_mm")
-        and (torch.cuda.get_device_capability(rows.device)[0] >= 9)
+        and torch.cuda.get_device_capability(device)[0] >= 9
     )
 
 
