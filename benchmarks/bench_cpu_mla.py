@@ -10,6 +10,7 @@ cache bytes a decode must read (B * S * 576 * 2) over the step time.
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import platform
 import statistics
@@ -95,7 +96,7 @@ def breakdown(
     q = query.to(dtype)
     gather_s = kernel_s = 0.0
     for group in plan.groups:
-        fused = plan.fused(group, layer.num_heads)
+        fused = plan.fused(group, layer.num_heads, dtype)
         chunks = group.key_chunks(kv_cache.shape[1], split=fused)
         keys = gather_group_cache(kv_cache, group, chunks, dtype, scratch).clone()
         t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
@@ -177,14 +178,16 @@ def main() -> None:
             if args.breakdown:
                 print(f"  {breakdown(layer, query, kv_cache, built, path, args.iters)}", flush=True)
     if args.append:
-        command = "python benchmarks/bench_cpu_mla.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items()
-            if v is not None and k != "append"
-        )
+        flags = []  # the command as it can be re-run: store_true flags bare, absent when off
+        for k, v in vars(args).items():
+            if v is None or v is False or k == "append":
+                continue
+            name = f"--{k.replace('_', '-')}"
+            flags.append(name if v is True else f"{name} {' '.join(map(str, v)) if isinstance(v, list) else v}")
+        command = "python benchmarks/bench_cpu_mla.py " + " ".join(flags)
         with open(args.append, "a") as f:
             f.write(
-                f"\n### cpu_amx MLA decode, 2026-11-29\n\n{header}\n\nCommand: `{command}`\n\n"
+                f"\n### cpu_amx MLA decode, {datetime.date.today()}\n\n{header}\n\nCommand: `{command}`\n\n"
                 + "\n".join(rows)
                 + "\n"
             )

@@ -110,3 +110,16 @@ def test_bmm_kernel_in_request_slices(monkeypatch: pytest.MonkeyPatch, slice_key
     ref_out, ref_lse = reference_attend(problem)
     torch.testing.assert_close(result.out.double(), ref_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(result.lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_heads", [16, 64])  # the fused kernel's rows, then past them
+def test_bf16_amx_path_stays_accurate_at_large_logits(num_heads: int) -> None:
+    """Queries scaled so the logits reach tens (as trained models' do): bfloat16 scores would be
+    off by up to an ulp of 0.125 there, so the AMX path must keep scores in float32 (the fused
+    kernel) for every row count, within bfloat16 output rounding of the float64 reference."""
+    problem = make_problem(make_layer(num_heads=num_heads), [1, 1, 2], [70, 33, 48], 16, torch.bfloat16, seed=9)
+    problem.query.mul_(8)
+    result = run_attend("amx_bf16", problem)
+    ref_out, ref_lse = reference_attend(problem)
+    assert (result.lse.double() - ref_lse).abs().max() < 2e-2
+    assert (result.out.double() - ref_out).abs().max() < 3e-2 * ref_out.abs().max()

@@ -37,7 +37,9 @@ def test_gather_copies_the_planned_blocks_bit_exactly(block_size, kv_lora_rank, 
     [
         (1, 4096, 2, 2),  # one request: a chunk per thread
         (16, 4096, 16, 1),  # a request per thread: no split, no merge
-        (2, 300, 16, 2),  # short: chunks of at least MIN_CHUNK_KEYS (256 -> 320 keys, whole blocks)
+        (2, 300, 16, 2),  # short: chunks of at least MIN_CHUNK_KEYS (256 keys: 4 whole blocks)
+        (16, 4095, 16, 1),  # lengths off a block multiple: still one task per thread
+        (1, 4100, 16, 13),  # 257 keys a task, rounded up to 5 blocks: 13 tasks, not 17
         (1, 100, 1, 1),
     ],
 )

@@ -98,16 +98,16 @@ class CpuAmxMLAImpl(MLAImpl):
         return_lse: bool = False,
     ) -> AttentionOutput:
         check_attend_inputs(self.layer, query, kv_cache, metadata, kv_scale, sinks, topk_indices)
-        plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale, sinks, topk_indices)
         lay = self.layer
         dtype = compute_dtype(self.path, query.dtype)
+        plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale, sinks, topk_indices, dtype)
         q = query.to(dtype)
         # NaN-filled (cheap next to the cache read) so a row no group wrote cannot pass as a result.
         out = query.new_full((query.shape[0], lay.num_heads, lay.kv_lora_rank), float("nan"))
         lse = torch.full(query.shape[:2], float("nan"), dtype=torch.float32)
         for group in plan.groups:
             t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
-            fused = plan.fused(group, lay.num_heads)
+            fused = plan.fused(group, lay.num_heads, dtype)
             chunks = group.key_chunks(kv_cache.shape[1], split=fused)
             keys = gather_group_cache(kv_cache, group, chunks, dtype, scratch)
             attend = attend_group_fused if fused else attend_group_bmm
@@ -122,6 +122,7 @@ def _checked_plan(
     kv_scale: torch.Tensor | None,
     sinks: torch.Tensor | None,
     topk_indices: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> tuple[StepPlan, Scratch]:
     """What cpu_amx needs beyond the common checks: its own plan, a CPU cache it can read."""
     unsupported = [
@@ -148,7 +149,7 @@ def _checked_plan(
     num_blocks = kv_cache.shape[0]
     for group in plan.groups:
         # The layout (and its block-id span) is built on the step's first layer and reused.
-        low, high = group.key_chunks(kv_cache.shape[1], split=plan.fused(group, query.shape[1])).block_span
+        low, high = group.key_chunks(kv_cache.shape[1], split=plan.fused(group, query.shape[1], dtype)).block_span
         if high >= num_blocks or low < 0:
             raise ValueError(f"block_table holds block {high} / {low}, the cache has {num_blocks}")
     scratch = metadata.extra.get("cpu_amx_scratch")

@@ -7,13 +7,15 @@ softmax:
   of PyTorch's CPU flash-attention kernel, whose tasks are (request, key chunk) pairs, each reading
   its key tile once for both products; the chunks' partial outputs merge through their LSEs
   (split-K), so short batches still fill every core.
-- bmm, for more rows: the flash kernel re-reads each key tile per 32-row query slice, while two
-  batched products take all of a request's rows per key tile.
+- bmm, for more rows in float32: the flash kernel re-reads each key tile per 32-row query slice,
+  while two batched products take all of a request's rows per key tile. Not for bfloat16: its
+  scores leave the first product rounded to bfloat16 (errors of 0.1-0.2 in the output once the
+  logits reach ~10-30, where the fused kernel stays within 0.01), so 16-bit groups always run fused.
 Measured on the 16-core AMX host (B=16, S=4096, H=16, bf16, one group, one chunk per request):
 the gather reads 75 MB in 0.6 ms; the fused kernel takes 1.4 ms, ~105 GFLOP/s per core, so its
 16-row products run at AVX-512 rates, not at AMX tile rates (PyTorch's flash kernel packs keys for
 AMX only from 64 query rows up). At H=128 the bmm kernel (10 ms in slices of 4 requests) beat
-the fused kernel (23-25 ms).
+the fused kernel (23-25 ms) in bfloat16, which is the speed its precision cost.
 """
 
 from __future__ import annotations

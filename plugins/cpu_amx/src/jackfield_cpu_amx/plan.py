@@ -79,7 +79,7 @@ class RequestGroup:
         property of the cache, not of the metadata)."""
         chunks = self._chunks.get((block_size, split))
         if chunks is None:
-            chunk_blocks = max(1, self.chunk_keys // block_size) if split else None
+            chunk_blocks = -(-self.chunk_keys // block_size) if split else None  # whole blocks, rounded up
             chunks = self._chunks[(block_size, split)] = self._layout(block_size, chunk_blocks)
         return chunks
 
@@ -114,8 +114,11 @@ class StepPlan:
     num_tokens: int
     fused_max_rows: int  # a group with at most this many query rows per request uses the fused kernel
 
-    def fused(self, group: RequestGroup, num_heads: int) -> bool:
-        return group.q_len * num_heads <= self.fused_max_rows
+    def fused(self, group: RequestGroup, num_heads: int, compute_dtype: torch.dtype) -> bool:
+        """The fused kernel for few query rows, and always for 16-bit products: the bmm kernel's
+        scores come out of its product in the product's dtype, and bfloat16 scores (an ulp of
+        0.125 at 16-32) would skew the softmax; the fused kernel accumulates them in float32."""
+        return group.q_len * num_heads <= self.fused_max_rows or compute_dtype != torch.float32
 
 
 def _key_bias(seq_lens: torch.Tensor, q_len: int, num_keys: int, causal: bool) -> torch.Tensor:
