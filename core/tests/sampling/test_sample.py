@@ -135,6 +135,40 @@ def test_non_contiguous_logits_are_accepted() -> None:
     assert torch.equal(sample(**strided, impl="torch"), sample(**batch, impl="torch"))
 
 
+@needs_triton_here
+def test_strided_per_row_tensors_give_the_dense_result() -> None:
+    """Per-row values handed as views (every other element of a wider tensor)."""
+    batch = make_batch(6, 300, seed=4)
+    filters = {"top_k": torch.tensor([0, 3, 1, 5, 0, 2]), "top_p": torch.full((6,), 0.8),
+               "min_p": torch.full((6,), 0.05)}
+    dense = dict(batch, **{k: v.to(DEVICE) for k, v in filters.items()})
+    strided = {k: torch.stack([v, torch.zeros_like(v)], dim=1)[:, 0] for k, v in dense.items()
+               if k not in ("logits",)}
+    strided["logits"] = batch["logits"]
+    assert all(strided[k].stride(0) == 2 for k in strided if k != "logits")
+    want = sample_with_scores(**dense, impl="torch")
+    for impl in ("torch", "triton"):
+        assert_identical(sample_with_scores(**strided, impl=impl), want)
+
+
+@needs_triton_here
+def test_out_of_range_values_are_defined_and_identical_on_both_paths() -> None:
+    """Temperatures below 1e-5, negative or NaN are greedy; +inf samples the noise alone; min_p
+    above 1 keeps the most likely token (it never masks the argmax); a NaN top_p is off."""
+    batch = make_batch(6, 300, seed=5)
+    logits = batch["logits"]
+    temperature = torch.tensor([1e-38, 1e-6, -1.0, float("nan"), float("inf"), 0.7], device=DEVICE)
+    kw = dict(batch, temperature=temperature, top_p=torch.tensor([0.5, 1, 1, float("nan"), 0.9, 0.9], device=DEVICE),
+              min_p=torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.5], device=DEVICE), top_k=torch.tensor([8] * 6, device=DEVICE))
+    torch_result, triton_result = (sample_with_scores(**kw, impl=impl) for impl in ("torch", "triton"))
+    assert_identical(torch_result, triton_result)
+    tokens, scores = torch_result
+    argmax = logits.argmax(dim=1)
+    assert torch.equal(tokens[:4], argmax[:4])  # greedy rows
+    assert torch.isfinite(scores).all()
+    assert tokens[5] == argmax[5]  # min_p 1.5 acts as 1: only the most likely token survives
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
     batch = make_batch(32, 500, seed=4)
     batch["temperature"].fill_(1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from jackfield.contracts.sampler import SamplingMetadata, SamplingParams
@@ -120,3 +122,19 @@ def test_torch_ref_is_reproducible_per_request_and_filters() -> None:
 def test_torch_ref_rejects_bad_metadata() -> None:
     with pytest.raises(ValueError, match="seeds must have dtype torch.int64"):
         TorchRefSampler().sample(torch.randn(2, 5), metadata(2, seeds=torch.zeros(2, dtype=torch.int32)))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": -0.5}, "temperature must be finite and >= 0"),
+        ({"temperature": float("inf")}, "temperature must be finite and >= 0"),
+        ({"temperature": float("nan")}, "temperature must be finite and >= 0"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+        ({"top_k": -2}, "top_k must be -1, 0 (off) or positive"),
+    ],
+)
+def test_sampling_params_reject_out_of_range_values(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**kwargs)

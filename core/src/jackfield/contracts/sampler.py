@@ -34,8 +34,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         errors = []
-        if not (self.temperature >= 0.0):
-            errors.append(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 <= self.temperature < math.inf):
+            errors.append(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_k < -1:
             errors.append(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
