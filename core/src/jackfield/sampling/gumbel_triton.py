@@ -263,7 +263,8 @@ def _approx_maxima(
             return
     temperature = tl.load(temperature_ptr + rows)
     greedy = temperature == 0.0
-    # 1/T rounded, then times log2(e) rounded: within 2^-23 of log2(e)/T (the bound allows 2^-20)
+    # 1/T (Triton's `/` may be the approximate division: <= 2 ulp), then times log2(e) rounded:
+    # within ~2^-21 of log2(e)/T; the bound E allows 2^-20
     scale = (1.0 / tl.where(greedy, 1.0, temperature)) * _LOG2E
     r13 = _rotl32(_row_hash(seed_ptr, pos_ptr, rows), 13)
     cutoff = tl.full((ROWS,), float("-inf"), tl.float32)

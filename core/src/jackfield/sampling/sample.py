@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Literal
 
@@ -113,9 +114,10 @@ def sample_with_scores(
         logits = logits.contiguous()
     # The kernels read per-row values at base + row: dense rows, whatever views came in.
     top_k = top_k.contiguous() if top_k is not None else None
-    return _sample_triton(
-        logits, temperature, seeds.contiguous(), positions.contiguous(), top_k, top_p, min_p, block
-    )
+    with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
+        return _sample_triton(
+            logits, temperature, seeds.contiguous(), positions.contiguous(), top_k, top_p, min_p, block
+        )
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM): logits / T would overflow
