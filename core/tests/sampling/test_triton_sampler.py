@@ -359,3 +359,19 @@ def test_kernel_constants_are_the_float32_roundings_they_claim() -> None:
     assert gumbel_triton._S3.value == float(np.float32(1 / (3 * math.log(2))))
     assert gumbel_triton._NEG_LN_LN2.value == float(np.float32(-math.log(math.log(2))))
     assert gumbel_triton._LN2.value == float(np.float32(math.log(2)))
+
+
+def test_batches_past_the_grid_limit_run_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 1's rows sit on the grid's y axis (CUDA: at most 65535 programs); with the limit
+    lowered to 1 program, 7 rows take 4 launches and give the one-launch result."""
+    import jackfield.sampling.gumbel_triton as gt
+
+    g = torch.Generator().manual_seed(31)
+    logits = torch.randn(7, 500, generator=g) * 3
+    temperature = torch.rand(7, generator=g) + 0.2
+    temperature[2] = 0.0
+    seeds, positions = torch.randint(0, 2**62, (7,), generator=g), torch.randint(0, 2**30, (7,), generator=g)
+    whole = gt.gumbel_argmax_triton(logits, temperature, seeds, positions, None)
+    monkeypatch.setattr(gt, "MAX_GRID_Y", 1)
+    sliced = gt.gumbel_argmax_triton(logits, temperature, seeds, positions, None)
+    assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])

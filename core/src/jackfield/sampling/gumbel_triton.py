@@ -393,6 +393,9 @@ _TOKEN_TABLES: dict[torch.device, torch.Tensor] = {}
 _TABLE_ROUNDING = 1 << 16
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's y (and z) extent
+
+
 def token_table(length: int, device: torch.device) -> torch.Tensor:
     """int32 [>= length]: entry t holds the bits of rotl(rotl(t * c1, 15) * c2, 13), the token
     word of Murmur3 scrambled and rotated (the row half is rotl(h, 13)); cached per device."""
@@ -483,6 +486,13 @@ def gumbel_argmax_triton(
     if num_rows == 0:
         return out
     temperature = temperature.to(torch.float32)
-    maxima = approx_maxima(logits, temperature, seeds, positions, cutoff, shape, skip)
-    exact_from_maxima(logits, temperature, seeds, positions, cutoff, maxima, out, shape, skip)
+    # Stage 1's rows run along the grid's y axis, which CUDA caps at MAX_GRID_Y programs: larger
+    # batches go in slices (views: the kernels address rows from each tensor's own start).
+    per_launch = MAX_GRID_Y * shape.rows_per_program
+    for r0 in range(0, num_rows, per_launch):
+        rows = slice(r0, min(num_rows, r0 + per_launch))
+        part = [t[rows] if t is not None else None for t in (logits, temperature, seeds, positions, cutoff, skip)]
+        part_out = (out[0][rows], out[1][rows])
+        maxima = approx_maxima(*part[:5], shape, part[5])
+        exact_from_maxima(*part[:5], maxima, part_out, shape, part[5])
     return out
