@@ -74,7 +74,7 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple
             self.times.append(time.perf_counter())
 
         def end(self) -> None:
-            pass
+            """Nothing to flush: only the step times are kept (BaseStreamer requires the method)."""
 
     clock = Clock()
     sync(device)
