@@ -25,23 +25,29 @@ RANK, ROPE, PAGE = 512, 64, 64
 WIDTH = RANK + ROPE
 SCALE = WIDTH**-0.5
 FP8 = torch.float8_e4m3fn
-# --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma)
+# --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma, swap)
 SWEEPS = {
     "h16": [
-        (64, 8, 2, None, False, False),
-        (64, 8, 2, 2, False, True),
-        (64, 4, 2, None, False, True),
-        (64, 4, 3, None, False, True),
+        (64, 4, 3, None, False, True, True),
+        (64, 4, 4, None, False, True, True),
+        (64, 8, 3, None, False, True, True),
+        (64, 4, 3, 2, False, True, True),
+    ],
+    "h16long": [
+        (64, 4, 3, None, False, True, True),
+        (64, 4, 4, None, False, True, True),
+    ],
+    "mtp16": [
+        (64, 4, 3, None, False, True, True),
+        (64, 8, 3, None, False, True, True),
     ],
     "fp8": [
-        (64, 8, 2, None, False, False),
-        (128, 8, 1, None, True, False),
-        (64, 16, 1, None, True, False),
-        (64, 4, 1, None, True, False),
+        (64, 8, 2, None, False, False, True),
+        (64, 8, 3, None, False, False, True),
+        (64, 8, 3, None, False, True, True),
     ],
     "h128": [
-        (64, 8, 2, None, False, False),
-        (64, 4, 2, None, False, True),
+        (64, 8, 2, None, False, True, True),
     ],
 }
 
@@ -157,10 +163,10 @@ def decode_row(name: str, c: dict, copy_gbs: float, mm_tflops: float, sweep: boo
         rows = tokens // c["seq_lens"].numel() * heads if c["topk"] is None else heads
         block_m = default_config(rows, True).block_m
         want = run_kernel(c)[0].float()
-        for bn, warps, stages, splits, prefetch, tma in variants:
-            cfg = DecodeConfig(block_m, bn, warps, stages, prefetch, tma)
+        for bn, warps, stages, splits, prefetch, tma, swap in variants:
+            cfg = DecodeConfig(block_m, bn, warps, stages, prefetch, tma, swap)
             label = f"bn{bn}/w{warps}/s{stages}/split{splits or 'auto'}{'/prefetch' if prefetch else ''}"
-            label += "/tma" if tma else ""
+            label += ("/tma" if tma else "") + ("/swap" if swap else "")
             try:
                 diff = (run_kernel(c, cfg, splits)[0].float() - want).abs().max().item()
                 ms = do_bench(lambda cfg=cfg, splits=splits: run_kernel(c, cfg, splits), warmup=5, rep=20)
@@ -210,6 +216,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", default="", help="comma-separated substrings of case names to run")
+    parser.add_argument("--no-insert", action="store_true", help="skip the KV insert rows")
     args = parser.parse_args()
     torch.manual_seed(0)
     copy_gbs, mm_tflops = ceilings()
@@ -225,20 +233,31 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     cases = [
         ("B128 H16 S4096 q1 bf16", dict(batch=128, heads=16, seq=4096, q_len=1, sweep="h16")),
-        ("B128 H16 S8192 q1 bf16", dict(batch=128, heads=16, seq=8192, q_len=1)),
-        ("B128 H16 S4096 q2 bf16 (MTP)", dict(batch=128, heads=16, seq=4096, q_len=2)),
+        ("B128 H16 S8192 q1 bf16", dict(batch=128, heads=16, seq=8192, q_len=1, sweep="h16long")),
+        ("B128 H16 S4096 q2 bf16 (MTP)", dict(batch=128, heads=16, seq=4096, q_len=2, sweep="mtp16")),
         ("B128 H16 S4096 q1 fp8", dict(batch=128, heads=16, seq=4096, q_len=1, fp8=True, sweep="fp8")),
         ("B128 H128 S4096 q1 bf16", dict(batch=128, heads=128, seq=4096, q_len=1, sweep="h128")),
         ("B128 H128 S4096 q2 bf16 (MTP)", dict(batch=128, heads=128, seq=4096, q_len=2)),
         ("sparse top2048 B64 H128 q2", dict(batch=64, heads=128, seq=8192, q_len=2, topk=2048)),
         ("sparse top2048 B128 H128 q2", dict(batch=128, heads=128, seq=8192, q_len=2, topk=2048)),
     ]
+    wanted = [w for w in args.only.split(",") if w]
     for name, shape in cases:
+        if wanted and not any(w in name for w in wanted):
+            continue
         row = decode_row(name, make_case(**shape), copy_gbs, mm_tflops, args.sweep)
         print(row, flush=True)
         lines.append(row)
         torch.cuda.empty_cache()
-    lines += [
+    if not args.no_insert:
+        lines += insert_table(copy_gbs)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def insert_table(copy_gbs: float) -> list[str]:
+    lines = [
         "",
         "| insert | us (slots checked) | us (new slots: clone + check) | GB/s (read + write) | of copy BW "
         "| check | baseline |",
@@ -247,9 +266,7 @@ def main() -> None:
     for row in insert_rows(copy_gbs):
         print(row, flush=True)
         lines.append(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    return lines
 
 
 if __name__ == "__main__":

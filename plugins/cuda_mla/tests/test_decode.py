@@ -183,13 +183,26 @@ def poison_unowned_rows(batch: dict) -> None:
     bits[~owned.to(DEV)] = nan
 
 
-@pytest.mark.parametrize("prefetch,tma", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(
+    "prefetch,tma,swap",
+    [
+        (True, False, False),
+        (False, True, False),
+        (True, True, False),
+        (False, False, True),
+        (True, False, True),
+        (False, True, True),
+    ],
+)
 @pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
-def test_tile_loaders_agree_with_float64(prefetch: bool, tma: bool, cache_dtype: torch.dtype) -> None:
-    """Register prefetch and TMA pages (whole tiles; the partial tail goes through the gather)."""
+def test_tile_loaders_agree_with_float64(prefetch: bool, tma: bool, swap: bool, cache_dtype: torch.dtype) -> None:
+    """Register prefetch, TMA pages (whole tiles; the partial tail goes through the gather) and
+    the swapped products (keys as M), each with q_len up to 4 (16 rows of 4 heads)."""
     batch = make_batch([37, 80, 5, 16, 64, 0], [1, 4, 2, 3, 1, 1], torch.float16, cache_dtype)
     poison_unowned_rows(batch)
-    config = DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, prefetch=prefetch, tma=tma)
+    config = DecodeConfig(
+        block_m=16, block_n=16, num_warps=4, num_stages=1, prefetch=prefetch, tma=tma, swap=swap
+    )
     for causal, splits in ((True, 1), (False, 3)):
         out, lse = run_decode(batch, causal, num_splits=splits, config=config)
         assert_close(out, lse, *reference(batch, causal), TOL[torch.float16])

@@ -100,6 +100,24 @@ def test_full_shape_many_heads() -> None:
     assert_decode_matches_reference(full_batch([2000, 513], [2, 1], heads=128))
 
 
+@pytest.mark.parametrize(
+    "config,fp8",
+    [
+        (DecodeConfig(16, 64, 4, 3, tma=True, swap=True), False),
+        (DecodeConfig(16, 64, 8, 2, swap=True), True),
+        (DecodeConfig(16, 64, 8, 3, tma=True, swap=True), True),
+    ],
+)
+def test_full_shape_swapped_products_with_mtp(config: DecodeConfig, fp8: bool) -> None:
+    """Keys as the M dimension (wgmma for few rows), q_len up to 8, causal, fp8 or bf16."""
+    assert_decode_matches_reference(full_batch([1000, 4097, 64, 300, 0], [1, 8, 2, 3, 1], fp8=fp8), config=config)
+
+
+def test_full_shape_swapped_products_many_heads() -> None:
+    config = DecodeConfig(64, 64, 8, 2, tma=True, swap=True)
+    assert_decode_matches_reference(full_batch([2000, 513], [2, 1], heads=128), config=config)
+
+
 def test_full_shape_fp8_cache() -> None:
     assert_decode_matches_reference(full_batch([3000, 700], [1, 2], fp8=True))
 

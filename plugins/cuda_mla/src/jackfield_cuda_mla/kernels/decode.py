@@ -31,6 +31,7 @@ class DecodeConfig:
     num_stages: int
     prefetch: bool = False  # double-buffer KV tiles in registers (for fp8, whose tile is converted)
     tma: bool = False  # dense, 16-bit or fp8 cache with PAGE % block_n == 0: whole tiles by TMA
+    swap: bool = False  # keys as the M dimension of both products (few rows: wgmma needs M = 64)
 
 
 def default_config(rows_per_group: int, on_gpu: bool, fp8: bool = False) -> DecodeConfig:
@@ -238,6 +239,7 @@ def mla_decode(
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32; 16-bit ignores it
         PREFETCH=cfg.prefetch,
         TMA=use_tma,
+        SWAP=cfg.swap,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -72,23 +72,45 @@ def _attend(
     score_scale_log2,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
-    """One online-softmax step (base 2) over a key tile; returns the new (max, sum, accumulator)."""
+    """One online-softmax step (base 2) over a key tile; returns the new (max, sum, accumulator).
+
+    SWAP: keys are the M dimension of both products (q_nope / q_pe come transposed, [D, rows];
+    acc is [R, rows]). Hopper's wgmma needs 64 rows a warpgroup, which a tile of 16-32 query rows
+    cannot give, so without SWAP the few-rows case runs on mma.sync with the KV tile staged through
+    registers; with SWAP the 64-key tile is the M operand and the query rows are N.
+    """
     kv = kv.to(q_nope.dtype)  # fp8 -> activation dtype is exact; the scale is folded in
     k_pe = k_pe.to(q_pe.dtype)
-    s = tl.dot(q_nope, tl.trans(kv), input_precision=PRECISION)
-    s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
-    s = s * score_scale_log2
-    visible = row_ok[:, None] & key_ok[None, :]
-    if CAUSAL:
-        visible = visible & (pos[None, :] <= last_visible[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
-    alpha = tl.exp2(m_i - m_safe)
-    prob = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(prob, 1)
-    acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=PRECISION)
+    if SWAP:
+        s = tl.dot(kv, q_nope, input_precision=PRECISION)
+        s += tl.dot(k_pe, q_pe, input_precision=PRECISION)
+        s = s * score_scale_log2
+        visible = key_ok[:, None] & row_ok[None, :]
+        if CAUSAL:
+            visible = visible & (pos[:, None] <= last_visible[None, :])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
+        alpha = tl.exp2(m_i - m_safe)
+        prob = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(prob, 0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(kv), prob.to(kv.dtype), input_precision=PRECISION)
+    else:
+        s = tl.dot(q_nope, tl.trans(kv), input_precision=PRECISION)
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+        s = s * score_scale_log2
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= last_visible[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
+        alpha = tl.exp2(m_i - m_safe)
+        prob = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -135,6 +157,7 @@ def mla_decode_stage1(
     PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
     TMA: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     # Row blocks of one group are neighbouring program ids, so they run at the same time and
     # share each KV tile through L2 instead of reading it from memory once per row block.
@@ -174,7 +197,12 @@ def mla_decode_stage1(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    if SWAP:
+        q_nope = tl.trans(q_nope)
+        q_pe = tl.trans(q_pe)
+        acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     table = block_table + req.to(tl.int64) * stride_bt
     topk_row = topk + group.to(tl.int64) * stride_kt
     MASK_R: tl.constexpr = BLOCK_R != RANK
@@ -206,6 +234,7 @@ def mla_decode_stage1(
                 score_scale_log2,
                 CAUSAL,
                 PRECISION,
+                SWAP,
             )
     if PREFETCH:
         # Registers double-buffer the tiles: tile i + 1 is in flight while tile i is computed
@@ -267,6 +296,7 @@ def mla_decode_stage1(
                 score_scale_log2,
                 CAUSAL,
                 PRECISION,
+                SWAP,
             )
             pos, key_ok, kv, k_pe = next_pos, next_ok, next_kv, next_pe
     else:
@@ -306,8 +336,11 @@ def mla_decode_stage1(
                 score_scale_log2,
                 CAUSAL,
                 PRECISION,
+                SWAP,
             )
 
+    if SWAP:
+        acc = tl.trans(acc)
     seen = l_i > 0.0
     denom = tl.where(seen, l_i, 1.0)
     result = tl.where(seen[:, None], acc * (value_scale / denom)[:, None], 0.0)
