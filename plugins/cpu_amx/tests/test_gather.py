@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from cpu_amx_problems import make_layer, make_problem
@@ -49,3 +51,18 @@ def test_chunks_by_thread_count(monkeypatch, num_reqs, seq_len, threads, num_chu
     md = CpuAmxMetadataBuilder(group_keys=1 << 20).build(problem.metadata)
     (group,) = md.extra[PLANS_KEY][plan_key(md)].groups
     assert group.key_chunks(64).num_chunks == num_chunks
+
+
+def test_a_plan_whose_groups_miss_query_rows_is_rejected() -> None:
+    """attend() writes its outputs only through the groups (it does not poison them first), so a
+    plan must tile the query rows: a dropped group, or groups out of place, fail at construction."""
+    problem = make_problem(make_layer(num_heads=4), [1, 1, 3, 2], [9, 14, 6, 8], 4, torch.float32, seed=5)
+    built = CpuAmxMetadataBuilder(group_keys=1).build(problem.metadata)
+    plan = built.extra[PLANS_KEY][plan_key(built)]
+    assert len(plan.groups) == 4  # one request each: every later group starts where the last ended
+    with pytest.raises(ValueError, match="query row"):
+        replace(plan, groups=plan.groups[:-1])
+    with pytest.raises(ValueError, match="query row"):
+        replace(plan, groups=plan.groups[1:])
+    with pytest.raises(ValueError, match="query row"):
+        replace(plan, groups=(plan.groups[1], plan.groups[0], *plan.groups[2:]))

@@ -9,7 +9,7 @@ import torch
 from cpu_amx_problems import make_layer, make_problem
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMLAImpl
-from jackfield_cpu_amx.plan import PLANS_KEY
+from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder
 
 
 @pytest.mark.parametrize(
@@ -82,11 +82,14 @@ def test_metadata_without_a_plan_gets_one_for_the_call(decode_case) -> None:
 
 
 def test_rejects_a_plan_for_other_rows(decode_case) -> None:
-    impl, p, md = decode_case
+    impl, p, _ = decode_case
+    md = CpuAmxMetadataBuilder(group_keys=1).build(p.metadata)  # a group per request
     plans = md.extra[PLANS_KEY]
     ((key, plan),) = plans.items()
-    stale = md.replace(extra={**md.extra, PLANS_KEY: {key: dataclasses.replace(plan, num_tokens=5)}})
-    with pytest.raises(ValueError, match="plan covers 5 query rows"):
+    # A consistent plan, for the first request's row alone (a plan's groups must tile its rows).
+    first = dataclasses.replace(plan, groups=plan.groups[:1], num_reqs=1, num_tokens=1)
+    stale = md.replace(extra={**md.extra, PLANS_KEY: {key: first}})
+    with pytest.raises(ValueError, match="plan covers 1 query rows, got 2"):
         impl.attend(p.query, p.kv_cache, stale)
 
 

@@ -102,9 +102,9 @@ class CpuAmxMLAImpl(MLAImpl):
         dtype = compute_dtype(self.path, query.dtype)
         plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale, sinks, topk_indices, dtype)
         q = query.to(dtype)
-        # NaN-filled (cheap next to the cache read) so a row no group wrote cannot pass as a result.
-        out = query.new_full((query.shape[0], lay.num_heads, lay.kv_lora_rank), float("nan"))
-        lse = torch.full(query.shape[:2], float("nan"), dtype=torch.float32)
+        # Every row is written below: the plan's groups tile the query rows (StepPlan checks).
+        out = query.new_empty((query.shape[0], lay.num_heads, lay.kv_lora_rank))
+        lse = torch.empty(query.shape[:2], dtype=torch.float32)
         for group in plan.groups:
             t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
             fused = plan.fused(group, lay.num_heads, dtype)

@@ -114,6 +114,17 @@ class StepPlan:
     num_tokens: int
     fused_max_rows: int  # a group with at most this many query rows per request uses the fused kernel
 
+    def __post_init__(self) -> None:
+        # attend() writes its outputs only through the groups (no poison fill: on the AMX host
+        # two fills cost ~0.1 ms of a 2.4 ms step), so the groups must tile the query rows.
+        end = 0
+        for group in self.groups:
+            if group.token_start != end:
+                raise ValueError(f"request group at query row {group.token_start}, expected {end}")
+            end += group.num_reqs * group.q_len
+        if end != self.num_tokens:
+            raise ValueError(f"request groups cover {end} query rows of {self.num_tokens}")
+
     def fused(self, group: RequestGroup, num_heads: int, compute_dtype: torch.dtype) -> bool:
         """The fused kernel for few query rows, and always for 16-bit products: the bmm kernel's
         scores come out of its product in the product's dtype, and bfloat16 scores (an ulp of
