@@ -71,3 +71,30 @@ def test_greedy_generation_matches_transformers_generate(checkpoint, variant: st
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == expected
         assert out.finish_reason == "length"
+
+
+def test_output_rows_finish_only_the_rows_asked_for(checkpoint) -> None:
+    """A step's last layer finishes only the sampling rows; their logits are those of
+    transformers at the same positions, and every row's KV is still written (the next chunk
+    reads it)."""
+    directory, reference = checkpoint("v3")
+    llm = LLM(directory, backend="torch_ref", block_size=16)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [Sequence(i, n, torch.randint(0, 256, (n,), generator=gen).tolist(), SamplingParams(), 0)
+            for i, n in enumerate([19, 40])]
+    chunks = [ScheduledChunk(s, 12) for s in seqs]  # first chunks: the rest follows below
+    for c in chunks:
+        llm.block_manager.grow(c.seq, c.num_tokens)
+    rows = [3, 11, 12 + 7]  # a middle row, request 0's chunk end, a row of request 1
+    hidden, _ = llm.runner.forward(chunks, rows)
+    assert hidden.shape[0] == len(rows)
+    got = llm.model.compute_logits(hidden)
+    want = torch.stack([_reference_logits(reference, seqs[0].token_ids[:12])[3],
+                        _reference_logits(reference, seqs[0].token_ids[:12])[11],
+                        _reference_logits(reference, seqs[1].token_ids[:12])[7]])
+    assert (got - want).abs().max().item() <= 1e-4
+    for c in chunks:
+        c.seq.num_computed += c.num_tokens
+    rest = _run_rows(llm, [ScheduledChunk(s, s.num_tokens - 12) for s in seqs])
+    for seq, row in zip(seqs, rest, strict=True):
+        assert (row - _reference_logits(reference, seq.token_ids)[12:]).abs().max().item() <= 1e-4

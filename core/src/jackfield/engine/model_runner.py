@@ -7,6 +7,7 @@ of its request's known tokens).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -133,26 +134,30 @@ class ModelRunner:
         )
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
-    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Final hidden states [T, D] of every query row (writing their KV), and the step's metadata."""
+    def forward(self, chunks: list[ScheduledChunk], output_rows: list[int] | None = None,
+                ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Final hidden states of `output_rows` of the step's flat batch (all rows when None),
+        writing every row's KV, and the step's metadata."""
         per_group, input_ids, positions = self._metadata(chunks)
         context = self._step_context(per_group)
-        hidden = self.model(self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64), context)
+        rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
+        hidden = self.model(self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64), context, rows)
         return hidden, per_group[0]
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk]) -> StepResult:
+        sampling = [c for c in chunks if c.samples]
         if self.graphs is not None and self.graphs.fits(chunks):
             hidden = self.graphs.run(chunks)  # every row is a sampling decode (fits() checked it)
         else:
-            hidden, common = self.forward(chunks)
-        sampling = [c for c in chunks if c.samples]
+            # The last layer finishes only the rows that sample (a prefill's last token): its
+            # output projection and MLP skip the rest of the prompt. A step that samples nothing
+            # (a middle prefill chunk) runs whole: its output is unused.
+            ends = list(itertools.accumulate(c.num_tokens for c in chunks))
+            rows = [end - 1 for end, c in zip(ends, chunks, strict=True) if c.samples]
+            hidden, _ = self.forward(chunks, rows if 0 < len(rows) < ends[-1] else None)
         if not sampling:
             return StepResult([], [])
-        if len(sampling) < hidden.shape[0]:  # else every row is a sampling decode, in order
-            ends = common.query_start_loc_cpu[1:].tolist()
-            rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
-            hidden = hidden[self._h2d(rows, torch.int64)]
         logits = self.model.compute_logits(hidden)
         if all(_plain_greedy(c.seq.params) for c in sampling):
             out = greedy(logits)

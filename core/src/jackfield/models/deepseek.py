@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
 from jackfield.models.attention import AttentionBackends, RoleImpls, StepContext
 from jackfield.models.hf_config import DeepseekArch, deepseek_arch, rope_inv_freq
-from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
 from jackfield.models.moe import DeepseekMoE, grouped_mm_supported
 from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
 
@@ -92,10 +92,13 @@ class MLAAttention(nn.Module):
         q = torch.cat((q[..., : a.qk_nope_head_dim], pe[:, : a.num_heads]), dim=-1)
         return q, kv_c, pe[:, a.num_heads], q_latent
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over every row of x (each writes its KV); the output of `output_rows` only
+        (all rows when None)."""
         q, kv_c, k_pe, _ = self.project(x, positions, rope)
-        out = self.attn.run(step, self.index, q, kv_c, k_pe)  # [T, H, V]
-        return self.o_proj(out.reshape(x.shape[0], self.arch.num_heads * self.arch.v_head_dim))
+        out = select_rows(self.attn.run(step, self.index, q, kv_c, k_pe), output_rows)  # [rows, H, V]
+        return self.o_proj(out.reshape(out.shape[0], self.arch.num_heads * self.arch.v_head_dim))
 
 
 class ExpandedMLAAttention(MLAAttention):
@@ -106,15 +109,16 @@ class ExpandedMLAAttention(MLAAttention):
     def finish_loading(self) -> None:
         """Nothing to hand over: the MHA impl never sees kv_b_proj."""
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
         a, t = self.arch, x.shape[0]
         q, kv_c, k_pe, _ = self.project(x, positions, rope)
         assert self.kv_b_proj is not None
         k_nope, v = self.kv_b_proj(kv_c).view(t, a.num_heads, -1).split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(t, a.num_heads, a.qk_rope_head_dim)), dim=-1)
         v = F.pad(v, (0, k.shape[-1] - a.v_head_dim))
-        out = self.attn.run(step, self.index, q, k, v)[..., : a.v_head_dim]
-        return self.o_proj(out.reshape(t, a.num_heads * a.v_head_dim))
+        out = select_rows(self.attn.run(step, self.index, q, k, v)[..., : a.v_head_dim], output_rows)
+        return self.o_proj(out.reshape(out.shape[0], a.num_heads * a.v_head_dim))
 
 
 def attention_spec(arch: DeepseekArch, kv_cache_dtype: KVCacheDType) -> AttentionLayerSpec:
@@ -147,8 +151,10 @@ class DecoderLayer(nn.Module):
             DeepseekMoE(arch, dtype) if arch.is_moe_layer(index) else GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
         )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, step)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for `output_rows` of x (all rows when None)."""
+        x = select_rows(x, output_rows) + self.self_attn(self.input_layernorm(x), positions, rope, step, output_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -212,12 +218,16 @@ class DeepseekForCausalLM(nn.Module):
             layer.self_attn.finish_loading()
         return model.eval()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, D] (normed)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states (normed) of `output_rows` [rows, D]
+        (all T rows when None). Every layer writes the KV of all T rows; the last one computes
+        its attention output projection and MLP for the output rows only."""
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        for layer in self.model.layers:
+        *layers, last = self.model.layers
+        for layer in layers:
             x = layer(x, positions, self.rope, step)
-        return self.model.norm(x)
+        return self.model.norm(last(x, positions, self.rope, step, output_rows))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight

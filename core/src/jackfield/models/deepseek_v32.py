@@ -22,7 +22,7 @@ from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, Att
 from jackfield.models.attention import AttentionBackends, StepContext
 from jackfield.models.deepseek import DeepseekForCausalLM, MLAAttention
 from jackfield.models.hf_config import DeepseekArch, rope_inv_freq
-from jackfield.models.layers import Linear, RotaryEmbedding
+from jackfield.models.layers import Linear, RotaryEmbedding, select_rows
 
 
 def step_parts(step: StepContext) -> list[tuple[slice, AttentionMetadata, bool]]:
@@ -114,6 +114,7 @@ class SparseMLAAttention(MLAAttention):
         rope: RotaryEmbedding,
         step: StepContext,
         index_rope: RotaryEmbedding,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         a, t = self.arch, x.shape[0]
         q, kv_c, k_pe, q_latent = self.project(x, positions, rope)
@@ -125,7 +126,8 @@ class SparseMLAAttention(MLAAttention):
             topk = self.indexer(x[rows], q_latent[rows], positions[rows], index_rope, key_cache, metadata)
             impl: AttentionImpl = self.attn.decode_impl if is_decode else self.attn.prefill_impl
             out[rows] = impl.forward(q[rows], kv_c[rows], k_pe[rows], cache, metadata, topk_indices=topk)  # type: ignore[attr-defined]
-        return self.o_proj(out.reshape(t, a.num_heads * a.v_head_dim))
+        out = select_rows(out, output_rows)
+        return self.o_proj(out.reshape(out.shape[0], a.num_heads * a.v_head_dim))
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
@@ -161,9 +163,13 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
         """The L latent caches, then the L indexer-key caches (same blocks and slots)."""
         return [self.attention_spec] * self.arch.num_layers + [self.index_key_spec] * self.arch.num_layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        for layer in self.model.layers:
-            x = x + layer.self_attn(layer.input_layernorm(x), positions, self.rope, step, self.index_rope)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            rows = output_rows if i == last else None
+            attn = layer.self_attn(layer.input_layernorm(x), positions, self.rope, step, self.index_rope, rows)
+            x = select_rows(x, rows) + attn
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)

@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
 from jackfield.models.attention import AttentionBackends, RoleImpls, StepContext
 from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
-from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
 from jackfield.models.moe import Experts
 from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
 
@@ -75,8 +75,10 @@ class GQAAttention(nn.Module):
         self.attn = RoleImpls(backends, spec)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, step: StepContext
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, step: StepContext,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention over every row (each writes its KV); the output of `output_rows` (all when None)."""
         a, t = self.arch, x.shape[0]
         q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
         k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
@@ -84,8 +86,8 @@ class GQAAttention(nn.Module):
         if rope is not None:  # None: a NoPE layer
             q, k = rope(q, positions), rope(k, positions)
         sinks = {} if self.sinks is None else {"sinks": self.sinks.float()}
-        out = self.attn.run(step, self.index, q, k, v, **sinks)
-        return self.o_proj(out.reshape(t, a.num_heads * a.head_dim))
+        out = select_rows(self.attn.run(step, self.index, q, k, v, **sinks), output_rows)
+        return self.o_proj(out.reshape(out.shape[0], a.num_heads * a.head_dim))
 
 
 class GraniteMoE(nn.Module):
@@ -135,9 +137,12 @@ class DecoderLayer(nn.Module):
         return out if self.shared_mlp is None else out + self.shared_mlp(x)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, step: StepContext
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, step: StepContext,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, step) * self.residual_multiplier
+        """The layer's output for `output_rows` of x (all rows when None)."""
+        attn = self.self_attn(self.input_layernorm(x), positions, rope, step, output_rows)
+        x = select_rows(x, output_rows) + attn * self.residual_multiplier
         return x + self._mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
 
 
@@ -211,11 +216,14 @@ class GraniteForCausalLM(nn.Module):
         )
         return model.eval()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, D] (normed)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states (normed) of `output_rows` [rows, D]
+        (all T rows when None); the last layer computes its outputs for those rows only."""
         x = F.embedding(input_ids, self.model.embed_tokens.weight) * self.arch.embedding_multiplier
-        for layer, rope in zip(self.model.layers, self.rope_of_layer, strict=True):
-            x = layer(x, positions, None if rope is None else self.ropes[rope], step)
+        last = len(self.model.layers) - 1
+        for i, (layer, rope) in enumerate(zip(self.model.layers, self.rope_of_layer, strict=True)):
+            x = layer(x, positions, None if rope is None else self.ropes[rope], step, output_rows if i == last else None)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

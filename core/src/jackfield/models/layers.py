@@ -21,6 +21,11 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
+def select_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x's rows `rows` (an index tensor on x's device), or x itself when rows is None."""
+    return x if rows is None else x[rows]
+
+
 class RMSNorm(nn.Module):
     """Normalizes in float32, scales in the activation dtype (as the DeepSeek reference does)."""
 
