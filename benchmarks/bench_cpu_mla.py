@@ -29,11 +29,13 @@ from jackfield_cpu_amx.plan import FUSED_MAX_ROWS, PLANS_KEY, CpuAmxMetadataBuil
 KV_LORA_RANK, ROPE = 512, 64
 
 
-def timed(fn: Callable[[], object], iters: int) -> float:
-    """Median seconds of `iters` calls after one warm-up call."""
+def timed(fn: Callable[[], object], iters: int, before: Callable[[], object] | None = None) -> float:
+    """Median seconds of `iters` calls after one warm-up call; `before` runs untimed before each."""
     fn()
     samples = []
     for _ in range(iters):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
@@ -45,6 +47,20 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     return 2 * nbytes / timed(lambda: dst.copy_(src), 5)
+
+
+def cache_evictor() -> Callable[[], object]:
+    """Writes a buffer twice the last-level cache (1 GiB when its size is unknown), so that the KV
+    cache of the next call comes from memory, as it does when a model's layers take turns: one
+    layer's cache at B=16, S=4096 (75 MB) fits the AMX host's 300 MiB L3."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            size = f.read().strip()
+        llc = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}[size[-1]]
+    except (OSError, ValueError, KeyError, IndexError):
+        llc = 1 << 29
+    buf = torch.empty(2 * llc // 4, dtype=torch.float32)
+    return lambda: buf.fill_(1.0)
 
 
 def decode_problem(
@@ -126,6 +142,11 @@ def main() -> None:
         help="query rows per request up to which the fused kernel runs (0: always the bmm kernel)",
     )
     parser.add_argument("--breakdown", action="store_true", help="also time gather and kernel apart")
+    parser.add_argument(
+        "--evict",
+        action="store_true",
+        help="evict the caches before each timed step (cache read from memory)",
+    )
     parser.add_argument("--paths", nargs="+", default=None, help="compute paths (default: the detected one)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--ref-iters", type=int, default=2)
@@ -135,6 +156,7 @@ def main() -> None:
     status = detected_amx_status()
     paths: list[ComputePath] = args.paths or [status.path]
     bandwidth = copy_bandwidth()
+    before = cache_evictor() if args.evict else None
     cpu = platform.processor() or platform.machine()
     with open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
@@ -143,6 +165,7 @@ def main() -> None:
         f"{status.path} ({status.reason})\nhost copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s; "
         f"B={args.batch}, S={args.seq}, block {args.block_size}, "
         f"kv_lora_rank {KV_LORA_RANK} + rope {ROPE}, bf16 cache"
+        + ("; caches evicted before each step" if args.evict else "")
     )
     rows = [
         "| H | backend | kernel | group keys | chunk keys | step ms | tokens/s | eff. GB/s "
@@ -161,7 +184,9 @@ def main() -> None:
             )
 
         ref_impl = TorchRefBackend.make_impl(layer)
-        ref_s = timed(partial(ref_impl.attend, query, kv_cache, metadata, return_lse=True), args.ref_iters)
+        ref_s = timed(
+            partial(ref_impl.attend, query, kv_cache, metadata, return_lse=True), args.ref_iters, before
+        )
         rows.append(row("torch_ref", "- | - | -", ref_s, ref_s))
         print(rows[-1], flush=True)
         settings = itertools.product(paths, args.fused_max_rows, args.group_keys, args.chunk_keys)
@@ -170,7 +195,7 @@ def main() -> None:
                 continue  # the bmm kernel reads one chunk per request
             impl = CpuAmxMLAImpl(layer, path=path)
             built = CpuAmxMetadataBuilder(group_keys, chunk_keys or None, fused_max_rows).build(metadata)
-            s = timed(partial(impl.attend, query, kv_cache, built, return_lse=True), args.iters)
+            s = timed(partial(impl.attend, query, kv_cache, built, return_lse=True), args.iters, before)
             kernel = "fused" if heads <= fused_max_rows else "bmm"
             keys = f"{kernel} | {group_keys} | {chunk_keys or 'auto'}"
             rows.append(row(f"cpu_amx {path}", keys, s, ref_s))
@@ -183,7 +208,9 @@ def main() -> None:
             if v is None or v is False or k == "append":
                 continue
             name = f"--{k.replace('_', '-')}"
-            flags.append(name if v is True else f"{name} {' '.join(map(str, v)) if isinstance(v, list) else v}")
+            flags.append(
+                name if v is True else f"{name} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            )
         command = "python benchmarks/bench_cpu_mla.py " + " ".join(flags)
         with open(args.append, "a") as f:
             f.write(
