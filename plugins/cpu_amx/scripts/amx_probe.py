@@ -4,9 +4,11 @@ Times, interleaved over rounds (medians), at B=16, S=4096, H=16 (bf16 cache, gat
 the flash kernel as attend_group_fused calls it, with the query padded to 32 / 64 rows, in
 float32 with oneDNN's bf16 math mode; bf16 bmm in both operand orders; float32 bmm under the
 bf16 math mode; the softmax pieces; the gather. Then a profile of whole attend() steps, and
-oneDNN's verbose log (which implementation and ISA each product ran on).
+MKL's and oneDNN's verbose logs (which implementation and ISA each product ran on). Also the
+flash kernel run over the cache's blocks where they lie (no gather), merged by LSE.
 
-    PYTHONPATH=core/src:plugins/cpu_amx/src:benchmarks python3 plugins/cpu_amx/scripts/amx_probe.py
+    PYTHONPATH=core/src:plugins/cpu_amx/src:benchmarks \
+        python3 plugins/cpu_amx/scripts/amx_probe.py [--no-verbose]
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, reps: in
 
 
 def main() -> None:
-    batch, heads, seq, width, rank = 16, 16, int(os.environ.get("PROBE_SEQ", 4096)), 576, 512
+    batch, heads, seq, width = 16, 16, int(os.environ.get("PROBE_SEQ", 4096)), 576
     layer, query, kv_cache, metadata = decode_problem(batch, heads, seq, 64)
     built = CpuAmxMetadataBuilder().build(metadata)
     plan = built.extra[PLANS_KEY][plan_key(built)]
@@ -56,7 +58,10 @@ def main() -> None:
     chunks = group.key_chunks(kv_cache.shape[1], split=True)
     scratch = built.extra["cpu_amx_scratch"]
     keys = gather_group_cache(kv_cache, group, chunks, torch.bfloat16, scratch).clone()  # [B, S', 576]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunks {chunks.num_chunks}, keys {tuple(keys.shape)}")
+    threads = torch.get_num_threads()
+    print(
+        f"torch {torch.__version__}, {threads} threads, chunks {chunks.num_chunks}, keys {tuple(keys.shape)}"
+    )
     scale = layer.scale
     q = query.view(batch, 1, heads, width)
     k = keys.view(batch, 1, -1, width)
@@ -82,8 +87,25 @@ def main() -> None:
         finally:
             bf32(False)
 
+    # The flash kernel over the cache's blocks where they lie (each block a batch entry, its
+    # request's queries gathered beside it), then the blocks' partial results merged by LSE.
+    block_ids = metadata.block_table.flatten().long()
+    owner = torch.zeros(kv_cache.shape[0], dtype=torch.long)
+    owner[block_ids] = torch.arange(batch).repeat_interleave(metadata.block_table.shape[1])
+    cache_blocks = kv_cache.unsqueeze(1)  # [num_blocks, 1, block_size, 576], a view
+
+    def flash_in_place() -> torch.Tensor:
+        q_blocks = query.index_select(0, owner).unsqueeze(1)
+        out, lse = FLASH(q_blocks, cache_blocks, cache_blocks, 0.0, False, scale=scale)
+        lse = lse.view(-1, heads).index_select(0, block_ids).view(batch, -1, heads)
+        parts = out.view(-1, heads, width).index_select(0, block_ids).view(batch, -1, heads, width)
+        return torch.einsum("bnh,bnhd->bhd", torch.softmax(lse, 1), parts.float())
+
     variants: dict[str, Callable[[], object]] = {
-        "gather (int64 index_select)": lambda: gather_group_cache(kv_cache, group, chunks, torch.bfloat16, scratch),
+        "flash over cache blocks in place + merge": flash_in_place,
+        "gather (int64 index_select)": lambda: gather_group_cache(
+            kv_cache, group, chunks, torch.bfloat16, scratch
+        ),
         "flash bf16, 16 rows": lambda: FLASH(q, k, k, 0.0, False, scale=scale),
         "flash bf16, 32 rows": lambda: FLASH(q32, k, k, 0.0, False, scale=scale),
         "flash bf16, 64 rows": lambda: FLASH(q64, k, k, 0.0, False, scale=scale),
@@ -101,7 +123,7 @@ def main() -> None:
     print("| what | ms | GFLOP/s per core (16 rows) |\n|---|---|---|")
     for name, ms in times.items():
         flops = 2 * flops_qk if name.startswith("flash") else flops_qk if name.startswith("bmm") else 0
-        rate = f"{flops / ms / 1e6 / torch.get_num_threads():.0f}" if flops else ""
+        rate = f"{flops / ms / 1e6 / threads:.0f}" if flops else ""
         print(f"| {name} | {ms:.3f} | {rate} |", flush=True)
 
     impl = CpuAmxMLAImpl(layer, path="amx_bf16")
@@ -112,9 +134,11 @@ def main() -> None:
             step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
 
-    if os.environ.get("ONEDNN_VERBOSE") is None:  # one more process with the verbose logs, summarized
+    if "--no-verbose" not in sys.argv and os.environ.get("ONEDNN_VERBOSE") is None:
+        # One more process with oneDNN's and MKL's verbose logs, summarized.
         env = {**os.environ, "ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1"}
-        log = subprocess.run([sys.executable, __file__, "--verbose-only"], env=env, capture_output=True, text=True).stdout
+        argv = [sys.executable, __file__, "--verbose-only"]
+        log = subprocess.run(argv, env=env, capture_output=True, text=True).stdout
         summary: dict[str, list[str]] = collections.defaultdict(list)
         for line in log.splitlines():
             f = line.split(",")
@@ -122,7 +146,8 @@ def main() -> None:
                 i = f.index("exec")
                 summary[f"oneDNN {f[i + 2]} | {f[i + 3]} | {f[-2]}"].append(f[-1])
             elif line.startswith("MKL_VERBOSE") and "(" in line:
-                summary["MKL " + line.split()[1].split("(")[0] + "(" + ",".join(line.split("(")[1].split(",")[:5])].append(line.split(")")[1].split()[0])
+                call, args = line.split()[1].split("(", 1)
+                summary[f"MKL {call}({','.join(args.split(',')[:5])}"].append(line.split(")")[1].split()[0])
             elif line.startswith(("MKL_VERBOSE", "onednn_verbose,v1,info,cpu")):
                 print("  " + line[:300])
         print("verbose exec lines (what | implementation | problem: count, times):")
