@@ -28,26 +28,21 @@ FP8 = torch.float8_e4m3fn
 # --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma, swap)
 SWEEPS = {
     "h16": [
-        (64, 4, 3, None, False, True, True),
-        (64, 4, 4, None, False, True, True),
-        (64, 8, 3, None, False, True, True),
-        (64, 4, 3, 2, False, True, True),
+        (64, 8, 2, None, False, True, False),
+        (64, 4, 1, 2, False, True, True),
+        (64, 4, 1, None, False, True, True),
+        (64, 4, 2, 2, False, True, True),
     ],
     "h16long": [
-        (64, 4, 3, None, False, True, True),
-        (64, 4, 4, None, False, True, True),
+        (64, 8, 2, None, False, True, False),
+        (64, 4, 1, 2, False, True, True),
     ],
     "mtp16": [
-        (64, 4, 3, None, False, True, True),
-        (64, 8, 3, None, False, True, True),
+        (64, 8, 2, None, False, True, False),
+        (64, 4, 1, 2, False, True, True),
     ],
     "fp8": [
-        (64, 8, 2, None, False, False, True),
-        (64, 8, 3, None, False, False, True),
-        (64, 8, 3, None, False, True, True),
-    ],
-    "h128": [
-        (64, 8, 2, None, False, True, True),
+        (32, 4, 1, 2, True, False, False),
     ],
 }
 

@@ -32,29 +32,34 @@ class DecodeConfig:
     prefetch: bool = False  # double-buffer KV tiles in registers (for fp8, whose tile is converted)
     tma: bool = False  # dense, 16-bit or fp8 cache with PAGE % block_n == 0: whole tiles by TMA
     swap: bool = False  # keys as the M dimension of both products (few rows: wgmma needs M = 64)
+    ctas_per_sm: int = 1  # programs of this tile that fit on one SM at once: plan_splits' wave size
 
 
-def default_config(rows_per_group: int, on_gpu: bool, fp8: bool = False) -> DecodeConfig:
+def default_config(
+    rows_per_group: int, on_gpu: bool, cache_dtype: torch.dtype = torch.bfloat16, sparse: bool = False
+) -> DecodeConfig:
     # Many rows (H=128): a 64-row tile keeps the 64 x 512 fp32 accumulator at 128 registers a thread
     # over 8 warps. Few rows (H=16, memory-bound): one program covers every head of a request, so
-    # each KV tile is read once. H200 sweep (PERF_NOTES.md): 64 keys x 8 warps x 2 stages with TMA
-    # pages won for 16-bit caches (sparse decode falls back to the gather); fp8 won with register
-    # prefetch and no compiler pipelining.
+    # each KV tile is read once. H200 sweeps (PERF_NOTES.md): for 16-bit caches, 64-key TMA pages;
+    # with at most 32 rows the swapped products (keys as wgmma's M) on one warpgroup beat mma.sync
+    # over 8 warps; fp8 won with register prefetch and no compiler pipelining.
     block_m = max(16, min(64, triton.next_power_of_2(rows_per_group)))
     if not on_gpu:
         return DecodeConfig(block_m, 16, 4, 1)
-    if fp8:
+    if cache_dtype == FP8:
         return DecodeConfig(block_m, 64, 8, 1, prefetch=True)
+    if block_m <= 32 and not sparse and cache_dtype.itemsize == 2:
+        return DecodeConfig(block_m, 64, 4, 3, tma=True, swap=True)
     return DecodeConfig(block_m, 64, 8, 2, tma=True)
 
 
-def plan_splits(programs: int, max_keys: int, block_n: int, num_sms: int) -> int:
+def plan_splits(programs: int, max_keys: int, block_n: int, num_sms: int, ctas_per_sm: int = 1) -> int:
     """KV splits so that programs x splits about fills one wave of the GPU, each split >= 4 tiles.
 
-    One full wave, not more: on the H200 extra splits cost more (partials, merge) than the tail
-    they remove once every SM already streams KV (PERF_NOTES.md).
+    One full wave (num_sms x ctas_per_sm programs), not more: on the H200 extra splits cost more
+    (partials, merge) than the tail they remove once every SM already streams KV (PERF_NOTES.md).
     """
-    wanted = max(1, round(num_sms / max(programs, 1)))
+    wanted = max(1, round(num_sms * ctas_per_sm / max(programs, 1)))
     useful = max(1, triton.cdiv(max_keys, 4 * block_n))
     return max(1, min(wanted, useful, 64))
 
@@ -166,10 +171,12 @@ def mla_decode(
         return out, lse
     groups = tokens if sparse else num_reqs
     rows_per_group = heads if sparse else max_query_len * heads
-    cfg = config or default_config(rows_per_group, device.type == "cuda", kv_cache.dtype == FP8)
+    cfg = config or default_config(rows_per_group, device.type == "cuda", kv_cache.dtype, sparse)
     row_blocks = triton.cdiv(rows_per_group, cfg.block_m)
     max_keys = topk_indices.shape[1] if sparse else max_seq_len
-    splits = num_splits or plan_splits(groups * row_blocks, max_keys, cfg.block_n, _num_sms(device))
+    splits = num_splits or plan_splits(
+        groups * row_blocks, max_keys, cfg.block_n, _num_sms(device), cfg.ctas_per_sm
+    )
     if splits == 1:
         part_out, part_lse = out, lse
         stride_os = stride_ls = 0
