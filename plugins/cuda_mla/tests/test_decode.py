@@ -200,8 +200,9 @@ def test_tile_loaders_agree_with_float64(prefetch: bool, tma: bool, swap: bool, 
     the swapped products (keys as M), each with q_len up to 4 (16 rows of 4 heads)."""
     batch = make_batch([37, 80, 5, 16, 64, 0], [1, 4, 2, 3, 1, 1], torch.float16, cache_dtype)
     poison_unowned_rows(batch)
+    stages = 2 if swap else 1  # the interpreter ignores stages; swap requires >= 2
     config = DecodeConfig(
-        block_m=16, block_n=16, num_warps=4, num_stages=1, prefetch=prefetch, tma=tma, swap=swap
+        block_m=16, block_n=16, num_warps=4, num_stages=stages, prefetch=prefetch, tma=tma, swap=swap
     )
     for causal, splits in ((True, 1), (False, 3)):
         out, lse = run_decode(batch, causal, num_splits=splits, config=config)

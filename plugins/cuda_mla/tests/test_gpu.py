@@ -104,7 +104,7 @@ def test_full_shape_many_heads() -> None:
     "config,fp8",
     [
         (DecodeConfig(16, 64, 4, 3, tma=True, swap=True), False),
-        (DecodeConfig(16, 64, 4, 1, tma=True, swap=True, ctas_per_sm=2), False),
+        (DecodeConfig(32, 64, 4, 2, tma=True, swap=True), False),
         (DecodeConfig(16, 32, 4, 1, prefetch=True, ctas_per_sm=2), True),
         (DecodeConfig(16, 64, 8, 2, swap=True), True),
         (DecodeConfig(16, 64, 8, 3, tma=True, swap=True), True),

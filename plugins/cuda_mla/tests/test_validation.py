@@ -11,6 +11,7 @@ import torch
 from jackfield.contracts.attention import AttentionRequirements
 from jackfield_cuda_mla.capabilities import CUDA_MLA_CAPABILITIES, cuda_mla_availability
 from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
+from jackfield_cuda_mla.kernels.decode import DecodeConfig
 
 R, P, PAGE = 64, 16, 16
 FP8 = torch.float8_e4m3fn
@@ -107,6 +108,7 @@ def decode_args(**over):
         (dict(topk_indices=torch.zeros(2, 8, dtype=torch.int64)), "topk_indices dtype"),
         (dict(out=torch.empty(2, 4, R)), "out must be"),
         (dict(lse=torch.empty(2, 4, dtype=torch.float16)), "lse must be"),
+        (dict(config=DecodeConfig(16, 16, 4, 1, swap=True)), "swapped products need num_stages >= 2"),
     ],
 )
 def test_decode_rejects_bad_input(over: dict, message: str) -> None:

@@ -172,6 +172,11 @@ def mla_decode(
     groups = tokens if sparse else num_reqs
     rows_per_group = heads if sparse else max_query_len * heads
     cfg = config or default_config(rows_per_group, device.type == "cuda", kv_cache.dtype, sparse)
+    require(
+        not cfg.swap or cfg.num_stages >= 2,
+        # H200, Triton 3.6: the unpipelined swapped loop wrote NaN and faulted (PERF_NOTES.md, round 3)
+        lambda: f"swapped products need num_stages >= 2, got {cfg.num_stages}",
+    )
     row_blocks = triton.cdiv(rows_per_group, cfg.block_m)
     max_keys = topk_indices.shape[1] if sparse else max_seq_len
     splits = num_splits or plan_splits(
