@@ -195,7 +195,9 @@ def poison_unowned_rows(batch: dict) -> None:
     ],
 )
 @pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
-def test_tile_loaders_agree_with_float64(prefetch: bool, tma: bool, swap: bool, cache_dtype: torch.dtype) -> None:
+def test_tile_loaders_agree_with_float64(
+    prefetch: bool, tma: bool, swap: bool, cache_dtype: torch.dtype
+) -> None:
     """Register prefetch, TMA pages (whole tiles; the partial tail goes through the gather) and
     the swapped products (keys as M), each with q_len up to 4 (16 rows of 4 heads)."""
     batch = make_batch([37, 80, 5, 16, 64, 0], [1, 4, 2, 3, 1, 1], torch.float16, cache_dtype)

@@ -93,7 +93,9 @@ def test_full_shape_bf16_decode_with_mtp(causal: bool) -> None:
 )
 @pytest.mark.parametrize("fp8", [False, True])
 def test_full_shape_tile_loaders(config: DecodeConfig, fp8: bool) -> None:
-    assert_decode_matches_reference(full_batch([1000, 4097, 64, 300, 0], [1, 1, 1, 1, 1], fp8=fp8), config=config)
+    assert_decode_matches_reference(
+        full_batch([1000, 4097, 64, 300, 0], [1, 1, 1, 1, 1], fp8=fp8), config=config
+    )
 
 
 def test_full_shape_many_heads() -> None:
@@ -112,7 +114,9 @@ def test_full_shape_many_heads() -> None:
 )
 def test_full_shape_swapped_products_with_mtp(config: DecodeConfig, fp8: bool) -> None:
     """Keys as the M dimension (wgmma for few rows), q_len up to 8, causal, fp8 or bf16."""
-    assert_decode_matches_reference(full_batch([1000, 4097, 64, 300, 0], [1, 8, 2, 3, 1], fp8=fp8), config=config)
+    assert_decode_matches_reference(
+        full_batch([1000, 4097, 64, 300, 0], [1, 8, 2, 3, 1], fp8=fp8), config=config
+    )
 
 
 def test_full_shape_swapped_products_many_heads() -> None:
