@@ -8,11 +8,13 @@ and how many sub-blocks per row stage 2 recomputes. Then a sweep of launch shape
 timed on its own (tokens must not change), a batch with greedy rows mixed in, and top-k 50 /
 top-p 0.9.
 
-    PYTHONPATH=core/src python3 benchmarks/bench_sampler.py
+    PYTHONPATH=core/src python3 benchmarks/bench_sampler.py [--no-sweep]
 """
 
 from __future__ import annotations
 
+import argparse
+import time
 from collections.abc import Callable
 
 import torch
@@ -61,6 +63,20 @@ def graph_ms(fn: Callable[[], object]) -> float:
     with torch.cuda.graph(graph):
         fn()
     return bench_ms(graph.replay)
+
+
+def host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Microseconds of host time per call of fn (no sync inside) while the GPU is kept busy, so
+    that launches queue instead of waiting: the launch cost the GPU sees when it is idle."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU cycles: longer than the calls take
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def copy_bandwidth() -> float:
@@ -118,7 +134,7 @@ def stage_times(args: tuple[torch.Tensor, ...], shape: LaunchShape) -> tuple[flo
     return stage1, stage2, both, graphed
 
 
-def main() -> None:
+def main(sweep_shapes: bool) -> None:
     torch.manual_seed(0)
     logits = torch.randn(ROWS, VOCAB, device="cuda") * 4
     temperature = torch.rand(ROWS, device="cuda") + 0.5
@@ -157,7 +173,7 @@ def main() -> None:
 
     want = gumbel_argmax_triton(*args, None)
     sweep = []
-    for shape in SWEEP:
+    for shape in SWEEP if sweep_shapes else [DEFAULT_SHAPE]:
         got = gumbel_argmax_triton(*args, None, shape)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), shape
         sweep.append((stage_times(args, shape), shape))
@@ -178,8 +194,21 @@ def main() -> None:
             f" {sh.exact_warps} | {stage1 * 1e3:.1f} | {stage2 * 1e3:.1f} | {both * 1e3:.1f} |"
             f" {graphed * 1e3:.1f} | {graphed / read_once_ms:.2f} |"
         )
-    filter_ms = bench_ms(lambda: filter_and_sample_triton(*args, top_k, top_p, None))
-    print(f"filter kernels alone (group max + filter/sample, no sync): {filter_ms * 1e3:.1f} us")
+    def filter_kernels() -> object:
+        return filter_and_sample_triton(*args, top_k, top_p, None)
+
+    filter_ms = bench_ms(filter_kernels)
+    filter_graph_ms = graph_ms(filter_kernels)
+    print(
+        f"filter kernels alone (group max + filter/sample, no sync): {filter_ms * 1e3:.1f} us,"
+        f" replayed from a CUDA graph {filter_graph_ms * 1e3:.1f} us"
+    )
+    for name, call in [
+        ("filter kernels", filter_kernels),
+        ("temperature-only sample()", lambda: sample(*args, impl="triton")),
+        ("the Gumbel kernels", lambda: gumbel_argmax_triton(*args, None)),
+    ]:
+        print(f"host time to launch {name} (GPU kept busy): {host_us(call):.1f} us")
 
     def multinomial() -> torch.Tensor:
         return torch.multinomial(torch.softmax(logits / temperature[:, None], dim=-1), 1)
@@ -212,4 +241,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--no-sweep", action="store_true", help="time the default launch shape only")
+    main(sweep_shapes=not parser.parse_args().no_sweep)

@@ -238,6 +238,16 @@ def test_scores_closer_than_the_bound_in_different_sub_blocks(ulps: int, winner:
 
 
 @needs_triton_here
+@pytest.mark.parametrize(("a", "b"), [(10, 11), (10, 266), (300, 1000)])
+@pytest.mark.parametrize("ulps", [0, 1])
+def test_close_scores_inside_one_sub_block(a: int, b: int, ulps: int) -> None:
+    """Two exact scores closer than the bound inside one 1024-token sub-block, a few tokens or a
+    whole step (256) apart: stage 2 must order them by their exact scores, ties to the lower."""
+    tokens, _ = assert_same(tie_batch(4097, a, b, ulps), block=1024)
+    assert tokens.item() == (b if ulps else a)
+
+
+@needs_triton_here
 @pytest.mark.parametrize(("a", "b"), [(63, 64), (0, 4096)])
 def test_ties_across_a_sub_block_boundary_go_to_the_lower_index(a: int, b: int) -> None:
     """Equal exact scores on both sides of a sub-block edge (and first vs the partial last

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from jackfield.sampling import filters, noise
-from jackfield.sampling.gumbel_triton import _NO_INDEX, _gumbel_f32, _log_f32, _row_hash
+from jackfield.sampling.gumbel_triton import _NO_INDEX, _gumbel_f32, _log_f32, _row_hash, load_temperature
 
 KMAX = 256  # largest top_k handled here
 CAP = 512  # candidates per row (>= KMAX; typically k + a few)
@@ -48,9 +48,12 @@ _INT32_MIN = tl.constexpr(-(2**31))
 
 @triton.jit
 def _group_max(
-    logits_ptr, row_stride, group_max_ptr, vocab, num_groups, GS: tl.constexpr, GROUPS: tl.constexpr
-):
+    logits_ptr, row_stride, group_max_ptr, flags_ptr, vocab, num_groups, GS: tl.constexpr,
+    GROUPS: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
+    if (row == 0) & (tl.program_id(1) == 0):
+        tl.store(flags_ptr, 0)  # _filter_and_sample (the next launch) ORs the statuses into it
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     index = group[:, None] * GS + tl.arange(0, GS)[None, :]
     x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + index, mask=index < vocab, other=float("-inf"))
@@ -105,7 +108,7 @@ def _filter_and_sample(
     GROUPS_POW2: tl.constexpr, TILE_GROUPS: tl.constexpr, KMAX: tl.constexpr, CAP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + row)
+    temperature = load_temperature(temperature_ptr, row)  # sanitized as it loads, as are p, min_p
     sampled = temperature > 0.0
     k = tl.full((), 0, tl.int64)
     if HAS_K:
@@ -113,13 +116,15 @@ def _filter_and_sample(
     k = tl.where(sampled & (k > 0) & (k < vocab), k, 0)
     p = tl.full((), 1.0, tl.float32)
     if HAS_P:
-        p = tl.where(sampled, tl.load(top_p_ptr + row), 1.0)
+        p = tl.load(top_p_ptr + row)
+        p = tl.where(sampled & (p == p), p, 1.0)  # NaN: off
     groups = tl.arange(0, GROUPS_POW2)
     in_row = groups < num_groups
     group_max = tl.load(group_max_ptr + row * num_groups + groups, mask=in_row, other=float("-inf"))
     cutoff = tl.full((), float("-inf"), tl.float32)
     if HAS_MIN_P:  # p_i >= min_p * p_max  <=>  x_i >= x_max + T * log(min_p), as in filters.py
-        min_p = tl.where(sampled, tl.load(min_p_ptr + row), 0.0)
+        min_p = tl.load(min_p_ptr + row)
+        min_p = tl.where(sampled & (min_p == min_p), tl.minimum(tl.maximum(min_p, 0.0), 1.0), 0.0)
         log_mp = _log_f32(tl.maximum(tl.where(min_p > 0.0, min_p, 1.0), 1.1754943508222875e-38))
         cutoff = tl.where(min_p > 0.0, tl.max(group_max, axis=0) + temperature * log_mp, cutoff)
 
@@ -206,22 +211,22 @@ def filter_and_sample_triton(
     gs = group_size(vocab)
     num_groups = triton.cdiv(vocab, gs)
     groups_pow2 = triton.next_power_of_2(num_groups)
-    token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    token = torch.empty(num_rows, dtype=torch.int64, device=device)
     score = torch.empty(num_rows, dtype=torch.float32, device=device)
     cutoff = torch.empty(num_rows, dtype=torch.float32, device=device)
     status = torch.empty(num_rows, dtype=torch.int32, device=device)
-    flags = torch.zeros(1, dtype=torch.int32, device=device)
+    flags = torch.empty(1, dtype=torch.int32, device=device)
     if num_rows == 0:
-        return token, score, cutoff, status, flags
+        return token, score, cutoff, status, flags.zero_()
     group_max = torch.empty((num_rows, num_groups), dtype=torch.float32, device=device)
     group_list = torch.empty((num_rows, groups_pow2), dtype=torch.int32, device=device)
     cand_value = torch.empty((num_rows, CAP), dtype=torch.float32, device=device)
     cand_index = torch.empty((num_rows, CAP), dtype=torch.int32, device=device)
     groups_per_program = max(1, GROUP_TILE // gs)
     _group_max[(num_rows, triton.cdiv(num_groups, groups_per_program))](
-        logits, logits.stride(0), group_max, vocab, num_groups, GS=gs, GROUPS=groups_per_program, num_warps=4
-    )
-    temperature = temperature.to(torch.float32)
+        logits, logits.stride(0), group_max, flags, vocab, num_groups, GS=gs, GROUPS=groups_per_program,
+        num_warps=4,
+    )  # fmt: skip
     _filter_and_sample[(num_rows,)](
         logits, logits.stride(0), temperature, seeds, positions,
         top_k if top_k is not None else temperature, top_p if top_p is not None else temperature,

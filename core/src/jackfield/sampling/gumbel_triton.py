@@ -32,6 +32,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from jackfield.sampling import noise
+from jackfield.sampling.sanitize import F32_MAX, GREEDY_BELOW
+
 
 def _f32(x: float) -> float:
     """x rounded to float32 (as a Python float)."""
@@ -53,6 +55,16 @@ _RELIABLE = tl.constexpr(2.0**64)  # |M| below this: no score near float32 overf
 # 1/(k ln 2), k = 1..3: the series of -ln(1 - u) in units of ln 2; -ln(ln 2) in float32.
 _S1, _S2, _S3 = (tl.constexpr(_f32(1.0 / (k * math.log(2)))) for k in (1, 2, 3))
 _NEG_LN_LN2 = tl.constexpr(_f32(-math.log(math.log(2))))
+_GREEDY_BELOW = tl.constexpr(GREEDY_BELOW)
+_F32_MAX = tl.constexpr(F32_MAX)
+
+
+@triton.jit
+def load_temperature(temperature_ptr, rows):
+    """Temperatures as sanitize.py defines them (below GREEDY_BELOW, negative or NaN: 0, greedy;
+    +inf: the largest float32), applied as the kernels load them: no launches to sanitize."""
+    t = tl.load(temperature_ptr + rows)
+    return tl.minimum(tl.where(t >= _GREEDY_BELOW, t, 0.0), _F32_MAX)
 
 
 @triton.jit
@@ -261,7 +273,7 @@ def _approx_maxima(
     if HAS_SKIP:
         if tl.min(tl.load(skip_ptr + rows), axis=0) != 0:  # every row already sampled
             return
-    temperature = tl.load(temperature_ptr + rows)
+    temperature = load_temperature(temperature_ptr, rows)
     greedy = temperature == 0.0
     # 1/T (Triton's `/` may be the approximate division: <= 2 ulp), then times log2(e) rounded:
     # within ~2^-21 of log2(e)/T; the bound E allows 2^-20
@@ -303,7 +315,7 @@ def _exact_rows(
         if tl.load(skip_ptr + row) != 0:
             return
     row_logits = logits_ptr + row.to(tl.int64) * row_stride
-    temperature = tl.load(temperature_ptr + row)
+    temperature = load_temperature(temperature_ptr, row)
     cutoff = float("-inf")
     if HAS_CUTOFF:
         cutoff = tl.load(cutoff_ptr + row)

@@ -10,6 +10,7 @@ import torch
 
 from jackfield.sampling.filters import filter_cutoffs
 from jackfield.sampling.gumbel_torch import gumbel_argmax_torch
+from jackfield.sampling.sanitize import sanitized
 
 Impl = Literal["auto", "torch", "triton"]
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,38 +107,18 @@ def sample_with_scores(
     """
     validate_inputs(logits, temperature, seeds, positions, top_k, top_p, min_p)
     chosen = resolve_impl(impl, logits.device)
-    temperature, top_p, min_p = _sanitized(temperature, top_p, min_p)
     if chosen == "torch":
+        temperature, top_p, min_p = sanitized(temperature, top_p, min_p)
         cutoff = filter_cutoffs(logits, temperature, top_k, top_p, min_p)
         return gumbel_argmax_torch(logits, temperature, seeds, positions, cutoff)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    # The kernels read per-row values at base + row: dense rows, whatever views came in.
-    top_k = top_k.contiguous() if top_k is not None else None
+    # The kernels read per-row values at base + row: dense rows, whatever views came in. They
+    # sanitize temperature, top_p and min_p as they load them (sanitize.py): no launches here.
+    temperature, seeds, positions = temperature.contiguous(), seeds.contiguous(), positions.contiguous()
+    top_k, top_p, min_p = (t.contiguous() if t is not None else None for t in (top_k, top_p, min_p))
     with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
-        return _sample_triton(
-            logits, temperature, seeds.contiguous(), positions.contiguous(), top_k, top_p, min_p, block
-        )
-
-
-GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM): logits / T would overflow
-F32_MAX = 3.4028234663852886e38
-
-
-def _sanitized(
-    temperature: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Per-row values both implementations read, made safe without a device sync (and dense):
-    a temperature below GREEDY_BELOW, negative or NaN is greedy, +inf is the largest float32
-    (uniform sampling without an inf * 0); a NaN top_p is off; min_p is clamped to [0, 1] (a
-    larger one would mask the most likely token too). SamplingParams rejects these at the engine's
-    entry; the functional API defines them."""
-    temperature = torch.where(temperature >= GREEDY_BELOW, temperature, 0.0).clamp(max=F32_MAX).contiguous()
-    if top_p is not None:
-        top_p = torch.nan_to_num(top_p, nan=1.0).contiguous()
-    if min_p is not None:
-        min_p = torch.nan_to_num(min_p, nan=0.0).clamp(0.0, 1.0).contiguous()
-    return temperature, top_p, min_p
+        return _sample_triton(logits, temperature, seeds, positions, top_k, top_p, min_p, block)
 
 
 def _sample_triton(
@@ -164,7 +145,8 @@ def _sample_triton(
     )
     present = int(flags.item())  # a device sync (a row falling back to the torch cutoff adds one)
     if present & (1 << filters_triton.NEEDS_TORCH_CUTOFF):
-        torch_cutoff = filter_cutoffs(logits, temperature, top_k, top_p, min_p)
+        safe_t, safe_p, safe_min_p = sanitized(temperature, top_p, min_p)
+        torch_cutoff = filter_cutoffs(logits, safe_t, top_k, safe_p, safe_min_p)
         assert torch_cutoff is not None  # such a row uses top-k or top-p
         cutoff = torch.where(status == filters_triton.NEEDS_TORCH_CUTOFF, torch_cutoff, cutoff)
     if present & ~(1 << filters_triton.DONE):
@@ -191,7 +173,7 @@ def sample(
     argmax(logits / temperature + gumbel_noise(seed, position, token)) over the tokens that
     survive top-k / top-p / min-p. NaN and +-inf logits are never sampled; a row with no finite
     logit returns token 0. temperature, top_p, min_p: float32 [R]; seeds, positions: int64 [R];
-    top_k: int64 or int32 [R] (<= 0: off). Temperatures below 1e-5 are greedy (see _sanitized for
+    top_k: int64 or int32 [R] (<= 0: off). Temperatures below 1e-5 are greedy (see sanitize.py for
     the other out-of-range values). impl: "torch", "triton" or "auto" (Triton on CUDA when available).
     """
     return sample_with_scores(logits, temperature, seeds, positions, top_k, top_p, min_p, impl)[0]
