@@ -12,9 +12,10 @@ softmax:
   scores leave the first product rounded to bfloat16 (errors of 0.1-0.2 in the output once the
   logits reach ~10-30, where the fused kernel stays within 0.01), so 16-bit groups always run fused.
 Measured on the 16-core AMX host (B=16, S=4096, H=16, bf16, one group, one chunk per request):
-the gather reads 75 MB in 0.6 ms; the fused kernel takes 1.4 ms, ~105 GFLOP/s per core, so its
-16-row products run at AVX-512 rates, not at AMX tile rates (PyTorch's flash kernel packs keys for
-AMX only from 64 query rows up). At H=128 the bmm kernel (10 ms in slices of 4 requests) beat
+the gather reads 75 MB in 0.6 ms; the fused kernel takes 1.4 ms, ~105 GFLOP/s per core. Its
+bfloat16 products are MKL bf16 x bf16 -> float32 GEMMs, mostly spent packing each transposed key
+tile (32 query rows cost about what 16 do); torch 2.11 packs keys for AMX brgemm in this kernel
+for float16 only (PERF_NOTES.md). At H=128 the bmm kernel (10 ms in slices of 4 requests) beat
 the fused kernel (23-25 ms) in bfloat16, which is the speed its precision cost.
 """
 
