@@ -112,8 +112,8 @@ def test_full_shape_many_heads() -> None:
         (DecodeConfig(16, 64, 8, 3, tma=True, swap=True), True),
     ],
 )
-def test_full_shape_swapped_products_with_mtp(config: DecodeConfig, fp8: bool) -> None:
-    """Keys as the M dimension (wgmma for few rows), q_len up to 8, causal, fp8 or bf16."""
+def test_full_shape_few_row_tiles_with_mtp(config: DecodeConfig, fp8: bool) -> None:
+    """Few-row tiles (swapped products; fp8 32-key tiles two per SM), q_len up to 8, causal."""
     assert_decode_matches_reference(
         full_batch([1000, 4097, 64, 300, 0], [1, 8, 2, 3, 1], fp8=fp8), config=config
     )

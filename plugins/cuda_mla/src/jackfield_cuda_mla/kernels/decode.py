@@ -42,10 +42,14 @@ def default_config(
     # over 8 warps. Few rows (H=16, memory-bound): one program covers every head of a request, so
     # each KV tile is read once. H200 sweeps (PERF_NOTES.md): for 16-bit caches, 64-key TMA pages;
     # with at most 32 rows the swapped products (keys as wgmma's M) on one warpgroup beat mma.sync
-    # over 8 warps; fp8 won with register prefetch and no compiler pipelining.
+    # over 8 warps; fp8 won with register prefetch and no compiler pipelining (H16: 32-key tiles,
+    # two programs per SM).
     block_m = max(16, min(64, triton.next_power_of_2(rows_per_group)))
     if not on_gpu:
         return DecodeConfig(block_m, 16, 4, 1)
+    if cache_dtype == FP8 and block_m == 16:
+        # 32-key tiles on 4 warps: two programs per SM hide each other's conversion latency
+        return DecodeConfig(block_m, 32, 4, 1, prefetch=True, ctas_per_sm=2)
     if cache_dtype == FP8:
         return DecodeConfig(block_m, 64, 8, 1, prefetch=True)
     if block_m <= 32 and not sparse and cache_dtype.itemsize == 2:
