@@ -55,3 +55,32 @@ def test_only_steps_of_sampling_decodes_are_replayed(v3_dir) -> None:
     assert graphs.fits([ScheduledChunk(decoding, 1)])
     assert not graphs.fits([ScheduledChunk(decoding, 1), ScheduledChunk(prefilling, 1)])
     assert not graphs.fits([ScheduledChunk(decoding, 1)] * 5)  # past the largest captured batch
+
+
+def test_piece_sizes_cover_every_token_count_up_to_the_step_budget() -> None:
+    from jackfield.engine.piecewise_graphs import piece_sizes
+
+    assert piece_sizes(16) == [16]
+    assert piece_sizes(96) == [16, 32, 64, 96]
+    assert piece_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    for budget in (1, 17, 100, 8192):
+        sizes = piece_sizes(budget)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == budget
+        assert all(any(s >= n for s in sizes) for n in range(1, budget + 1))
+
+
+def test_engine_says_why_prefill_runs_eagerly(v3_dir) -> None:
+    llm = LLM(str(v3_dir), **{"engine.device": "cpu"})
+    assert llm.prefill_graphs_off == "the device is cpu"
+    assert llm.runner.pieces is None
+
+
+def test_only_models_declaring_pieces_are_piecewise(v3_dir) -> None:
+    """DeepSeek-V2/V3's forward is its pieces; V3.2 runs an indexer inside its attention, so its
+    pieces would skip it: it must not declare them."""
+    from jackfield.engine.piecewise_graphs import is_piecewise
+    from jackfield.models.deepseek_v32 import DeepseekV32ForCausalLM
+
+    llm = LLM(str(v3_dir), **{"engine.device": "cpu"})
+    assert is_piecewise(llm.model)
+    assert not DeepseekV32ForCausalLM.forward_in_pieces

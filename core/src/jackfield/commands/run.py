@@ -80,13 +80,16 @@ def main(args: argparse.Namespace) -> int:
             for p, o in zip(prompts, outputs, strict=True)
         ]
         print(json.dumps({"model": str(llm.model_dir), "device": str(llm.device), "dtype": str(llm.dtype),
-                          "backends": backends, "cuda_graphs_off_reason": llm.cuda_graphs_off, "outputs": results, "summary": summary}, indent=2))
+                          "backends": backends, "cuda_graphs_off_reason": llm.cuda_graphs_off,
+                          "prefill_graphs_off_reason": llm.prefill_graphs_off, "outputs": results, "summary": summary}, indent=2))
         return 0
     print(f"model: {llm.model_dir} ({llm.device}, {str(llm.dtype).removeprefix('torch.')})")
     for role, choice in backends.items():
         print(f"{role} attention: {choice['name']} ({choice['reason']})")
     graphs = "on" if llm.cuda_graphs_off is None else f"off: {llm.cuda_graphs_off}"
     print(f"decode CUDA graphs: {graphs}")
+    pieces = "on" if llm.prefill_graphs_off is None else f"off: {llm.prefill_graphs_off}"
+    print(f"prefill CUDA graphs (pieces between attention calls): {pieces}")
     for prompt, out in zip(prompts, outputs, strict=True):
         print(f"\n--- {prompt!r} ({out.finish_reason})")
         print(out.text if out.text is not None else out.token_ids)

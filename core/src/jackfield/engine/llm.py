@@ -17,6 +17,7 @@ from jackfield.contracts.attention import AttentionLayerSpec
 from jackfield.contracts.sampler import Sampler, SamplingParams
 from jackfield.engine.block_manager import BlockManager, max_request_blocks
 from jackfield.engine.cuda_graphs import DecodeGraphs
+from jackfield.engine.piecewise_graphs import PiecewiseGraphs, is_piecewise
 from jackfield.engine.kv_groups import plan_kv_cache_groups
 from jackfield.engine.model_runner import ModelRunner
 from jackfield.engine.outputs import RequestOutput, RequestTimings
@@ -129,6 +130,14 @@ class LLM:
             except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
                 raise RuntimeError(f"recording decode CUDA graphs with attention backend {backends.decode.name} "
                                    f"failed ({exc}); set engine.cuda_graphs = false to decode eagerly") from exc
+        self.prefill_graphs_off = self._prefill_graphs_off_reason()
+        if self.prefill_graphs_off is None:
+            self.runner.pieces = PiecewiseGraphs(self.model, engine.max_num_batched_tokens, self.device)
+            try:
+                self.runner.pieces.capture(say)
+            except RuntimeError as exc:
+                raise RuntimeError(f"recording prefill CUDA graphs of {type(self.model).__name__} failed ({exc}); "
+                                   "set engine.cuda_graphs = false to run eagerly") from exc
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
         if self.device.type == "cuda" and not getattr(self.model, "non_causal", False):
@@ -149,16 +158,27 @@ class LLM:
     def _cuda_graphs_off_reason(self, backends: AttentionBackends) -> str | None:
         """Why decode steps run eagerly (None: they are replayed from CUDA graphs)."""
         decode = backends.decode
+        if decode.capabilities.cuda_graph == "never" and self._graphs_off_reason() is None:
+            return f"decode backend {decode.name} declares cuda_graph = never"
+        return self._graphs_off_reason()
+
+    def _prefill_graphs_off_reason(self) -> str | None:
+        """Why prefill and mixed steps run eagerly (None: their pieces between attention calls
+        are replayed from CUDA graphs; attention itself always runs eagerly)."""
+        if self._graphs_off_reason() is None and not is_piecewise(self.model):
+            return f"{type(self.model).__name__} does not expose its forward in pieces"
+        return self._graphs_off_reason()
+
+    def _graphs_off_reason(self) -> str | None:
+        """What rules out every CUDA graph of the model's forward."""
         if self.device.type != "cuda":
             return f"the device is {self.device.type}"
         if not self.config.engine.cuda_graphs:
             return "engine.cuda_graphs = false"
-        if decode.capabilities.cuda_graph == "never":
-            return f"decode backend {decode.name} declares cuda_graph = never"
         if getattr(self.model, "non_causal", False):
             return "the model is bidirectional (no decode steps)"
         if not getattr(self.model, "cuda_graph_safe", False):
-            return (f"{type(self.model).__name__} cannot be recorded here (a host sync in its decode forward, "
+            return (f"{type(self.model).__name__} cannot be recorded here (a host sync in its forward, "
                     "e.g. MoE experts without bf16 grouped matmuls on compute capability >= 9.0)")
         if self.kv_groups.hybrid:
             return "the model has several KV cache groups (sliding-window layers)"

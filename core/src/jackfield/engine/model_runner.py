@@ -19,6 +19,7 @@ from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBu
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.kv_groups import KVCacheGroups
+from jackfield.engine.piecewise_graphs import PiecewiseGraphs
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import AttentionBackends, StepContext
 from jackfield.ops.staging import async_tensor_h2d
@@ -50,6 +51,7 @@ class ModelRunner:
         # (decode, prefill) builders per KV cache group, as vLLM: a builder may reuse its buffers per build
         self.builders = [self._role_builders() for _ in groups.windows]
         self.graphs: DecodeGraphs | None = None  # set by the engine when decode steps are captured
+        self.pieces: PiecewiseGraphs | None = None  # set by the engine when prefill pieces are captured
 
     def _role_builders(self) -> tuple[AttentionMetadataBuilder, AttentionMetadataBuilder]:
         decode = self.backends.decode.metadata_builder()
@@ -141,8 +143,11 @@ class ModelRunner:
         per_group, input_ids, positions = self._metadata(chunks)
         context = self._step_context(per_group)
         rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
-        hidden = self.model(self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64), context, rows)
-        return hidden, per_group[0]
+        ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
+        if self.pieces is not None and self.pieces.fits(len(input_ids)):
+            hidden = self.pieces.run(ids, pos, context)  # every row (a recorded graph has no row choice)
+            return hidden if rows is None else hidden[rows], per_group[0]
+        return self.model(ids, pos, context, rows), per_group[0]
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk]) -> StepResult:

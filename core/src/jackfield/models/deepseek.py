@@ -92,12 +92,13 @@ class MLAAttention(nn.Module):
         q = torch.cat((q[..., : a.qk_nope_head_dim], pe[:, : a.num_heads]), dim=-1)
         return q, kv_c, pe[:, a.num_heads], q_latent
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention over every row of x (each writes its KV); the output of `output_rows` only
-        (all rows when None)."""
-        q, kv_c, k_pe, _ = self.project(x, positions, rope)
-        out = select_rows(self.attn.run(step, self.index, q, kv_c, k_pe), output_rows)  # [rows, H, V]
+    def attend(self, step: StepContext, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """The attention backend's part: writes every row's KV, returns [T, H, V]."""
+        return self.attn.run(step, self.index, q, kv_c, k_pe)
+
+    def output(self, out: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj of the attention output's `output_rows` (all rows when None)."""
+        out = select_rows(out, output_rows)
         return self.o_proj(out.reshape(out.shape[0], self.arch.num_heads * self.arch.v_head_dim))
 
 
@@ -109,16 +110,13 @@ class ExpandedMLAAttention(MLAAttention):
     def finish_loading(self) -> None:
         """Nothing to hand over: the MHA impl never sees kv_b_proj."""
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        a, t = self.arch, x.shape[0]
-        q, kv_c, k_pe, _ = self.project(x, positions, rope)
+    def attend(self, step: StepContext, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        a, t = self.arch, q.shape[0]
         assert self.kv_b_proj is not None
         k_nope, v = self.kv_b_proj(kv_c).view(t, a.num_heads, -1).split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(t, a.num_heads, a.qk_rope_head_dim)), dim=-1)
         v = F.pad(v, (0, k.shape[-1] - a.v_head_dim))
-        out = select_rows(self.attn.run(step, self.index, q, k, v)[..., : a.v_head_dim], output_rows)
-        return self.o_proj(out.reshape(out.shape[0], a.num_heads * a.v_head_dim))
+        return self.attn.run(step, self.index, q, k, v)[..., : a.v_head_dim]
 
 
 def attention_spec(arch: DeepseekArch, kv_cache_dtype: KVCacheDType) -> AttentionLayerSpec:
@@ -151,10 +149,16 @@ class DecoderLayer(nn.Module):
             DeepseekMoE(arch, dtype) if arch.is_moe_layer(index) else GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
         )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, step: StepContext,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's output for `output_rows` of x (all rows when None)."""
-        x = select_rows(x, output_rows) + self.self_attn(self.input_layernorm(x), positions, rope, step, output_rows)
+    def before_attention(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's inputs (q, kv_c, k_pe) from the layer's input x."""
+        q, kv_c, k_pe, _ = self.self_attn.project(self.input_layernorm(x), positions, rope)
+        return q, kv_c, k_pe
+
+    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor, output_rows: torch.Tensor | None = None,
+                        ) -> torch.Tensor:
+        """The layer's output for `output_rows` of x (all rows when None), from its attention output."""
+        x = select_rows(x, output_rows) + self.self_attn.output(attn_out, output_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -223,11 +227,41 @@ class DeepseekForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states (normed) of `output_rows` [rows, D]
         (all T rows when None). Every layer writes the KV of all T rows; the last one computes
         its attention output projection and MLP for the output rows only."""
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        *layers, last = self.model.layers
-        for layer in layers:
-            x = layer(x, positions, self.rope, step)
-        return self.model.norm(last(x, positions, self.rope, step, output_rows))
+        x = self.embed(input_ids)
+        last = self.num_attention_layers - 1
+        for i in range(last + 1):
+            attn_out = self.attend(i, step, self.before_attention(i, x, positions))
+            x = self.after_attention(i, x, attn_out, output_rows if i == last else None)
+        return self.final_norm(x)
+
+    # The forward in pieces around the attention calls (engine/piecewise_graphs.py replays the
+    # pieces between them from CUDA graphs). The forward above is made of these very pieces.
+    forward_in_pieces = True
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.arch.num_layers
+
+    @property
+    def attention_output_shape(self) -> tuple[int, int]:
+        """One row of `attend`'s output: [heads, v_head_dim]."""
+        return self.arch.num_heads, self.arch.v_head_dim
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.model.embed_tokens.weight)
+
+    def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.model.layers[i].before_attention(x, positions, self.rope)
+
+    def attend(self, i: int, step: StepContext, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.model.layers[i].self_attn.attend(step, *inputs)
+
+    def after_attention(self, i: int, x: torch.Tensor, attn_out: torch.Tensor,
+                        output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.layers[i].after_attention(x, attn_out, output_rows)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight

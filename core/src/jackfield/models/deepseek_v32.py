@@ -126,11 +126,12 @@ class SparseMLAAttention(MLAAttention):
             topk = self.indexer(x[rows], q_latent[rows], positions[rows], index_rope, key_cache, metadata)
             impl: AttentionImpl = self.attn.decode_impl if is_decode else self.attn.prefill_impl
             out[rows] = impl.forward(q[rows], kv_c[rows], k_pe[rows], cache, metadata, topk_indices=topk)  # type: ignore[attr-defined]
-        out = select_rows(out, output_rows)
-        return self.o_proj(out.reshape(out.shape[0], a.num_heads * a.v_head_dim))
+        return self.output(out, output_rows)
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
+    forward_in_pieces = False  # its attention runs the indexer first (its own forward below)
+
     @property
     def cuda_graph_safe(self) -> bool:
         return False  # the indexer's top-k path is not checked for host syncs
