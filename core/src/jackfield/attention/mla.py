@@ -144,11 +144,13 @@ class MLAImpl(AttentionImpl):
 
         The requests are padded to one batch [B, H, rows, keys] and run through one SDPA call:
         a plain causal call (flash on CUDA) when every request is a whole causal prompt, else an
-        explicit visibility mask. Padded rows and keys are never read back.
+        explicit visibility mask, in prefill_attention_dtype. Padded rows and keys are never read
+        back. Returns [T, H, V] in q's dtype.
         """
         lay = self.layer
         check_cache(lay, kv_cache)
         check_kv_scale(kv_cache, kv_scale)
+        out_dtype = q.dtype
         block_size = kv_cache.shape[1]
         if metadata.block_table.shape[1] * block_size < metadata.max_seq_len:
             raise ValueError(
@@ -165,12 +167,19 @@ class MLAImpl(AttentionImpl):
         h, n, width = lay.num_heads, lay.qk_nope_head_dim, lay.qk_nope_head_dim + lay.qk_rope_head_dim
         b, s = kv_c.shape[:2]
         kv = F.linear(kv_c, self._kv_b_in(q.dtype)).view(b, s, h, n + lay.v_head_dim)
-        k = torch.cat([kv[..., :n], k_pe[:, :, None].expand(-1, -1, h, -1)], dim=-1).transpose(1, 2)
+        # k and v are new tensors either way (a concatenation, a padding): built in the attention
+        # dtype, they cost no conversion of their own.
+        dtype = prefill_attention_dtype(q)
+        k = torch.cat([kv[..., :n], k_pe[:, :, None].expand(-1, -1, h, -1).to(dtype)], dim=-1).transpose(1, 2)
         # v padded to k's width: SDPA's fused kernels want one head size.
-        v = F.pad(kv[..., n:], (0, width - lay.v_head_dim)).transpose(1, 2)
+        v = kv.new_zeros(b, s, h, width, dtype=dtype)
+        v[..., : lay.v_head_dim] = kv[..., n:]
+        v = v.transpose(1, 2)
         rows = plan.rows  # None: every request has max_q rows, the packed rows are the batch
-        padded = q if rows is None else q.new_zeros(num_reqs * max_q, lay.num_heads, width).index_copy_(0, rows, q)
-        padded = padded.reshape(num_reqs, max_q, lay.num_heads, width).transpose(1, 2)
+        q = q.to(dtype)
+        if rows is not None:
+            q = q.new_zeros(num_reqs * max_q, lay.num_heads, width).index_copy_(0, rows, q)
+        padded = q.reshape(num_reqs, max_q, lay.num_heads, width).transpose(1, 2)
         if metadata.causal and lay.sliding_window is None and plan.whole_prompts:
             out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=lay.scale)
         else:
@@ -178,8 +187,11 @@ class MLAImpl(AttentionImpl):
             visible = _memo(metadata, f"mla_visible_{window}",
                             lambda: _visibility(metadata, max_q, metadata.max_seq_len, window))
             out = F.scaled_dot_product_attention(padded, k, v, attn_mask=visible[:, None], scale=lay.scale)
-        out = out.transpose(1, 2).reshape(num_reqs * max_q, lay.num_heads, width)
-        return out[:, :, : lay.v_head_dim] if rows is None else out[rows, :, : lay.v_head_dim]
+        # One copy back to the rows' layout, v's width and the activation dtype.
+        packed = out.new_empty(num_reqs * max_q, lay.num_heads, lay.v_head_dim, dtype=out_dtype)
+        out = out.transpose(1, 2)[..., : lay.v_head_dim]
+        packed.view(num_reqs, max_q, lay.num_heads, lay.v_head_dim).copy_(out)
+        return packed if rows is None else packed[rows]
 
     def write_kv(
         self,
@@ -199,6 +211,20 @@ class MLAImpl(AttentionImpl):
         check_slot_mapping(slot_mapping, num_tokens, kv_cache.shape[0] * kv_cache.shape[1])
         record = quantize(torch.cat([key.float(), value.float()], dim=-1), kv_cache.dtype, kv_scale)
         write_slots(kv_cache.flatten(0, 1), slot_mapping, record)
+
+
+def prefill_attention_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the expanded prefill runs SDPA in: float32 on the CPU, else q's own.
+
+    A fused 16-bit SDPA kernel (the CPU's flash kernel; FlashAttention and cuDNN on GPUs) rounds
+    the softmax probabilities to 16 bits before their product with v: a second rounding beside
+    the output's, 10-15% more error in a layer's attention output than rounding once. On the CPU
+    transformers never takes that kernel for MLA (flash wants v as wide as k): its math path
+    upcasts to float32. The CPU's float32 flash kernel runs at about the bf16 kernel's speed, so
+    there the probabilities stay float32 and the output rounds once (benchmarks/notes_accuracy.md).
+    GPUs have no float32 tensor-core attention: the 16-bit kernel stays (accuracy_e2e.py's
+    "float32 prefill attention" variant measures what it costs there)."""
+    return torch.float32 if q.device.type == "cpu" else q.dtype
 
 
 @dataclass(frozen=True)
