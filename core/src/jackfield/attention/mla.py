@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jackfield.attention.checks import check_cache, check_kv_scale, check_slot_mapping, check_written_rows
 from jackfield.attention.kv_cache import dequantize, quantize, write_slots
@@ -23,6 +24,11 @@ from jackfield.attention.metadata import split_decode_prefill
 from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata
 
 T = TypeVar("T")
+
+# Not cuDNN, PyTorch's first choice on Hopper: it builds a plan per new shape, and every prompt
+# length is a new shape (H200: ~65 ms added to the first token of each new length, against a
+# 4-5 ms prefill of the default model). Flash and memory-efficient kernels need no plans.
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class MLAImpl(AttentionImpl):
@@ -180,13 +186,14 @@ class MLAImpl(AttentionImpl):
         if rows is not None:
             q = q.new_zeros(num_reqs * max_q, lay.num_heads, width).index_copy_(0, rows, q)
         padded = q.reshape(num_reqs, max_q, lay.num_heads, width).transpose(1, 2)
-        if metadata.causal and lay.sliding_window is None and plan.whole_prompts:
-            out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=lay.scale)
-        else:
-            window = lay.sliding_window
-            visible = _memo(metadata, f"mla_visible_{window}",
-                            lambda: _visibility(metadata, max_q, metadata.max_seq_len, window))
-            out = F.scaled_dot_product_attention(padded, k, v, attn_mask=visible[:, None], scale=lay.scale)
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            if metadata.causal and lay.sliding_window is None and plan.whole_prompts:
+                out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=lay.scale)
+            else:
+                window = lay.sliding_window
+                visible = _memo(metadata, f"mla_visible_{window}",
+                                lambda: _visibility(metadata, max_q, metadata.max_seq_len, window))
+                out = F.scaled_dot_product_attention(padded, k, v, attn_mask=visible[:, None], scale=lay.scale)
         # One copy back to the rows' layout, v's width and the activation dtype.
         packed = out.new_empty(num_reqs * max_q, lay.num_heads, lay.v_head_dim, dtype=out_dtype)
         out = out.transpose(1, 2)[..., : lay.v_head_dim]
