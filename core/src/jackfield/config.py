@@ -71,7 +71,10 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85  # of the free device memory, for the KV cache
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs where the backend allows
+    cuda_graphs: bool = True  # replay decode steps, and prefill pieces between attention calls, from CUDA graphs
+    # the largest prefill/mixed step (in tokens) replayed from graphs; larger ones run eagerly
+    # (they are GPU-bound); 0: prefill steps always run eagerly
+    prefill_graph_max_tokens: int = 8192
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
         (e.block_size > 0, f"engine.block_size must be > 0, got {e.block_size}"),
         (e.max_num_seqs > 0, f"engine.max_num_seqs must be > 0, got {e.max_num_seqs}"),
         (e.max_num_batched_tokens > 0, f"engine.max_num_batched_tokens must be > 0, got {e.max_num_batched_tokens}"),
+        (e.prefill_graph_max_tokens >= 0,
+         f"engine.prefill_graph_max_tokens must be >= 0, got {e.prefill_graph_max_tokens}"),
         (e.max_model_len is None or e.max_model_len > 0, f"engine.max_model_len must be > 0, got {e.max_model_len}"),
         (0.0 < e.gpu_memory_fraction <= 1.0, f"engine.gpu_memory_fraction must be in (0, 1], got {e.gpu_memory_fraction}"),
         (e.cpu_kv_cache_gib > 0, f"engine.cpu_kv_cache_gib must be > 0, got {e.cpu_kv_cache_gib}"),

@@ -132,12 +132,16 @@ class LLM:
                                    f"failed ({exc}); set engine.cuda_graphs = false to decode eagerly") from exc
         self.prefill_graphs_off = self._prefill_graphs_off_reason()
         if self.prefill_graphs_off is None:
-            self.runner.pieces = PiecewiseGraphs(self.model, engine.max_num_batched_tokens, self.device)
+            max_tokens = min(engine.max_num_batched_tokens, engine.prefill_graph_max_tokens)
+            self.runner.pieces = PiecewiseGraphs(self.model, max_tokens, self.device)
             try:
                 self.runner.pieces.capture(say)
-            except RuntimeError as exc:
-                raise RuntimeError(f"recording prefill CUDA graphs of {type(self.model).__name__} failed ({exc}); "
-                                   "set engine.cuda_graphs = false to run eagerly") from exc
+            except RuntimeError as exc:  # a failed body makes capture_end raise its own error: name the first
+                cause = exc.__context__ or exc
+                raise RuntimeError(f"recording prefill CUDA graphs of {type(self.model).__name__} up to {max_tokens} "
+                                   f"tokens failed ({cause}); lower engine.prefill_graph_max_tokens (or "
+                                   "engine.gpu_memory_fraction) if memory ran out, or set it to 0 to run "
+                                   "prefill steps eagerly") from exc
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
         if self.device.type == "cuda" and not getattr(self.model, "non_causal", False):
@@ -165,9 +169,13 @@ class LLM:
     def _prefill_graphs_off_reason(self) -> str | None:
         """Why prefill and mixed steps run eagerly (None: their pieces between attention calls
         are replayed from CUDA graphs; attention itself always runs eagerly)."""
-        if self._graphs_off_reason() is None and not is_piecewise(self.model):
-            return f"{type(self.model).__name__} does not expose its forward in pieces"
-        return self._graphs_off_reason()
+        if self._graphs_off_reason() is not None:
+            return self._graphs_off_reason()
+        if self.config.engine.prefill_graph_max_tokens == 0:
+            return "engine.prefill_graph_max_tokens = 0"
+        if not is_piecewise(self.model):
+            return f"{type(self.model).__name__} does not declare its forward in pieces"
+        return None
 
     def _graphs_off_reason(self) -> str | None:
         """What rules out every CUDA graph of the model's forward."""

@@ -130,8 +130,6 @@ class SparseMLAAttention(MLAAttention):
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
-    forward_in_pieces = False  # its attention runs the indexer first (its own forward below)
-
     @property
     def cuda_graph_safe(self) -> bool:
         return False  # the indexer's top-k path is not checked for host syncs
