@@ -162,15 +162,17 @@ class LLM:
     def _cuda_graphs_off_reason(self, backends: AttentionBackends) -> str | None:
         """Why decode steps run eagerly (None: they are replayed from CUDA graphs)."""
         decode = backends.decode
-        if decode.capabilities.cuda_graph == "never" and self._graphs_off_reason() is None:
+        reason = self._graphs_off_reason()
+        if reason is None and decode.capabilities.cuda_graph == "never":
             return f"decode backend {decode.name} declares cuda_graph = never"
-        return self._graphs_off_reason()
+        return reason
 
     def _prefill_graphs_off_reason(self) -> str | None:
         """Why prefill and mixed steps run eagerly (None: their pieces between attention calls
         are replayed from CUDA graphs; attention itself always runs eagerly)."""
-        if self._graphs_off_reason() is not None:
-            return self._graphs_off_reason()
+        reason = self._graphs_off_reason()
+        if reason is not None:
+            return reason
         if self.config.engine.prefill_graph_max_tokens == 0:
             return "engine.prefill_graph_max_tokens = 0"
         if not is_piecewise(self.model):
