@@ -194,6 +194,9 @@ def main() -> None:
           f"prompt {args.prompt_len}, new tokens {args.new_tokens}, max_num_batched_tokens "
           f"{args.max_batched_tokens}, decode CUDA graphs: {llm.cuda_graphs_off or 'on'}")
     print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    if device == "cuda":  # the KV cache, both models and every captured graph's pool
+        print(f"GPU memory: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, peak "
+              f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     print("| batch | Jackfield TTFT ms | HF TTFT ms | Jackfield decode tok/s | HF decode tok/s | decode x HF "
           "| TTFT x HF | decode / bandwidth ceiling |")
     print("|---|---|---|---|---|---|---|---|")

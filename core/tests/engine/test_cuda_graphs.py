@@ -62,11 +62,13 @@ def test_piece_sizes_cover_every_token_count_up_to_the_cap() -> None:
 
     assert piece_sizes(16) == [16]
     assert piece_sizes(96) == [16, 32, 64, 96]
-    assert piece_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
-    for cap in (1, 17, 100, 8192):
+    assert piece_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    for cap in (1, 17, 100, 3000, 8192):
         sizes = piece_sizes(cap)
         assert sizes == sorted(set(sizes)) and sizes[-1] == cap
         assert all(any(s >= n for s in sizes) for n in range(1, cap + 1))
+        # padding: at most doubles a small step, at most 511 rows on a large one
+        assert all(next(s for s in sizes if s >= n) <= max(2 * n, n + 511, 16) for n in range(1, cap + 1))
 
 
 def test_engine_says_why_prefill_runs_eagerly(v3_dir) -> None:
@@ -93,3 +95,27 @@ def test_prefill_graph_cap_is_checked(v3_dir) -> None:
     with pytest.raises(ConfigError, match="prefill_graph_max_tokens must be >= 0"):
         LLM(str(v3_dir), **{"engine.device": "cpu", "engine.prefill_graph_max_tokens": -1})
 
+
+def test_pieces_over_static_buffers_give_the_eager_tokens(v3_dir) -> None:
+    """The replay's data flow without the graphs (record=False: the same pieces, static buffers,
+    padding to the recorded sizes, eager attention between pieces) on the CPU in float32: chunked
+    prefills mixed with decodes give the eager engine's tokens and logprobs. The recording itself
+    is checked on the GPU (plugins/cuda_mla/tests/test_gpu_engine.py)."""
+    import torch
+    from jackfield.engine.piecewise_graphs import PiecewiseGraphs
+
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 250, (n,), generator=gen).tolist() for n in (5, 40, 70, 23)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=3, ignore_eos=True) for n in (9, 4, 7, 6)]
+    settings = {"engine.device": "cpu", "engine.max_num_batched_tokens": 48, "engine.enable_prefix_caching": False}
+    eager = LLM(str(v3_dir), **settings).generate(prompts, params)
+    llm = LLM(str(v3_dir), **settings)
+    pieces = PiecewiseGraphs(llm.model, 48, llm.device, record=False)
+    pieces.capture()
+    assert pieces.sizes == [16, 32, 48]
+    llm.runner.pieces = pieces
+    replayed = llm.generate(prompts, params)
+    for want, got in zip(eager, replayed, strict=True):
+        assert got.token_ids == want.token_ids
+        for w, g in zip(want.logprobs, got.logprobs, strict=True):
+            assert w.keys() == g.keys() and max(abs(w[t] - g[t]) for t in w) < 1e-4
