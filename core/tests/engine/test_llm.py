@@ -141,3 +141,33 @@ def test_bad_configs_fail_with_clear_errors(v3_dir) -> None:
         LLM(v3_dir, backend="torch_ref", **{"sampler.name": "nope"})
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
         LLM(v3_dir, backend="torch_ref", max_model_len=10**8)
+
+
+def test_step_preparation_runs_on_one_thread_and_the_model_on_the_pool(v3_dir, monkeypatch) -> None:
+    """The per-row index arithmetic runs single-threaded (see ops.staging.host_single_threaded);
+    the forward, which does the real work on a CPU device, keeps every thread."""
+    from jackfield.engine.model_runner import ModelRunner
+
+    llm = LLM(v3_dir, backend="torch_ref", block_size=16)
+    seen: dict[str, list[int]] = {"metadata": [], "logits": []}
+    metadata, logits = ModelRunner._metadata, type(llm.runner.model).compute_logits
+
+    def spy_metadata(self, chunks):
+        seen["metadata"].append(torch.get_num_threads())
+        return metadata(self, chunks)
+
+    def spy_logits(self, hidden):
+        seen["logits"].append(torch.get_num_threads())
+        return logits(self, hidden)
+
+    monkeypatch.setattr(ModelRunner, "_metadata", spy_metadata)
+    monkeypatch.setattr(type(llm.runner.model), "compute_logits", spy_logits)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm.generate(_prompts(3, (5, 9)), GREEDY)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen["metadata"] and set(seen["metadata"]) == {1}
+    assert seen["logits"] and set(seen["logits"]) == {2}

@@ -44,3 +44,18 @@ def test_cpu_gpu_buffer_on_cuda_is_pinned_and_copies() -> None:
     buf.cpu[:5] = torch.arange(5, dtype=torch.int32)
     assert buf.copy_to_device(5).cpu().tolist() == [0, 1, 2, 3, 4]
     assert async_tensor_h2d([1, 2], torch.int64, "cuda", pin_memory=True).cpu().tolist() == [1, 2]
+
+
+def test_host_single_threaded_restores_the_pool_even_on_error() -> None:
+    from jackfield.ops.staging import host_single_threaded
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with host_single_threaded():
+                assert torch.get_num_threads() == 1
+                raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -22,7 +22,7 @@ from jackfield.engine.kv_groups import KVCacheGroups
 from jackfield.engine.piecewise_graphs import PiecewiseGraphs
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import AttentionBackends, StepContext
-from jackfield.ops.staging import async_tensor_h2d
+from jackfield.ops.staging import async_tensor_h2d, host_single_threaded
 from jackfield.sampling.processors import bias_and_mask_from_params
 
 
@@ -140,10 +140,11 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Final hidden states of `output_rows` of the step's flat batch (all rows when None),
         writing every row's KV, and the step's metadata."""
-        per_group, input_ids, positions = self._metadata(chunks)
-        context = self._step_context(per_group)
-        rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
-        ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
+        with host_single_threaded():
+            per_group, input_ids, positions = self._metadata(chunks)
+            context = self._step_context(per_group)
+            rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
+            ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):
             hidden = self.pieces.run(ids, pos, context)  # every row (a recorded graph has no row choice)
             return hidden if rows is None else hidden[rows], per_group[0]
@@ -153,7 +154,8 @@ class ModelRunner:
     def step(self, chunks: list[ScheduledChunk]) -> StepResult:
         sampling = [c for c in chunks if c.samples]
         if self.graphs is not None and self.graphs.fits(chunks):
-            hidden = self.graphs.run(chunks)  # every row is a sampling decode (fits() checked it)
+            with host_single_threaded():  # the replay itself is GPU work
+                hidden = self.graphs.run(chunks)  # every row is a sampling decode (fits() checked it)
         else:
             # The last layer finishes only the rows that sample (a prefill's last token): its
             # output projection and MLP skip the rest of the prompt. A step that samples nothing
@@ -167,7 +169,9 @@ class ModelRunner:
         if all(_plain_greedy(c.seq.params) for c in sampling):
             out = greedy(logits)
         else:
-            out = self.sampler.sample(logits, self._sampling_metadata(sampling))
+            with host_single_threaded():
+                metadata = self._sampling_metadata(sampling)
+            out = self.sampler.sample(logits, metadata)
         tokens = out.token_ids
         if out.invalid_rows is not None:
             tokens = torch.where(out.invalid_rows, -1, tokens)
