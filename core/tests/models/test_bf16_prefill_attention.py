@@ -66,7 +66,12 @@ def _float64_attention(q: torch.Tensor, cache: torch.Tensor, kv_b: torch.Tensor,
         ([96, 64], [192, 160]),  # chunked continuations: the visibility mask
     ],
 )
-def test_bf16_prefill_rounds_the_attention_output_once(q_lens: list[int], seq_lens: list[int]) -> None:
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_bf16_prefill_rounds_the_attention_output_once(
+    q_lens: list[int], seq_lens: list[int], device: str
+) -> None:
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     impl = TorchRefMLAImpl(SPEC)
     kv_b = (torch.randn(H * (N + V), L, generator=gen) / math.sqrt(L)).bfloat16()
@@ -76,7 +81,11 @@ def test_bf16_prefill_rounds_the_attention_output_once(q_lens: list[int], seq_le
     # Queries twice the keys' scale: peaked softmax rows, whose probabilities' rounding shows.
     q = (2 * torch.randn(sum(q_lens), H, N + R, generator=gen)).bfloat16()
 
-    got = impl.prefill(q, cache, metadata)
+    on_device = metadata.replace(**{
+        name: getattr(metadata, name).to(device)
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")})
+    impl.process_weights_after_loading({"kv_b_proj": kv_b.to(device)})
+    got = impl.prefill(q.to(device), cache.to(device), on_device).cpu()
     want = _float64_attention(q, cache, kv_b, metadata)
 
     assert got.shape == (sum(q_lens), H, V) and got.dtype == torch.bfloat16
@@ -86,4 +95,5 @@ def test_bf16_prefill_rounds_the_attention_output_once(q_lens: list[int], seq_le
 
     # Rounding the exact output once is the floor; the old kernel's second rounding was 1.14x it.
     floor = error(want.bfloat16())
+    print(f"{device}: mean relative error {error(got):.4g} = {error(got) / floor:.3f}x rounding once")
     assert error(got) <= 1.03 * floor, f"mean relative error {error(got):.3g}, rounding once {floor:.3g}"

@@ -149,7 +149,7 @@ class MLAImpl(AttentionImpl):
         """Expanded-form attention of prefill rows over each request's whole latent context.
 
         The requests are padded to one batch [B, H, rows, keys] and run through one SDPA call:
-        a plain causal call (flash on CUDA) when every request is a whole causal prompt, else an
+        a plain causal call when every request is a whole causal prompt, else an
         explicit visibility mask, in prefill_attention_dtype. Padded rows and keys are never read
         back. Returns [T, H, V] in q's dtype.
         """
@@ -177,9 +177,17 @@ class MLAImpl(AttentionImpl):
         # dtype, they cost no conversion of their own.
         dtype = prefill_attention_dtype(q)
         k = torch.cat([kv[..., :n], k_pe[:, :, None].expand(-1, -1, h, -1).to(dtype)], dim=-1).transpose(1, 2)
-        # v padded to k's width: SDPA's fused kernels want one head size.
-        v = kv.new_zeros(b, s, h, width, dtype=dtype)
-        v[..., : lay.v_head_dim] = kv[..., n:]
+        if q.device.type == "cpu":
+            # v padded to k's width: the CPU's flash kernel wants one head size (float32 there,
+            # so the probabilities are not rounded), else SDPA falls back to its math path.
+            v = kv.new_zeros(b, s, h, width, dtype=dtype)
+            v[..., : lay.v_head_dim] = kv[..., n:]
+        else:
+            # v at its own width, as transformers calls SDPA: FlashAttention (one head size)
+            # declines, the memory-efficient kernel serves. The flash call with v padded had 1.5x
+            # transformers' error in the first layer's attention output on the H200 (bench model)
+            # and 8x its first-token logprob error (benchmarks/notes_accuracy.md).
+            v = kv[..., n:].to(dtype)
         v = v.transpose(1, 2)
         rows = plan.rows  # None: every request has max_q rows, the packed rows are the batch
         q = q.to(dtype)
