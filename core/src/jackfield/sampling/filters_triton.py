@@ -25,6 +25,7 @@ import triton.language as tl
 
 from jackfield.sampling import filters, noise
 from jackfield.sampling.gumbel_triton import _NO_INDEX, _gumbel_f32, _log_f32, _row_hash, load_temperature
+from jackfield.sampling.launch import DirectLauncher
 
 KMAX = 256  # largest top_k handled here
 CAP = 512  # candidates per row (>= KMAX; typically k + a few)
@@ -189,6 +190,10 @@ def _filter_and_sample(
     tl.atomic_or(flags_ptr, tl.full((), 1, tl.int32) << status)
 
 
+launch_group_max = DirectLauncher(_group_max)
+launch_filter_and_sample = DirectLauncher(_filter_and_sample)
+
+
 def group_size(vocab: int) -> int:
     """Tokens per group: a power of two giving at most MAX_GROUPS groups."""
     return triton.next_power_of_2(triton.cdiv(vocab, MAX_GROUPS))
@@ -223,11 +228,13 @@ def filter_and_sample_triton(
     cand_value = torch.empty((num_rows, CAP), dtype=torch.float32, device=device)
     cand_index = torch.empty((num_rows, CAP), dtype=torch.int32, device=device)
     groups_per_program = max(1, GROUP_TILE // gs)
-    _group_max[(num_rows, triton.cdiv(num_groups, groups_per_program))](
+    launch_group_max(
+        (num_rows, triton.cdiv(num_groups, groups_per_program)),
         logits, logits.stride(0), group_max, flags, vocab, num_groups, GS=gs, GROUPS=groups_per_program,
         num_warps=4,
     )  # fmt: skip
-    _filter_and_sample[(num_rows,)](
+    launch_filter_and_sample(
+        (num_rows,),
         logits, logits.stride(0), temperature, seeds, positions,
         top_k if top_k is not None else temperature, top_p if top_p is not None else temperature,
         min_p if min_p is not None else temperature,

@@ -34,6 +34,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from jackfield.sampling import noise
+from jackfield.sampling.launch import DirectLauncher
 from jackfield.sampling.sanitize import F32_MAX, GREEDY_BELOW
 
 
@@ -420,6 +421,10 @@ class LaunchShape:
         return replace(self, sub_block=sub_block, step=min(self.step, sub_block))
 
 
+launch_approx_maxima = DirectLauncher(_approx_maxima)
+launch_exact_rows = DirectLauncher(_exact_rows)
+
+
 # Fastest of the shapes swept on the H200 (benchmarks/RESULTS.md, 2026-11-29).
 DEFAULT_SHAPE = LaunchShape()
 
@@ -462,7 +467,8 @@ def approx_maxima(
     chunks = triton.cdiv(num_sub, shape.sub_blocks_per_program)
     table = token_table(chunks * shape.sub_blocks_per_program * shape.sub_block, logits.device)
     maxima = torch.empty((num_rows, num_sub), dtype=torch.float32, device=logits.device)
-    _approx_maxima[(chunks, triton.cdiv(num_rows, shape.rows_per_program))](
+    launch_approx_maxima(
+        (chunks, triton.cdiv(num_rows, shape.rows_per_program)),
         logits, logits.stride(0), temperature, seeds, positions,
         cutoff if cutoff is not None else temperature, skip if skip is not None else temperature,
         table, maxima, num_rows, vocab, num_sub,
@@ -487,7 +493,8 @@ def exact_from_maxima(
     """Stage 2: the exact (token, score) of each row into `out`, from stage 1's maxima."""
     num_rows, vocab = logits.shape
     num_sub = maxima.shape[1]
-    _exact_rows[(num_rows,)](
+    launch_exact_rows(
+        (num_rows,),
         logits, logits.stride(0), temperature, seeds, positions,
         cutoff if cutoff is not None else temperature, skip if skip is not None else temperature,
         maxima, out[0], out[1], vocab, num_sub,
@@ -524,6 +531,10 @@ def gumbel_argmax_triton(
     # Stage 1's rows run along the grid's y axis, which CUDA caps at MAX_GRID_Y programs: larger
     # batches go in slices (views: the kernels address rows from each tensor's own start).
     per_launch = MAX_GRID_Y * shape.rows_per_program
+    if num_rows <= per_launch:  # the usual case: no slicing (views cost host time)
+        maxima = approx_maxima(logits, temperature, seeds, positions, cutoff, shape, skip)
+        exact_from_maxima(logits, temperature, seeds, positions, cutoff, maxima, out, shape, skip)
+        return out
     for r0 in range(0, num_rows, per_launch):
         rows = slice(r0, min(num_rows, r0 + per_launch))
         part = [t[rows] if t is not None else None for t in (logits, temperature, seeds, positions, cutoff, skip)]
