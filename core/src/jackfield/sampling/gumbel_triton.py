@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jackfield.sampling import noise
 from jackfield.sampling.launch import DirectLauncher
@@ -285,14 +286,20 @@ def _approx_maxima(
     logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr, skip_ptr, table_ptr,
     maxima_ptr, num_rows, vocab, num_sub,
     HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr,
-    STEP: tl.constexpr, SUBS: tl.constexpr, FAST_LOG: tl.constexpr,
+    STEP: tl.constexpr, SUBS: tl.constexpr, FAST_LOG: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: program per (group of ROWS rows, SUBS sub-blocks); the rows share the table loads.
 
     Greedy rows take the same path as sampled ones, with scale = GREEDY_SCALE: their score
     x * 2^64 - log2(t) is 2^64 x within 34 + 2^-24 |score| (|log2 t| < 34), which stage 2's
     greedy bound covers; one code path keeps the kernel at 64 registers (a separate path for
-    groups holding a greedy row took 103, and so 19 instead of 32 programs per SM)."""
+    groups holding a greedy row took 103, and so 19 instead of 32 programs per SM).
+
+    OVERLAP (CUDA): stage 2, launched as a programmatic dependent launch, may start once every
+    program of this launch has started (it waits for this launch's results before reading them).
+    """
+    if OVERLAP:
+        gdc_launch_dependents()
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     live = rows < num_rows
     rows = tl.minimum(rows, num_rows - 1)  # the last group repeats a row: loads need no row mask
@@ -328,8 +335,12 @@ def _exact_rows(
     logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr, skip_ptr,
     maxima_ptr, token_ptr, score_ptr, vocab, num_sub,
     HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, SUB: tl.constexpr, SUBS_POW2: tl.constexpr,
+    OVERLAP: tl.constexpr,
 ):  # fmt: skip
-    """Stage 2. Compile with enable_fp_fusion=False: these are the exact scores of gumbel_torch.py."""
+    """Stage 2. Compile with enable_fp_fusion=False: these are the exact scores of gumbel_torch.py.
+
+    OVERLAP: launched as a programmatic dependent launch of stage 1, so this program may run
+    while stage 1 finishes: it reads only inputs written before stage 1 until gdc_wait()."""
     row = tl.program_id(0)
     if HAS_SKIP:
         if tl.load(skip_ptr + row) != 0:
@@ -340,6 +351,8 @@ def _exact_rows(
     if HAS_CUTOFF:
         cutoff = tl.load(cutoff_ptr + row)
     row_hash = _row_hash(seed_ptr, pos_ptr, row)
+    if OVERLAP:
+        gdc_wait()  # stage 1's maxima (and, past them, the outputs) from here on
 
     subs = tl.arange(0, SUBS_POW2)
     in_row = subs < num_sub
@@ -392,6 +405,8 @@ class LaunchShape:
     sub_blocks_per_program: sub-blocks a stage-1 program covers.
     num_warps / exact_warps: warps of a stage-1 / stage-2 program.
     max_registers: a cap on stage 1's registers per thread (more programs per SM), or None.
+    overlap_stages: on CUDA, launch stage 2 as a programmatic dependent launch of stage 1, so
+        that its launch and its loads of per-row inputs overlap stage 1's last programs.
     """
 
     sub_block: int = 1024
@@ -401,6 +416,7 @@ class LaunchShape:
     num_warps: int = 1
     exact_warps: int = 4
     max_registers: int | None = None
+    overlap_stages: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -434,6 +450,18 @@ _TABLE_ROUNDING = 1 << 16
 
 
 MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's y (and z) extent
+
+
+def _overlaps(shape: LaunchShape, logits: torch.Tensor) -> bool:
+    """Whether stage 2 is a programmatic dependent launch of stage 1 (a CUDA feature: the
+    interpreter has no grid dependency control)."""
+    return shape.overlap_stages and logits.is_cuda
+
+
+def _dependent_launch(shape: LaunchShape, logits: torch.Tensor) -> dict[str, bool]:
+    """Stage 2's launch option for an overlapped launch (none otherwise: the interpreter takes no
+    CUDA launch options)."""
+    return {"launch_pdl": True} if _overlaps(shape, logits) else {}
 
 
 def token_table(length: int, device: torch.device) -> torch.Tensor:
@@ -474,7 +502,8 @@ def approx_maxima(
         table, maxima, num_rows, vocab, num_sub,
         HAS_CUTOFF=cutoff is not None, HAS_SKIP=skip is not None, ROWS=shape.rows_per_program,
         SUB=shape.sub_block, STEP=shape.step, SUBS=shape.sub_blocks_per_program,
-        FAST_LOG=logits.device.type == "cuda", num_warps=shape.num_warps, maxnreg=shape.max_registers,
+        FAST_LOG=logits.device.type == "cuda", OVERLAP=_overlaps(shape, logits),
+        num_warps=shape.num_warps, maxnreg=shape.max_registers,
     )  # fmt: skip
     return maxima
 
@@ -499,8 +528,8 @@ def exact_from_maxima(
         cutoff if cutoff is not None else temperature, skip if skip is not None else temperature,
         maxima, out[0], out[1], vocab, num_sub,
         HAS_CUTOFF=cutoff is not None, HAS_SKIP=skip is not None, SUB=shape.sub_block,
-        SUBS_POW2=triton.next_power_of_2(num_sub),
-        num_warps=shape.exact_warps, enable_fp_fusion=False,
+        SUBS_POW2=triton.next_power_of_2(num_sub), OVERLAP=_overlaps(shape, logits),
+        num_warps=shape.exact_warps, enable_fp_fusion=False, **_dependent_launch(shape, logits),
     )  # fmt: skip
 
 
