@@ -272,4 +272,6 @@ def test_direct_launches_match_triton_s_own_launches_on_gpu(monkeypatch: pytest.
                 assert_identical(got, want)
             used = [launcher.direct_launches - n for launcher, n in zip(launchers, before, strict=True)]
             assert used == ([2, 2, 2, 2] if filters else [2, 2, 0, 0])  # greedy rows: whole-row kernels too
-    assert_identical(sample_with_scores(**unaligned, impl="triton"), sample_with_scores(**unaligned, impl="torch"))
+    assert_identical(
+        sample_with_scores(**unaligned, impl="triton"), sample_with_scores(**unaligned, impl="torch")
+    )

@@ -199,6 +199,16 @@ def group_size(vocab: int) -> int:
     return triton.next_power_of_2(triton.cdiv(vocab, MAX_GROUPS))
 
 
+def _row_outputs(num_rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """token (int64), score, cutoff (float32) and status (int32), one per row."""
+    return (
+        torch.empty(num_rows, dtype=torch.int64, device=device),
+        torch.empty(num_rows, dtype=torch.float32, device=device),
+        torch.empty(num_rows, dtype=torch.float32, device=device),
+        torch.empty(num_rows, dtype=torch.int32, device=device),
+    )
+
+
 def filter_and_sample_triton(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -216,23 +226,21 @@ def filter_and_sample_triton(
     gs = group_size(vocab)
     num_groups = triton.cdiv(vocab, gs)
     groups_pow2 = triton.next_power_of_2(num_groups)
-    token = torch.empty(num_rows, dtype=torch.int64, device=device)
-    score = torch.empty(num_rows, dtype=torch.float32, device=device)
-    cutoff = torch.empty(num_rows, dtype=torch.float32, device=device)
-    status = torch.empty(num_rows, dtype=torch.int32, device=device)
     flags = torch.empty(1, dtype=torch.int32, device=device)
     if num_rows == 0:
-        return token, score, cutoff, status, flags.zero_()
+        return *_row_outputs(0, device), flags.zero_()
     group_max = torch.empty((num_rows, num_groups), dtype=torch.float32, device=device)
-    group_list = torch.empty((num_rows, groups_pow2), dtype=torch.int32, device=device)
-    cand_value = torch.empty((num_rows, CAP), dtype=torch.float32, device=device)
-    cand_index = torch.empty((num_rows, CAP), dtype=torch.int32, device=device)
     groups_per_program = max(1, GROUP_TILE // gs)
     launch_group_max(
         (num_rows, triton.cdiv(num_groups, groups_per_program)),
         logits, logits.stride(0), group_max, flags, vocab, num_groups, GS=gs, GROUPS=groups_per_program,
         num_warps=4,
     )  # fmt: skip
+    # Allocated while the GPU runs the first kernel (host time before it would delay the GPU).
+    token, score, cutoff, status = _row_outputs(num_rows, device)
+    group_list = torch.empty((num_rows, groups_pow2), dtype=torch.int32, device=device)
+    cand_value = torch.empty((num_rows, CAP), dtype=torch.float32, device=device)
+    cand_index = torch.empty((num_rows, CAP), dtype=torch.int32, device=device)
     launch_filter_and_sample(
         (num_rows,),
         logits, logits.stride(0), temperature, seeds, positions,

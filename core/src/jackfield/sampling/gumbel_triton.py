@@ -533,6 +533,13 @@ def exact_from_maxima(
     )  # fmt: skip
 
 
+def _new_out(num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty(num_rows, dtype=torch.int64, device=device),
+        torch.empty(num_rows, dtype=torch.float32, device=device),
+    )
+
+
 def gumbel_argmax_triton(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -548,22 +555,16 @@ def gumbel_argmax_triton(
     skip (uint8 [R], optional): rows left as they are in `out` (already sampled elsewhere).
     """
     num_rows = logits.shape[0]
-    device = logits.device
-    if out is None:
-        out = (
-            torch.empty(num_rows, dtype=torch.int64, device=device),
-            torch.empty(num_rows, dtype=torch.float32, device=device),
-        )
-    if num_rows == 0:
-        return out
     temperature = temperature.to(torch.float32)
     # Stage 1's rows run along the grid's y axis, which CUDA caps at MAX_GRID_Y programs: larger
     # batches go in slices (views: the kernels address rows from each tensor's own start).
     per_launch = MAX_GRID_Y * shape.rows_per_program
-    if num_rows <= per_launch:  # the usual case: no slicing (views cost host time)
+    if 0 < num_rows <= per_launch:  # the usual case: no slicing (views cost host time)
         maxima = approx_maxima(logits, temperature, seeds, positions, cutoff, shape, skip)
+        out = out if out is not None else _new_out(num_rows, logits.device)  # while stage 1 runs
         exact_from_maxima(logits, temperature, seeds, positions, cutoff, maxima, out, shape, skip)
         return out
+    out = out if out is not None else _new_out(num_rows, logits.device)
     for r0 in range(0, num_rows, per_launch):
         rows = slice(r0, min(num_rows, r0 + per_launch))
         part = [t[rows] if t is not None else None for t in (logits, temperature, seeds, positions, cutoff, skip)]
