@@ -6,7 +6,8 @@ Baselines from the same process: torch.multinomial(softmax(logits / T)) and the 
 2^32 hashes (the bound E rests on it), Triton == torch tokens and scores on the benchmark inputs,
 and how many sub-blocks per row stage 2 recomputes. Then a sweep of launch shapes with each stage
 timed on its own (tokens must not change), a batch with greedy rows mixed in, and top-k 50 /
-top-p 0.9.
+top-p 0.9. Host-bound figures (eager calls, host time per call) are medians over repeats, with the
+kernels launched directly (launch.py) and through Triton's own dispatch, interleaved.
 
     PYTHONPATH=core/src python3 benchmarks/bench_sampler.py [--no-sweep]
 """
@@ -14,13 +15,14 @@ top-p 0.9.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
-from jackfield.sampling import sample
+from jackfield.sampling import launch, sample
 from jackfield.sampling.filters_triton import filter_and_sample_triton
 from jackfield.sampling.gumbel_triton import (
     DEFAULT_SHAPE,
@@ -35,9 +37,12 @@ from jackfield.sampling.gumbel_triton import (
 from jackfield.sampling.sample import sample_with_scores
 
 ROWS, VOCAB = 256, 129_280
+REPEATS = 5  # host-bound figures: median of this many, the host is noisy
 HASHES_PER_STEP = 1 << 28
 NOISE_BOUND = 3e-5  # what _approx_error_bound assumes of |approximate - exact noise|
 SWEEP = [
+    LaunchShape(max_registers=64),
+    LaunchShape(overlap_stages=False),
     LaunchShape(rows_per_program=1, step=512),
     LaunchShape(rows_per_program=2, step=256),
     LaunchShape(rows_per_program=4, step=128),
@@ -77,6 +82,30 @@ def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+def sync_wall_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Median wall-clock microseconds of fn called on an idle GPU until it returns, for a call
+    that synchronizes itself (the filtered sample() reads a device flag)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def direct_and_triton(measure: Callable[[], float]) -> tuple[float, float]:
+    """Medians over REPEATS of `measure` with direct launches and through Triton's dispatch,
+    interleaved so that both see the same host."""
+    figures: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(REPEATS):
+        for direct in (True, False):
+            launch.direct_launch_enabled = direct
+            figures[direct].append(measure())
+    launch.direct_launch_enabled = True
+    return statistics.median(figures[True]), statistics.median(figures[False])
 
 
 def copy_bandwidth() -> float:
@@ -184,15 +213,15 @@ def main(sweep_shapes: bool) -> None:
     )
     print(
         "| rows/program | step | sub-blocks/program | stage-1 warps | max registers | sub-block"
-        " | stage-2 warps | stage 1 | stage 2 | both | both (graph) | x read-once (graph) |"
+        " | stage-2 warps | overlapped | stage 1 | stage 2 | both | both (graph) | x read-once (graph) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (stage1, stage2, both, graphed), sh in sorted(sweep, key=lambda item: item[0][3]):
         print(
             f"| {sh.rows_per_program} | {sh.step} | {sh.sub_blocks_per_program} | {sh.num_warps} |"
             f" {sh.max_registers} | {sh.sub_block} |"
-            f" {sh.exact_warps} | {stage1 * 1e3:.1f} | {stage2 * 1e3:.1f} | {both * 1e3:.1f} |"
-            f" {graphed * 1e3:.1f} | {graphed / read_once_ms:.2f} |"
+            f" {sh.exact_warps} | {sh.overlap_stages} | {stage1 * 1e3:.1f} | {stage2 * 1e3:.1f} |"
+            f" {both * 1e3:.1f} | {graphed * 1e3:.1f} | {graphed / read_once_ms:.3f} |"
         )
     def filter_kernels() -> object:
         return filter_and_sample_triton(*args, top_k, top_p, None)
@@ -203,12 +232,21 @@ def main(sweep_shapes: bool) -> None:
         f"filter kernels alone (group max + filter/sample, no sync): {filter_ms * 1e3:.1f} us,"
         f" replayed from a CUDA graph {filter_graph_ms * 1e3:.1f} us"
     )
+    print(f"host time per call, GPU kept busy, median of {REPEATS} (direct launches / Triton's dispatch):")
     for name, call in [
         ("filter kernels", filter_kernels),
         ("temperature-only sample()", lambda: sample(*args, impl="triton")),
         ("the Gumbel kernels", lambda: gumbel_argmax_triton(*args, None)),
     ]:
-        print(f"host time to launch {name} (GPU kept busy): {host_us(call):.1f} us")
+        direct, dispatched = direct_and_triton(lambda c=call: host_us(c))
+        print(f"  {name}: {direct:.1f} / {dispatched:.1f} us")
+    direct, dispatched = direct_and_triton(
+        lambda: sync_wall_us(lambda: sample(*args, top_k=top_k, top_p=top_p, impl="triton"))
+    )
+    print(
+        "top-k/top-p sample() wall clock from call to return on an idle GPU (it ends with a device"
+        f" sync), median of {REPEATS} medians: {direct:.1f} / {dispatched:.1f} us"
+    )
 
     def multinomial() -> torch.Tensor:
         return torch.multinomial(torch.softmax(logits / temperature[:, None], dim=-1), 1)
@@ -220,10 +258,13 @@ def main(sweep_shapes: bool) -> None:
         ("top-k 50 / top-p 0.9", {"top_k": top_k, "top_p": top_p}, temperature),
     ]:
         rows_args = (logits, t, seeds, positions)
-        triton_ms = bench_ms(lambda f=filters, a=rows_args: sample(*a, **f, impl="triton"))
+        triton_ms, dispatched_ms = direct_and_triton(
+            lambda f=filters, a=rows_args: bench_ms(lambda: sample(*a, **f, impl="triton"))
+        )
         torch_ms = bench_ms(lambda f=filters, a=rows_args: sample(*a, **f, impl="torch"))
         rows = [
-            ("triton sample()", triton_ms),
+            (f"triton sample(), eager (median of {REPEATS})", triton_ms),
+            ("triton sample(), eager, Triton's dispatch (same)", dispatched_ms),
             ("torch reference sample(impl='torch')", torch_ms),
             ("torch.multinomial(softmax(logits / T))", multinomial_ms),
         ]

@@ -240,3 +240,38 @@ def test_bit_exact_at_benchmark_size_on_gpu() -> None:
     assert_identical(*both(batch, top_k=top_k, top_p=top_p))
     cpu = sample_with_scores(**{k: v.cpu() for k, v in batch.items()}, impl="torch")
     assert_identical(tuple(t.cpu() for t in sample_with_scores(**batch, impl="triton")), cpu)  # CPU == GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_direct_launches_match_triton_s_own_launches_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept compiled kernels launched directly (launch.py) give the bits of Triton's own path,
+    for every kernel of both paths, also for unaligned views (another specialization)."""
+    from jackfield.sampling import filters_triton, gumbel_triton, launch
+
+    launchers = [
+        gumbel_triton.launch_approx_maxima,
+        gumbel_triton.launch_exact_rows,
+        filters_triton.launch_group_max,
+        filters_triton.launch_filter_and_sample,
+    ]
+    batch = make_batch(37, 50_001, seed=int.from_bytes(os.urandom(4), "little"))
+    wide = torch.randn(37, 50_002, device=DEVICE) * 3
+    wide[:, 1:] = batch["logits"]
+    unaligned = dict(batch, logits=wide[:, 1:])  # 4 bytes past a 16-byte boundary, odd row stride
+    top_k = torch.randint(1, 100, (37,), device=DEVICE)
+    top_p = torch.rand(37, device=DEVICE) * 0.5 + 0.5
+    for b in (batch, unaligned):
+        for filters in ({}, {"top_k": top_k, "top_p": top_p}):
+            monkeypatch.setattr(launch, "direct_launch_enabled", False)
+            want = sample_with_scores(**b, **filters, impl="triton")
+            monkeypatch.setattr(launch, "direct_launch_enabled", True)
+            before = [launcher.direct_launches for launcher in launchers]
+            for _ in range(3):  # the first may compile or keep; the others launch directly
+                got = sample_with_scores(**b, **filters, impl="triton")
+                assert_identical(got, want)
+            used = [launcher.direct_launches - n for launcher, n in zip(launchers, before, strict=True)]
+            assert used == ([2, 2, 2, 2] if filters else [2, 2, 0, 0])  # greedy rows: whole-row kernels too
+    assert_identical(
+        sample_with_scores(**unaligned, impl="triton"), sample_with_scores(**unaligned, impl="torch")
+    )

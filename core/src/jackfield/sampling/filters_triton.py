@@ -25,6 +25,7 @@ import triton.language as tl
 
 from jackfield.sampling import filters, noise
 from jackfield.sampling.gumbel_triton import _NO_INDEX, _gumbel_f32, _log_f32, _row_hash, load_temperature
+from jackfield.sampling.launch import DirectLauncher
 
 KMAX = 256  # largest top_k handled here
 CAP = 512  # candidates per row (>= KMAX; typically k + a few)
@@ -189,9 +190,23 @@ def _filter_and_sample(
     tl.atomic_or(flags_ptr, tl.full((), 1, tl.int32) << status)
 
 
+launch_group_max = DirectLauncher(_group_max)
+launch_filter_and_sample = DirectLauncher(_filter_and_sample)
+
+
 def group_size(vocab: int) -> int:
     """Tokens per group: a power of two giving at most MAX_GROUPS groups."""
     return triton.next_power_of_2(triton.cdiv(vocab, MAX_GROUPS))
+
+
+def _row_outputs(num_rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """token (int64), score, cutoff (float32) and status (int32), one per row."""
+    return (
+        torch.empty(num_rows, dtype=torch.int64, device=device),
+        torch.empty(num_rows, dtype=torch.float32, device=device),
+        torch.empty(num_rows, dtype=torch.float32, device=device),
+        torch.empty(num_rows, dtype=torch.int32, device=device),
+    )
 
 
 def filter_and_sample_triton(
@@ -211,23 +226,23 @@ def filter_and_sample_triton(
     gs = group_size(vocab)
     num_groups = triton.cdiv(vocab, gs)
     groups_pow2 = triton.next_power_of_2(num_groups)
-    token = torch.empty(num_rows, dtype=torch.int64, device=device)
-    score = torch.empty(num_rows, dtype=torch.float32, device=device)
-    cutoff = torch.empty(num_rows, dtype=torch.float32, device=device)
-    status = torch.empty(num_rows, dtype=torch.int32, device=device)
     flags = torch.empty(1, dtype=torch.int32, device=device)
     if num_rows == 0:
-        return token, score, cutoff, status, flags.zero_()
+        return *_row_outputs(0, device), flags.zero_()
     group_max = torch.empty((num_rows, num_groups), dtype=torch.float32, device=device)
-    group_list = torch.empty((num_rows, groups_pow2), dtype=torch.int32, device=device)
-    cand_value = torch.empty((num_rows, CAP), dtype=torch.float32, device=device)
-    cand_index = torch.empty((num_rows, CAP), dtype=torch.int32, device=device)
     groups_per_program = max(1, GROUP_TILE // gs)
-    _group_max[(num_rows, triton.cdiv(num_groups, groups_per_program))](
+    launch_group_max(
+        (num_rows, triton.cdiv(num_groups, groups_per_program)),
         logits, logits.stride(0), group_max, flags, vocab, num_groups, GS=gs, GROUPS=groups_per_program,
         num_warps=4,
     )  # fmt: skip
-    _filter_and_sample[(num_rows,)](
+    # Allocated while the GPU runs the first kernel (host time before it would delay the GPU).
+    token, score, cutoff, status = _row_outputs(num_rows, device)
+    group_list = torch.empty((num_rows, groups_pow2), dtype=torch.int32, device=device)
+    cand_value = torch.empty((num_rows, CAP), dtype=torch.float32, device=device)
+    cand_index = torch.empty((num_rows, CAP), dtype=torch.int32, device=device)
+    launch_filter_and_sample(
+        (num_rows,),
         logits, logits.stride(0), temperature, seeds, positions,
         top_k if top_k is not None else temperature, top_p if top_p is not None else temperature,
         min_p if min_p is not None else temperature,

@@ -17,8 +17,10 @@ The approximate score of a token (stage 1, FMA fusion allowed), in log2 units:
   natural-unit score (noise~ = -ln w~). The hash's token word is not recomputed per row: Murmur3
   mixes it as rotl(h ^ k, 13) = rotl(h, 13) ^ rotl(k, 13), so a per-device table holds
   rotl(k, 13) of every token id (`token_table`, L2-resident, shared by the rows of a program) and
-  a row needs only rotl(h, 13). About 27 SASS instructions per token (sm_90) instead of ~110.
-Temperature-0 rows score the logit itself (exact in both stages).
+  a row needs only rotl(h, 13). About 24 SASS instructions per token (sm_90) instead of ~110.
+Temperature-0 rows go through the same code with 2^64 in place of log2(e) / T, so that the noise
+is lost in the rounding of 2^64 x (stage 2 allows for it; see _approx_maxima); stage 2 scores
+their logits themselves, exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jackfield.sampling import noise
+from jackfield.sampling.launch import DirectLauncher
 from jackfield.sampling.sanitize import F32_MAX, GREEDY_BELOW
 
 
@@ -52,6 +56,8 @@ _LN2 = tl.constexpr(0.693147182464599609375)  # float32(ln 2)
 _LOG2E = tl.constexpr(1.44269502162933349609375)  # float32(log2 e)
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: (MAGIC | n) is 2^23 + n for n < 2^23
 _RELIABLE = tl.constexpr(2.0**64)  # |M| below this: no score near float32 overflow
+_GREEDY_SCALE = tl.constexpr(2.0**64)  # stage 1's factor on a greedy row's logits (see _approx_maxima)
+_GREEDY_RELIABLE = tl.constexpr(2.0**126)  # a greedy row's |M| below this: no logit near overflow
 # 1/(k ln 2), k = 1..3: the series of -ln(1 - u) in units of ln 2; -ln(ln 2) in float32.
 _S1, _S2, _S3 = (tl.constexpr(_f32(1.0 / (k * math.log(2)))) for k in (1, 2, 3))
 _NEG_LN_LN2 = tl.constexpr(_f32(-math.log(math.log(2))))
@@ -105,18 +111,35 @@ def _murmur3_last_word(row_hash, token):
 
 
 @triton.jit
-def _uniform_from_hash(r):
-    """uniform32_from_hash of noise.py: u = hi 2^-16 + (lo + 0.5) 2^-32, the same bits.
+def _uniform_from_magic_bits(hi_bits, lo_bits):
+    """uniform32_from_hash of noise.py from hi_bits = (r >> 16) | MAGIC and lo_bits = (r & 0xFFFF) |
+    MAGIC: u = hi 2^-16 + (lo + 0.5) 2^-32, the same bits.
 
     hi and lo (< 2^16) become floats through the bits of 2^23 + n (no int-to-float conversion,
     which runs at a quarter of the rate): (2^23 + hi) 2^-16 - 128 = hi 2^-16 and
     (2^23 + lo) - (2^23 - 0.5) = lo + 0.5 are exact, so u has the same bits as in noise.py with or
     without FMA fusion (the final sum is the only rounding).
     """
-    magic = tl.full((), _MAGIC, tl.uint32)
-    hi_term = ((r >> 16) | magic).to(tl.float32, bitcast=True) * 1.52587890625e-05 - 128.0
-    lo_half = ((r & 0xFFFF) | magic).to(tl.float32, bitcast=True) - 8388607.5
+    hi_term = hi_bits.to(tl.float32, bitcast=True) * 1.52587890625e-05 - 128.0
+    lo_half = lo_bits.to(tl.float32, bitcast=True) - 8388607.5
     return hi_term + lo_half * 2.3283064365386963e-10
+
+
+@triton.jit
+def _uniform_from_hash(r):
+    """uniform32_from_hash of noise.py (see _uniform_from_magic_bits)."""
+    magic = tl.full((), _MAGIC, tl.uint32)
+    return _uniform_from_magic_bits((r >> 16) | magic, (r & 0xFFFF) | magic)
+
+
+@triton.jit
+def _uniform_before_last_shift(h):
+    """_uniform_from_hash(h ^ (h >> 16)), the last step of fmix folded in: with r = h ^ (h >> 16),
+    r >> 16 = h >> 16 and r & 0xFFFF = (h ^ (h >> 16)) & 0xFFFF, so hi_bits = (h >> 16) + MAGIC
+    (one LEA.HI on sm_90) and lo_bits = hi_bits ^ (h & 0xFFFF) (one LOP3): 2 instructions
+    instead of 4 for the two halves."""
+    hi_bits = (h >> 16) + tl.full((), _MAGIC, tl.uint32)
+    return _uniform_from_magic_bits(hi_bits, hi_bits ^ (h & 0xFFFF))
 
 
 @triton.jit
@@ -208,37 +231,33 @@ def _approx_error_bound(m):
 
 
 @triton.jit
-def _step_scores(x, r13, k13, scale, greedy, FAST_LOG: tl.constexpr, MIXED: tl.constexpr):
+def _step_scores(x, r13, k13, scale, FAST_LOG: tl.constexpr):
     """Approximate scores of a [ROWS, STEP] tile in log2 units: x * scale - log2(t) (see module).
 
     r13 [ROWS] and k13 [STEP] are the two halves of the Murmur3 state after the token word:
-    rotl(h ^ k, 13) = rotl(h, 13) ^ rotl(k, 13), so only the XOR is left per token. MIXED: some
-    rows are greedy and score their finite logits themselves (exact).
+    rotl(h ^ k, 13) = rotl(h, 13) ^ rotl(k, 13), so only the XOR is left per token. Greedy rows
+    have scale = GREEDY_SCALE (see _approx_maxima).
     """
     h = _mul32(r13[:, None] ^ k13[None, :], 5) + tl.full((), 0xE6546B64, tl.uint32)
     h = h ^ 16
     h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
     h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
-    u = _uniform_from_hash(h ^ (h >> 16))
-    score = x * scale[:, None] - _approx_log2_t(u, FAST_LOG)  # one FFMA
-    if MIXED:
-        finite = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))  # +inf is never sampled
-        score = tl.where(greedy[:, None], finite, score)
-    return score
+    u = _uniform_before_last_shift(h)
+    return x * scale[:, None] - _approx_log2_t(u, FAST_LOG)  # one FFMA
 
 
 @triton.jit
 def _approx_chunk(
     row_logits, r13, scale, greedy, cutoff, table_ptr, maxima_ptr, rows, live, vocab, num_sub, first_sub,
     HAS_CUTOFF: tl.constexpr, SUB: tl.constexpr, STEP: tl.constexpr, SUBS: tl.constexpr,
-    MASKED: tl.constexpr, MIXED: tl.constexpr, FAST_LOG: tl.constexpr,
+    MASKED: tl.constexpr, FAST_LOG: tl.constexpr,
 ):  # fmt: skip
     """Stage 1 over SUBS sub-blocks of SUB tokens for a group of rows: one maximum per (row,
-    sub-block), in natural units (the approximate score of the module docstring)."""
+    sub-block), the approximate score of the module docstring (natural units; greedy rows:
+    GREEDY_SCALE times the logit, see _approx_maxima)."""
     lanes = tl.arange(0, STEP)
     for s in tl.static_range(SUBS):
         sub = first_sub + s
-        best = tl.full((rows.shape[0], STEP), float("-inf"), tl.float32)
         for j in tl.static_range(SUB // STEP):
             index = sub * SUB + j * STEP + lanes
             k13 = tl.load(table_ptr + index).to(tl.uint32, bitcast=True)  # padded: never masked
@@ -247,12 +266,15 @@ def _approx_chunk(
             else:
                 x = tl.load(row_logits + index[None, :], eviction_policy="evict_first")
             x = x.to(tl.float32)
-            score = _step_scores(x, r13, k13, scale, greedy, FAST_LOG, MIXED)
+            score = _step_scores(x, r13, k13, scale, FAST_LOG)
             if HAS_CUTOFF:
                 score = tl.where(x >= cutoff[:, None], score, float("-inf"))
             # NaN logits give NaN scores, which tl.maximum ignores; +inf gives M = +inf, which
             # stage 2 answers by recomputing the whole row. So no finite-mask here.
-            best = tl.maximum(best, score)
+            if j == 0:
+                best = score  # not max(-inf, score): saves a move and a max per element
+            else:
+                best = tl.maximum(best, score)
         m = tl.max(best, axis=1)
         m = tl.where(greedy, m, m * _LN2 + _NEG_LN_LN2)  # log2 units -> the approximate score
         if sub < num_sub:
@@ -264,9 +286,20 @@ def _approx_maxima(
     logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr, skip_ptr, table_ptr,
     maxima_ptr, num_rows, vocab, num_sub,
     HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr,
-    STEP: tl.constexpr, SUBS: tl.constexpr, FAST_LOG: tl.constexpr,
+    STEP: tl.constexpr, SUBS: tl.constexpr, FAST_LOG: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
-    """Stage 1: program per (group of ROWS rows, SUBS sub-blocks); the rows share the table loads."""
+    """Stage 1: program per (group of ROWS rows, SUBS sub-blocks); the rows share the table loads.
+
+    Greedy rows take the same path as sampled ones, with scale = GREEDY_SCALE: their score
+    x * 2^64 - log2(t) is 2^64 x within 34 + 2^-24 |score| (|log2 t| < 34), which stage 2's
+    greedy bound covers; one code path keeps the kernel at 64 registers (a separate path for
+    groups holding a greedy row took 103, and so 19 instead of 32 programs per SM).
+
+    OVERLAP (CUDA): stage 2, launched as a programmatic dependent launch, may start once every
+    program of this launch has started (it waits for this launch's results before reading them).
+    """
+    if OVERLAP:
+        gdc_launch_dependents()
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     live = rows < num_rows
     rows = tl.minimum(rows, num_rows - 1)  # the last group repeats a row: loads need no row mask
@@ -277,29 +310,23 @@ def _approx_maxima(
     greedy = temperature == 0.0
     # 1/T (Triton's `/` may be the approximate division: <= 2 ulp), then times log2(e) rounded:
     # within ~2^-21 of log2(e)/T; the bound E allows 2^-20
-    scale = (1.0 / tl.where(greedy, 1.0, temperature)) * _LOG2E
+    scale = tl.where(greedy, _GREEDY_SCALE, (1.0 / tl.where(greedy, 1.0, temperature)) * _LOG2E)
     r13 = _rotl32(_row_hash(seed_ptr, pos_ptr, rows), 13)
     cutoff = tl.full((ROWS,), float("-inf"), tl.float32)
     if HAS_CUTOFF:
         cutoff = tl.load(cutoff_ptr + rows)
     row_logits = logits_ptr + rows.to(tl.int64)[:, None] * row_stride
     first_sub = tl.program_id(0) * SUBS
-    # Three copies of the chunk loop: the last chunk masks the vocabulary, groups holding a
-    # greedy row select per row, the common case does neither.
+    # Two copies of the chunk loop: the last chunk masks the vocabulary, the others do not.
     if (first_sub + SUBS) * SUB > vocab:
         _approx_chunk(
             row_logits, r13, scale, greedy, cutoff, table_ptr, maxima_ptr, rows, live, vocab, num_sub,
-            first_sub, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=True, MIXED=True, FAST_LOG=FAST_LOG,
-        )  # fmt: skip
-    elif tl.max(greedy.to(tl.int32), axis=0) != 0:
-        _approx_chunk(
-            row_logits, r13, scale, greedy, cutoff, table_ptr, maxima_ptr, rows, live, vocab, num_sub,
-            first_sub, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=False, MIXED=True, FAST_LOG=FAST_LOG,
+            first_sub, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=True, FAST_LOG=FAST_LOG,
         )  # fmt: skip
     else:
         _approx_chunk(
             row_logits, r13, scale, greedy, cutoff, table_ptr, maxima_ptr, rows, live, vocab, num_sub,
-            first_sub, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=False, MIXED=False, FAST_LOG=FAST_LOG,
+            first_sub, HAS_CUTOFF, SUB, STEP, SUBS, MASKED=False, FAST_LOG=FAST_LOG,
         )  # fmt: skip
 
 
@@ -308,8 +335,12 @@ def _exact_rows(
     logits_ptr, row_stride, temperature_ptr, seed_ptr, pos_ptr, cutoff_ptr, skip_ptr,
     maxima_ptr, token_ptr, score_ptr, vocab, num_sub,
     HAS_CUTOFF: tl.constexpr, HAS_SKIP: tl.constexpr, SUB: tl.constexpr, SUBS_POW2: tl.constexpr,
+    OVERLAP: tl.constexpr,
 ):  # fmt: skip
-    """Stage 2. Compile with enable_fp_fusion=False: these are the exact scores of gumbel_torch.py."""
+    """Stage 2. Compile with enable_fp_fusion=False: these are the exact scores of gumbel_torch.py.
+
+    OVERLAP: launched as a programmatic dependent launch of stage 1, so this program may run
+    while stage 1 finishes: it reads only inputs written before stage 1 until gdc_wait()."""
     row = tl.program_id(0)
     if HAS_SKIP:
         if tl.load(skip_ptr + row) != 0:
@@ -320,13 +351,19 @@ def _exact_rows(
     if HAS_CUTOFF:
         cutoff = tl.load(cutoff_ptr + row)
     row_hash = _row_hash(seed_ptr, pos_ptr, row)
+    if OVERLAP:
+        gdc_wait()  # stage 1's maxima (and, past them, the outputs) from here on
 
     subs = tl.arange(0, SUBS_POW2)
     in_row = subs < num_sub
     approx = tl.load(maxima_ptr + row * num_sub + subs, mask=in_row, other=float("-inf"))
     m = tl.max(approx, axis=0)
     if temperature == 0.0:
-        threshold = m  # stage 1 scored the logits themselves: exact (-inf: every sub-block)
+        # Stage 1 scored 2^64 x - log2(t), |log2 t| < 34: within 34 + 2^-24 |m| of 2^64 x (the
+        # argument of _approx_error_bound with these terms). No finite M, or logits near
+        # 2^64 (overflow): recompute everything.
+        threshold = m - 2.0 * (64.0 + 2.384185791015625e-07 * tl.abs(m))
+        threshold = tl.where(tl.abs(m) < _GREEDY_RELIABLE, threshold, float("-inf"))
     else:
         threshold = m - 2.0 * _approx_error_bound(m)
         # No finite M (nothing kept, overflow, x * inf from a subnormal T): recompute everything.
@@ -368,6 +405,8 @@ class LaunchShape:
     sub_blocks_per_program: sub-blocks a stage-1 program covers.
     num_warps / exact_warps: warps of a stage-1 / stage-2 program.
     max_registers: a cap on stage 1's registers per thread (more programs per SM), or None.
+    overlap_stages: on CUDA, launch stage 2 as a programmatic dependent launch of stage 1, so
+        that its launch and its loads of per-row inputs overlap stage 1's last programs.
     """
 
     sub_block: int = 1024
@@ -377,6 +416,7 @@ class LaunchShape:
     num_warps: int = 1
     exact_warps: int = 4
     max_registers: int | None = None
+    overlap_stages: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -397,6 +437,10 @@ class LaunchShape:
         return replace(self, sub_block=sub_block, step=min(self.step, sub_block))
 
 
+launch_approx_maxima = DirectLauncher(_approx_maxima)
+launch_exact_rows = DirectLauncher(_exact_rows)
+
+
 # Fastest of the shapes swept on the H200 (benchmarks/RESULTS.md, 2026-11-29).
 DEFAULT_SHAPE = LaunchShape()
 
@@ -406,6 +450,18 @@ _TABLE_ROUNDING = 1 << 16
 
 
 MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's y (and z) extent
+
+
+def _overlaps(shape: LaunchShape, logits: torch.Tensor) -> bool:
+    """Whether stage 2 is a programmatic dependent launch of stage 1 (a CUDA feature: the
+    interpreter has no grid dependency control)."""
+    return shape.overlap_stages and logits.is_cuda
+
+
+def _dependent_launch(shape: LaunchShape, logits: torch.Tensor) -> dict[str, bool]:
+    """Stage 2's launch option for an overlapped launch (none otherwise: the interpreter takes no
+    CUDA launch options)."""
+    return {"launch_pdl": True} if _overlaps(shape, logits) else {}
 
 
 def token_table(length: int, device: torch.device) -> torch.Tensor:
@@ -439,13 +495,15 @@ def approx_maxima(
     chunks = triton.cdiv(num_sub, shape.sub_blocks_per_program)
     table = token_table(chunks * shape.sub_blocks_per_program * shape.sub_block, logits.device)
     maxima = torch.empty((num_rows, num_sub), dtype=torch.float32, device=logits.device)
-    _approx_maxima[(chunks, triton.cdiv(num_rows, shape.rows_per_program))](
+    launch_approx_maxima(
+        (chunks, triton.cdiv(num_rows, shape.rows_per_program)),
         logits, logits.stride(0), temperature, seeds, positions,
         cutoff if cutoff is not None else temperature, skip if skip is not None else temperature,
         table, maxima, num_rows, vocab, num_sub,
         HAS_CUTOFF=cutoff is not None, HAS_SKIP=skip is not None, ROWS=shape.rows_per_program,
         SUB=shape.sub_block, STEP=shape.step, SUBS=shape.sub_blocks_per_program,
-        FAST_LOG=logits.device.type == "cuda", num_warps=shape.num_warps, maxnreg=shape.max_registers,
+        FAST_LOG=logits.device.type == "cuda", OVERLAP=_overlaps(shape, logits),
+        num_warps=shape.num_warps, maxnreg=shape.max_registers,
     )  # fmt: skip
     return maxima
 
@@ -464,14 +522,22 @@ def exact_from_maxima(
     """Stage 2: the exact (token, score) of each row into `out`, from stage 1's maxima."""
     num_rows, vocab = logits.shape
     num_sub = maxima.shape[1]
-    _exact_rows[(num_rows,)](
+    launch_exact_rows(
+        (num_rows,),
         logits, logits.stride(0), temperature, seeds, positions,
         cutoff if cutoff is not None else temperature, skip if skip is not None else temperature,
         maxima, out[0], out[1], vocab, num_sub,
         HAS_CUTOFF=cutoff is not None, HAS_SKIP=skip is not None, SUB=shape.sub_block,
-        SUBS_POW2=triton.next_power_of_2(num_sub),
-        num_warps=shape.exact_warps, enable_fp_fusion=False,
+        SUBS_POW2=triton.next_power_of_2(num_sub), OVERLAP=_overlaps(shape, logits),
+        num_warps=shape.exact_warps, enable_fp_fusion=False, **_dependent_launch(shape, logits),
     )  # fmt: skip
+
+
+def _new_out(num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty(num_rows, dtype=torch.int64, device=device),
+        torch.empty(num_rows, dtype=torch.float32, device=device),
+    )
 
 
 def gumbel_argmax_triton(
@@ -489,18 +555,16 @@ def gumbel_argmax_triton(
     skip (uint8 [R], optional): rows left as they are in `out` (already sampled elsewhere).
     """
     num_rows = logits.shape[0]
-    device = logits.device
-    if out is None:
-        out = (
-            torch.empty(num_rows, dtype=torch.int64, device=device),
-            torch.empty(num_rows, dtype=torch.float32, device=device),
-        )
-    if num_rows == 0:
-        return out
     temperature = temperature.to(torch.float32)
     # Stage 1's rows run along the grid's y axis, which CUDA caps at MAX_GRID_Y programs: larger
     # batches go in slices (views: the kernels address rows from each tensor's own start).
     per_launch = MAX_GRID_Y * shape.rows_per_program
+    if 0 < num_rows <= per_launch:  # the usual case: no slicing (views cost host time)
+        maxima = approx_maxima(logits, temperature, seeds, positions, cutoff, shape, skip)
+        out = out if out is not None else _new_out(num_rows, logits.device)  # while stage 1 runs
+        exact_from_maxima(logits, temperature, seeds, positions, cutoff, maxima, out, shape, skip)
+        return out
+    out = out if out is not None else _new_out(num_rows, logits.device)
     for r0 in range(0, num_rows, per_launch):
         rows = slice(r0, min(num_rows, r0 + per_launch))
         part = [t[rows] if t is not None else None for t in (logits, temperature, seeds, positions, cutoff, skip)]

@@ -1,0 +1,109 @@
+"""Launching the sampler's Triton kernels without Triton's per-call dispatch.
+
+`kernel[grid](*args, **kwargs)` binds the arguments, computes a specialization key from them,
+looks the compiled kernel up, checks the kernel's globals, builds launch metadata for the launch
+hooks and calls the hooks, every call: ~75 us of host time a launch on the H200's host
+(benchmarks/notes_sampler.md), more than the GPU needs for stage 2. `DirectLauncher` does the
+first launch of each specialization through that path, keeps the CompiledKernel it returns, and
+afterwards calls its launcher directly (`CompiledKernel.run`, the call Triton 3.6 and 3.9 make
+themselves at the end of `JITFunction.run`).
+
+The key under which a compiled kernel is kept is never coarser than Triton's specialization, so
+a kept kernel is only reused for arguments Triton would have compiled the same way: for a tensor,
+its dtype and whether its address is a multiple of 16; for an int, whether it is 1, a multiple of
+16, and its integer type (i32, i64 or u64); bools, floats and constexpr parameters by value; the
+options (num_warps, ...) and the current device. Anything else, and any launch while a Triton
+launch hook is installed (profilers), takes Triton's own path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+# Off: every launch takes Triton's own path (the benchmark times both; tests compare them).
+direct_launch_enabled = True
+
+_INT32_RANGE = range(-(2**31), 2**31)
+_UINT64_START = 2**63
+
+
+def _runtime_value_key(value: object) -> object:
+    """What Triton's specialization can depend on, for a value passed to a non-constexpr
+    parameter (finer than Triton where that is cheaper to compute)."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, int):
+        return ("int", value == 1, value % 16 == 0, value in _INT32_RANGE, value >= _UINT64_START)
+    if isinstance(value, float):
+        return ("float",)
+    return ("other", value)  # None and other hashable values: by value
+
+
+def _hooks_installed() -> bool:
+    """Whether a Triton launch hook is set: then Triton's path runs them (3.6+: hook chains)."""
+    runtime_knobs = triton.knobs.runtime
+    for hook in (runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+class DirectLauncher:
+    """`launcher(grid, *args, **kwargs)` launches `kernel` like `kernel[grid](*args, **kwargs)`.
+
+    kwargs holds the parameters not passed positionally (by name, as for Triton) and Triton's
+    compile options (num_warps, maxnreg, enable_fp_fusion, ...). Interpreted kernels
+    (TRITON_INTERPRET=1) always take Triton's path.
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.direct_capable = isinstance(kernel, JITFunction)
+        self._compiled: dict[tuple, Any] = {}
+        self._stream_of: Callable[[int], int] | None = None
+        if self.direct_capable:
+            self._names: tuple[str, ...] = tuple(kernel.arg_names)
+            self._params = frozenset(self._names)
+            constexprs = set(kernel.constexprs)
+            self._is_constexpr: tuple[bool, ...] = tuple(i in constexprs for i in range(len(self._names)))
+        # Launches that went straight to the compiled kernel (tests and the benchmark read it).
+        self.direct_launches = 0
+
+    def __call__(self, grid: Sequence[int], *args: object, **kwargs: object) -> None:
+        if not (self.direct_capable and direct_launch_enabled) or _hooks_installed():
+            self.kernel[grid](*args, **kwargs)
+            return
+        values = args + tuple(kwargs[name] for name in self._names[len(args) :])
+        options = tuple((name, value) for name, value in kwargs.items() if name not in self._params)
+        device = torch.cuda.current_device()
+        key = (
+            device,
+            options,
+            tuple(
+                value if constexpr else _runtime_value_key(value)
+                for value, constexpr in zip(values, self._is_constexpr, strict=True)
+            ),
+        )
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+                self._compiled[key] = compiled  # not an asynchronous compile's future
+            return
+        if self._stream_of is None:
+            self._stream_of = triton.runtime.driver.active.get_current_stream
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
+        # No launch metadata and no hooks: there are none (checked above).
+        compiled.run(
+            grid[0], grid_y, grid_z, self._stream_of(device), compiled.function, compiled.packed_metadata,
+            None, None, None, *values,
+        )  # fmt: skip
+        self.direct_launches += 1

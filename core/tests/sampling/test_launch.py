@@ -1,0 +1,179 @@
+"""DirectLauncher: which launches reuse a kept compiled kernel, and what they pass to it.
+
+Triton's dispatch and the compiled kernel are replaced by recorders (this machine has no GPU);
+the GPU tests in test_sample.py run the real launcher against Triton's own path."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from jackfield.sampling import launch
+from jackfield.sampling.launch import DirectLauncher
+from triton.runtime.jit import JITFunction
+
+
+def _copy_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n) * scale, mask=i < n)
+
+
+@dataclass
+class RecordedCompiled:
+    """Stands in for Triton's CompiledKernel: records the launcher calls it receives."""
+
+    function: int = 0xF00
+    packed_metadata: tuple = (1, 1, 0)
+    runs: list[tuple] = field(default_factory=list)
+
+    def run(self, *args: object) -> None:
+        self.runs.append(args)
+
+
+@dataclass
+class RecordedDispatch:
+    """Stands in for `kernel[grid](...)`: records each call and returns a new compiled kernel."""
+
+    calls: list[tuple] = field(default_factory=list)
+    compiled: list[RecordedCompiled] = field(default_factory=list)
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def launch_through_triton(*args: object, **kwargs: object) -> RecordedCompiled:
+            self.calls.append((grid, args, kwargs))
+            self.compiled.append(RecordedCompiled())
+            return self.compiled[-1]
+
+        return launch_through_triton
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DirectLauncher, RecordedDispatch]]:
+    kernel = JITFunction(_copy_kernel)  # a real JIT function, also under TRITON_INTERPRET=1
+    launcher = DirectLauncher(kernel)
+    dispatch = RecordedDispatch()
+    monkeypatch.setattr(launcher, "kernel", dispatch)
+    monkeypatch.setattr(launcher, "_stream_of", lambda device: 1000 + device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(launch, "direct_launch_enabled", True)
+    yield launcher, dispatch
+
+
+def fresh(n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))
+
+
+def test_second_launch_goes_straight_to_the_kept_kernel_with_every_argument_in_order(recorded) -> None:
+    launcher, dispatch = recorded
+    x, out = fresh(64), torch.empty(64)
+    launcher((4,), x, out, 64, 0.5, BLOCK=16, FLAG=True, num_warps=2)
+    assert len(dispatch.calls) == 1 and launcher.direct_launches == 0
+    y, out2 = fresh(64), torch.empty(64)
+    launcher((4, 2), y, out2, 48, 1.5, FLAG=True, BLOCK=16, num_warps=2)
+    assert len(dispatch.calls) == 1 and launcher.direct_launches == 1
+    (run,) = dispatch.compiled[0].runs
+    assert run[:9] == (4, 2, 1, 1003, 0xF00, (1, 1, 0), None, None, None)
+    assert run[9] is y and run[10] is out2 and run[11:] == (48, 1.5, 16, True)  # signature order
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "unaligned tensor",
+        "other dtype",
+        "n == 1",
+        "n not a multiple of 16",
+        "n past int32",
+        "constexpr value",
+        "option value",
+        "other device",
+    ],
+)
+def test_anything_triton_specializes_on_compiles_through_triton(recorded, monkeypatch, change: str) -> None:
+    launcher, dispatch = recorded
+    x, out = fresh(80), torch.empty(80)
+    args: list = [x[:64], out[:64], 64, 0.5]
+    kwargs: dict = {"BLOCK": 16, "FLAG": False, "num_warps": 4}
+    launcher((1,), *args, **kwargs)
+    if change == "unaligned tensor":
+        args[0] = x[1:65]  # 4 bytes past a 16-byte boundary
+    elif change == "other dtype":
+        args[1] = torch.empty(64, dtype=torch.float16)
+    elif change == "n == 1":
+        args[2] = 1
+    elif change == "n not a multiple of 16":
+        args[2] = 63
+    elif change == "n past int32":
+        args[2] = 2**40
+    elif change == "constexpr value":
+        kwargs["BLOCK"] = 32
+    elif change == "option value":
+        kwargs["num_warps"] = 8
+    else:
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 4)
+    launcher((1,), *args, **kwargs)
+    assert len(dispatch.calls) == 2 and launcher.direct_launches == 0
+    launcher((1,), *args, **kwargs)  # now kept under its own key
+    assert len(dispatch.calls) == 2 and launcher.direct_launches == 1
+    assert len(dispatch.compiled[1].runs) == 1 and not dispatch.compiled[0].runs
+
+
+def test_switched_off_every_launch_goes_through_triton(recorded, monkeypatch) -> None:
+    launcher, dispatch = recorded
+    monkeypatch.setattr(launch, "direct_launch_enabled", False)
+    x, out = fresh(32), torch.empty(32)
+    for _ in range(3):
+        launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)
+    assert len(dispatch.calls) == 3 and launcher.direct_launches == 0
+
+
+def test_installed_launch_hooks_take_triton_s_path(recorded) -> None:
+    launcher, dispatch = recorded
+    x, out = fresh(32), torch.empty(32)
+    launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)
+    seen: list = []
+    hooks = triton.knobs.runtime.launch_enter_hook
+    hooks.add(seen.append)
+    try:
+        launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)
+    finally:
+        hooks.remove(seen.append)
+    assert len(dispatch.calls) == 2 and launcher.direct_launches == 0
+    launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)
+    assert launcher.direct_launches == 1
+
+
+def test_an_asynchronous_compile_is_not_kept(recorded) -> None:
+    """What Triton returns without a launcher (a future of an asynchronous compile) is not kept."""
+    launcher, _ = recorded
+
+    class Future:
+        def result(self) -> RecordedCompiled:
+            return RecordedCompiled()
+
+    calls: list = []
+
+    class AsyncDispatch:
+        def __getitem__(self, grid: tuple[int, ...]):
+            return lambda *args, **kwargs: calls.append(args) or Future()
+
+    launcher.kernel = AsyncDispatch()
+    x, out = fresh(32), torch.empty(32)
+    for _ in range(2):
+        launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)
+    assert len(calls) == 2 and launcher.direct_launches == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_interpreted_kernels_always_take_triton_s_path() -> None:
+    kernel = triton.jit(_copy_kernel)
+    launcher = DirectLauncher(kernel)
+    assert not launcher.direct_capable
+    x, out = fresh(40), torch.full((40,), float("nan"))
+    for _ in range(2):
+        launcher((3,), x, out, 40, 2.0, BLOCK=16, FLAG=False)
+    assert torch.equal(out, x * 2.0) and launcher.direct_launches == 0
