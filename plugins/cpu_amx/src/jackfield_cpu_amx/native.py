@@ -157,11 +157,10 @@ def shape_unfit_reason(width: int, kv_lora_rank: int, block_size: int, q_len: in
 
 
 def unfit_reason(query: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, q_len: int) -> str | None:
-    """Why the native kernel cannot decode this group, or None (then the backend uses it)."""
+    """Why the native kernel cannot decode this group, or None (then the backend uses it). The
+    cache is contiguous: the common checks require it."""
     if query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
         return f"needs bfloat16 activations and cache, got {query.dtype} and {kv_cache.dtype}"
-    if not kv_cache.is_contiguous():
-        return "the cache is not contiguous"
     return shape_unfit_reason(kv_cache.shape[-1], kv_lora_rank, kv_cache.shape[1], q_len)
 
 

@@ -168,8 +168,9 @@ static const bf16 *record(const problem *p, int req, int key) {
     return p->kv_cache + (block * p->block_size + key % p->block_size) * (int64_t)p->width;
 }
 
-/* 2^x for x <= 0 (x below -150 gives 0): a degree-7 polynomial on the fraction, |error| < 1e-8
- * relative, then scaled by 2^round(x). */
+/* 2^x for x <= 0: a degree-7 polynomial on the fraction, |error| < 1e-8 relative, scaled by
+ * 2^round(x). x below -150, -inf and NaN give exactly 0 (vmaxps returns its second operand when
+ * the first is NaN): a masked key (-inf - max) and a row with no key yet (-inf - -inf) get 0. */
 static inline __m512 exp2_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
     __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -339,7 +340,7 @@ static void attend_item(const problem *p, thread_buffers *buf, int req, int grou
         }
         const __m512 m_new = _mm512_max_ps(m, chunk_max);
         const __mmask16 had_max = _mm512_cmp_ps_mask(m, neg_inf, _CMP_NEQ_OQ);
-        const __m512 correction = _mm512_maskz_mov_ps(had_max, exp2_nonpositive(_mm512_sub_ps(m, m_new)));
+        const __m512 correction = exp2_nonpositive(_mm512_sub_ps(m, m_new)); /* 0 where m was -inf */
         l = _mm512_mul_ps(l, correction);
         m = m_new;
 
@@ -354,10 +355,7 @@ static void attend_item(const problem *p, thread_buffers *buf, int req, int grou
             for (int k = 0; k < PAIRS_PER_PTILE; k++) {
                 const float *even = buf->scores + 16 * (32 * j + 2 * k);
                 __m512 x0 = _mm512_load_ps(even), x1 = _mm512_load_ps(even + 16);
-                __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, neg_inf, _CMP_NEQ_OQ),
-                                                exp2_nonpositive(_mm512_sub_ps(x0, m)));
-                __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, neg_inf, _CMP_NEQ_OQ),
-                                                exp2_nonpositive(_mm512_sub_ps(x1, m)));
+                __m512 p0 = exp2_nonpositive(_mm512_sub_ps(x0, m)), p1 = exp2_nonpositive(_mm512_sub_ps(x1, m));
                 l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
                 /* [p0 as bf16 (16), p1 as bf16 (16)] -> 16 pairs (p0[n], p1[n]) */
                 __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
