@@ -42,12 +42,12 @@ needs_amx = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory: pytest.TempPathFactory) -> NativeKernel:
-    return NativeKernel(emulate_tiles=True, cache=tmp_path_factory.mktemp("native_cache"))
+    return NativeKernel.build(emulate_tiles=True, cache=tmp_path_factory.mktemp("native_cache"))
 
 
 @pytest.fixture(scope="module")
 def amx(tmp_path_factory: pytest.TempPathFactory) -> NativeKernel:
-    return NativeKernel(emulate_tiles=False, cache=tmp_path_factory.mktemp("native_cache"))
+    return NativeKernel.build(emulate_tiles=False, cache=tmp_path_factory.mktemp("native_cache"))
 
 
 def poison_unowned_slots(problem: Problem) -> None:

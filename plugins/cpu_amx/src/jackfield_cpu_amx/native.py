@@ -48,13 +48,11 @@ _INT32, _INT64, _FLOAT, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, c
 class NativeKernel:
     """A loaded build of mla_decode.c."""
 
-    def __init__(self, emulate_tiles: bool = False, cache: Path | None = None) -> None:
-        """Builds (or finds in the cache) and loads the library; raises NativeBuildError."""
-        flags = COMMON_FLAGS + (EMULATED_FLAGS if emulate_tiles else AMX_FLAGS)
-        self.path = build_library(SOURCE, flags, LIBS, cache)
-        self.emulated = emulate_tiles
+    def __init__(self, library: Path, emulated: bool) -> None:
+        self.path = library
+        self.emulated = emulated
         # torch is imported first, so the library's libgomp.so.1 binds to torch's copy (one OpenMP runtime).
-        self._decode = ctypes.CDLL(str(self.path)).jf_mla_decode
+        self._decode = ctypes.CDLL(str(library)).jf_mla_decode
         self._decode.restype = _INT32
         self._decode.argtypes = [
             _PTR, _PTR, _PTR, _INT64, _PTR, _PTR,  # query, cache, block table + stride, seq_lens, visible
@@ -62,6 +60,12 @@ class NativeKernel:
             _INT32, _INT32, _FLOAT,  # splits, keys per split, scale
             _PTR, _PTR, _INT32,  # out, lse, threads
         ]
+
+    @classmethod
+    def build(cls, emulate_tiles: bool = False, cache: Path | None = None) -> NativeKernel:
+        """Builds (or finds in the cache) and loads the package's source; raises NativeBuildError."""
+        flags = COMMON_FLAGS + (EMULATED_FLAGS if emulate_tiles else AMX_FLAGS)
+        return cls(build_library(SOURCE, flags, LIBS, cache), emulate_tiles)
 
     def decode(
         self,
@@ -174,7 +178,7 @@ def select_native_kernel(status: AmxStatus, cpu_flags: frozenset[str]) -> Native
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     try:
-        return NativeKernel()
+        return NativeKernel.build()
     except NativeBuildError as exc:
         return f"native build failed: {exc}"
 
