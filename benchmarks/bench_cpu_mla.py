@@ -174,7 +174,9 @@ def main() -> None:
     status = detected_amx_status()
     paths: list[ComputePath] = args.paths or [status.path]
     native = native_decode_kernel()
-    decode_kernels = args.decode_kernels or (["native", "flash"] if isinstance(native, NativeKernel) else ["flash"])
+    decode_kernels = args.decode_kernels or (
+        ["native", "flash"] if isinstance(native, NativeKernel) else ["flash"]
+    )
     if "native" in decode_kernels and not isinstance(native, NativeKernel):
         parser.error(f"no native kernel here: {native}")
     bandwidth = copy_bandwidth()
@@ -184,7 +186,8 @@ def main() -> None:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     header = (
         f"CPU: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; detected path: "
-        f"{status.path} ({status.reason}); decode kernel: {decode_kernel_name(native)}\nhost copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s; "
+        f"{status.path} ({status.reason}); decode kernel: {decode_kernel_name(native)}\n"
+        f"host copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s; "
         f"B={args.batch}, S={args.seq}, block {args.block_size}, "
         f"kv_lora_rank {KV_LORA_RANK} + rope {ROPE}, bf16 cache"
         + ("; caches evicted before each step" if args.evict else "")

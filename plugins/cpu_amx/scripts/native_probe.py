@@ -16,12 +16,13 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 from bench_cpu_mla import cache_evictor, copy_bandwidth, decode_problem
 from jackfield_cpu_amx.backend import CpuAmxMLAImpl
-from jackfield_cpu_amx.native import COMMON_FLAGS, AMX_FLAGS, LIBS, SOURCE, NativeKernel
+from jackfield_cpu_amx.native import AMX_FLAGS, COMMON_FLAGS, LIBS, SOURCE, NativeKernel
 from jackfield_cpu_amx.native_build import build_library
 from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder, plan_key
 
@@ -29,7 +30,10 @@ PREFETCH_CALL = "prefetch_some(&pf, prefetch_per_step);"
 PREFETCH_RANGE = "key = chunk + CHUNK_KEYS; key < key_end && key < chunk + 2 * CHUNK_KEYS;"
 SOURCE_EDITS = {
     "no prefetch": (PREFETCH_CALL, ""),
-    "prefetch 2 ahead": (PREFETCH_RANGE, "key = chunk + 2 * CHUNK_KEYS; key < key_end && key < chunk + 3 * CHUNK_KEYS;"),
+    "prefetch 2 ahead": (
+        PREFETCH_RANGE,
+        "key = chunk + 2 * CHUNK_KEYS; key < key_end && key < chunk + 3 * CHUNK_KEYS;",
+    ),
 }
 
 
@@ -80,11 +84,13 @@ def main() -> None:
             for split_threads in (threads, 2 * threads, 4 * threads) if heads == 16 else (threads,):
                 layout = group.native_layout(64, heads, split_threads)
                 for name, kernel in kernels.items():
-                    variants[f"H={heads} {name}, {layout.num_splits} split(s)"] = (
-                        lambda k=kernel, lay=layout: k.decode(query, kv_cache, tables, lay, layer.scale, out, lse)
+                    variants[f"H={heads} {name}, {layout.num_splits} split(s)"] = partial(
+                        kernel.decode, query, kv_cache, tables, layout, layer.scale, out, lse
                     )
             impl = CpuAmxMLAImpl(layer)
-            variants[f"H={heads} whole attend()"] = lambda i=impl, b=built: i.attend(query, kv_cache, b, return_lse=True)
+            variants[f"H={heads} whole attend()"] = partial(
+                impl.attend, query, kv_cache, built, return_lse=True
+            )
             for label, before in (("L3-warm", None), ("evicted", evict)):
                 for name, ms in interleaved(variants, rounds=5, reps=6, before=before).items():
                     share = cache_bytes / (ms / 1e3) / bandwidth
@@ -94,7 +100,9 @@ def main() -> None:
         impl = CpuAmxMLAImpl(layer)
         for n in (4, 8, threads):
             torch.set_num_threads(n)
-            ms = interleaved({"": lambda: impl.attend(query, kv_cache, built)}, rounds=3, reps=6, before=evict)[""]
+            ms = interleaved(
+                {"": lambda: impl.attend(query, kv_cache, built)}, rounds=3, reps=6, before=evict
+            )[""]
             print(f"evicted  H=16 attend() on {n:2d} threads {ms:7.3f} ms", flush=True)
         torch.set_num_threads(threads)
 

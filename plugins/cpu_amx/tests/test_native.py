@@ -93,7 +93,9 @@ def run_kernel(
     tables = group.decode_tables
     assert tables is not None
     layout = group.native_layout(problem.kv_cache.shape[1], lay.num_heads, num_threads)
-    out = torch.full((problem.query.shape[0], lay.num_heads, lay.kv_lora_rank), math.nan, dtype=torch.bfloat16)
+    out = torch.full(
+        (problem.query.shape[0], lay.num_heads, lay.kv_lora_rank), math.nan, dtype=torch.bfloat16
+    )
     lse = torch.full(problem.query.shape[:2], math.nan)
     kernel.decode(problem.query, problem.kv_cache, tables, layout, lay.scale, out, lse)
     return out, lse
@@ -131,7 +133,9 @@ def test_emulated_kernel_matches_float64(
     scattered blocks, NaN in every slot nobody owns."""
     layer = make_layer(num_heads, kv_lora_rank=kv_lora_rank, rope=rope)
     seq_lens = [1, 37, 2 * block_size, 150]
-    problem = make_problem(layer, [q_len] * 4, seq_lens, block_size, torch.bfloat16, causal=causal, seed=q_len)
+    problem = make_problem(
+        layer, [q_len] * 4, seq_lens, block_size, torch.bfloat16, causal=causal, seed=q_len
+    )
     poison_unowned_slots(problem)
     group = only_group(problem)
     out, lse = run_kernel(emulated, problem, group, num_threads)
@@ -140,11 +144,20 @@ def test_emulated_kernel_matches_float64(
 
 @needs_avx512_bf16
 @pytest.mark.parametrize("causal", [True, False])
-def test_backend_decodes_through_the_kernel_and_prefills_without(emulated: NativeKernel, causal: bool) -> None:
+def test_backend_decodes_through_the_kernel_and_prefills_without(
+    emulated: NativeKernel, causal: bool
+) -> None:
     """The impl given the (emulated) kernel: decode groups go to it with the step's tables, the
     prefill group to the flash kernel; the whole batch matches the float64 reference."""
     problem = make_problem(
-        make_layer(16, rope=32), [1, 3, 12], [70, 33, 40], 16, torch.bfloat16, num_decodes=2, causal=causal, seed=4
+        make_layer(16, rope=32),
+        [1, 3, 12],
+        [70, 33, 40],
+        16,
+        torch.bfloat16,
+        num_decodes=2,
+        causal=causal,
+        seed=4,
     )
     poison_unowned_slots(problem)
     impl = CpuAmxMLAImpl(problem.layer, path="amx_bf16", native_kernel=emulated)
@@ -170,7 +183,9 @@ def test_backend_decodes_through_the_kernel_and_prefills_without(emulated: Nativ
         ({"path": "avx512_fp32"}, "avx512_fp32"),
     ],
 )
-def test_groups_the_kernel_cannot_take_stay_on_pytorch(emulated: NativeKernel, change: dict, reason: str) -> None:
+def test_groups_the_kernel_cannot_take_stay_on_pytorch(
+    emulated: NativeKernel, change: dict, reason: str
+) -> None:
     """Each shape outside the kernel's: the reason names it, the kernel is not called, and the
     result still matches the reference (PyTorch path)."""
     q_len, block_size = change.get("q_len", 2), change.get("block_size", 16)
@@ -192,7 +207,9 @@ def test_groups_the_kernel_cannot_take_stay_on_pytorch(emulated: NativeKernel, c
 @needs_avx512_bf16
 def test_kernel_checks_its_arguments(emulated: NativeKernel) -> None:
     """Pointers go to C unchecked there: every mismatch is a ValueError here, before the call."""
-    problem = make_problem(make_layer(16, kv_lora_rank=64, rope=32), [1, 1], [30, 17], 16, torch.bfloat16, seed=2)
+    problem = make_problem(
+        make_layer(16, kv_lora_rank=64, rope=32), [1, 1], [30, 17], 16, torch.bfloat16, seed=2
+    )
     group = only_group(problem)
     tables, lay = group.decode_tables, problem.layer
     assert tables is not None
@@ -230,11 +247,14 @@ def test_layout_splits_keys_for_every_thread_and_checks_the_table() -> None:
         group.native_layout(4, 20, 1)
 
 
-@pytest.mark.parametrize("env,enabled,flags,expect", [
-    ("0", True, AVX512_FLAGS, "turned off by JACKFIELD_CPU_AMX_NATIVE=0"),
-    (None, False, AVX512_FLAGS, "no AMX tiles (faked refusal)"),
-    (None, True, ("avx512f",), "the CPU lacks avx512bw, avx512vl, avx512_bf16"),
-])
+@pytest.mark.parametrize(
+    "env,enabled,flags,expect",
+    [
+        ("0", True, AVX512_FLAGS, "turned off by JACKFIELD_CPU_AMX_NATIVE=0"),
+        (None, False, AVX512_FLAGS, "no AMX tiles (faked refusal)"),
+        (None, True, ("avx512f",), "the CPU lacks avx512bw, avx512vl, avx512_bf16"),
+    ],
+)
 def test_kernel_selection_says_why_not(
     monkeypatch: pytest.MonkeyPatch, env: str | None, enabled: bool, flags: tuple[str, ...], expect: str
 ) -> None:
@@ -254,7 +274,9 @@ def test_missing_compiler_keeps_the_pytorch_kernel_and_says_so(
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("JACKFIELD_CACHE", str(tmp_path))
     kernel = select_native_kernel(AmxStatus(True, "faked grant"), frozenset(AVX512_FLAGS))
-    assert isinstance(kernel, str) and kernel.startswith("native build failed") and "/nonexistent/cc" in kernel
+    assert (
+        isinstance(kernel, str) and kernel.startswith("native build failed") and "/nonexistent/cc" in kernel
+    )
     assert decode_kernel_name(kernel).startswith("PyTorch flash kernel: native build failed")
     impl = CpuAmxMLAImpl(make_layer(16), path="amx_bf16", native_kernel=kernel)
     assert impl.native_unfit_reason(None, None, None) == kernel  # type: ignore[arg-type]

@@ -80,7 +80,9 @@ def test_failed_build_reports_the_compiler_output_and_leaves_nothing(
     assert list(cache.iterdir()) == []
 
 
-def test_missing_compiler_is_a_build_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, source: Path) -> None:
+def test_missing_compiler_is_a_build_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, source: Path
+) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(NativeBuildError, match="/nonexistent/cc"):
         build_library(source, FLAGS, cache=tmp_path / "cache")

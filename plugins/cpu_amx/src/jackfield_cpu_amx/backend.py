@@ -134,7 +134,12 @@ class CpuAmxMLAImpl(MLAImpl):
         return AttentionOutput(out, lse if return_lse else None)
 
     def _decode_native(
-        self, group: RequestGroup, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+        self,
+        group: RequestGroup,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
     ) -> None:
         assert isinstance(self.native_kernel, NativeKernel) and group.decode_tables is not None
         layout = group.native_layout(kv_cache.shape[1], self.layer.num_heads, torch.get_num_threads())
@@ -143,7 +148,9 @@ class CpuAmxMLAImpl(MLAImpl):
             query.contiguous(), kv_cache, group.decode_tables, layout, self.layer.scale, out, lse
         )
 
-    def native_unfit_reason(self, group: RequestGroup, query: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+    def native_unfit_reason(
+        self, group: RequestGroup, query: torch.Tensor, kv_cache: torch.Tensor
+    ) -> str | None:
         """Why this group does not go to the native kernel (None: it does); `query` in the
         compute dtype."""
         if not isinstance(self.native_kernel, NativeKernel):

@@ -55,10 +55,24 @@ class NativeKernel:
         self._decode = ctypes.CDLL(str(library)).jf_mla_decode
         self._decode.restype = _INT32
         self._decode.argtypes = [
-            _PTR, _PTR, _PTR, _INT64, _PTR, _PTR,  # query, cache, block table + stride, seq_lens, visible
-            _INT32, _INT32, _INT32, _INT32, _INT32, _INT32,  # reqs, q_len, heads, L, L+R, block size
-            _INT32, _INT32, _FLOAT,  # splits, keys per split, scale
-            _PTR, _PTR, _INT32,  # out, lse, threads
+            _PTR,
+            _PTR,
+            _PTR,
+            _INT64,
+            _PTR,
+            _PTR,  # query, cache, block table + stride, seq_lens, visible
+            _INT32,
+            _INT32,
+            _INT32,
+            _INT32,
+            _INT32,
+            _INT32,  # reqs, q_len, heads, L, L+R, block size
+            _INT32,
+            _INT32,
+            _FLOAT,  # splits, keys per split, scale
+            _PTR,
+            _PTR,
+            _INT32,  # out, lse, threads
         ]
 
     @classmethod
@@ -126,7 +140,12 @@ def _check_decode_args(
         if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"native decode: {name} must be a contiguous CPU {dtype} tensor")
     rows = tables.seq_lens.numel() * tables.q_len
-    if query.dim() != 3 or query.shape[0] != rows or kv_cache.dim() != 3 or kv_cache.shape[2] != query.shape[2]:
+    if (
+        query.dim() != 3
+        or query.shape[0] != rows
+        or kv_cache.dim() != 3
+        or kv_cache.shape[2] != query.shape[2]
+    ):
         raise ValueError(
             f"native decode: query {tuple(query.shape)} and cache {tuple(kv_cache.shape)} do not fit "
             f"{tables.seq_lens.numel()} requests of {tables.q_len} tokens"

@@ -69,7 +69,12 @@ def build_library(
     compiler = find_compiler()
     version = _compiler_version(compiler)
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), "\0".join([*flags, "--", *libs]).encode(), compiler.encode(), version.encode()):
+    for part in (
+        source.read_bytes(),
+        "\0".join([*flags, "--", *libs]).encode(),
+        compiler.encode(),
+        version.encode(),
+    ):
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
     cache = cache_dir() if cache is None else cache
@@ -89,9 +94,8 @@ def build_library(
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise NativeBuildError(f"{compiler} could not build {source.name}: {exc}") from exc
         if result.returncode != 0:
-            raise NativeBuildError(
-                f"{compiler} failed on {source.name} (exit {result.returncode}): {_first_lines(result.stderr)}"
-            )
+            failure = f"{compiler} failed on {source.name} (exit {result.returncode})"
+            raise NativeBuildError(f"{failure}: {_first_lines(result.stderr)}")
         os.replace(tmp, target)  # atomic: a racing build's rename leaves either whole library
     finally:
         tmp.unlink(missing_ok=True)
