@@ -29,7 +29,13 @@ from jackfield_cpu_amx.native import (
     native_decode_kernel,
     select_native_kernel,
 )
-from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder, RequestGroup, plan_key
+from jackfield_cpu_amx.plan import (
+    NATIVE_ITEMS_PER_THREAD,
+    PLANS_KEY,
+    CpuAmxMetadataBuilder,
+    RequestGroup,
+    plan_key,
+)
 
 MISSING_AVX512 = [flag for flag in AVX512_FLAGS if flag not in read_cpu_flags()]
 needs_avx512_bf16 = pytest.mark.skipif(
@@ -234,15 +240,19 @@ def test_kernel_checks_its_arguments(emulated: NativeKernel) -> None:
 
 
 def test_layout_splits_keys_for_every_thread_and_checks_the_table() -> None:
-    """Items (request x 16-row group x split) reach the thread count, splits are whole 64-key
-    chunks covering the longest request; a table too narrow for a seq_len is an error."""
+    """Splits of equal whole 64-key chunks, as short as allowed while there are at most as many
+    as NATIVE_ITEMS_PER_THREAD per thread asks for (items: request x 16-row group x split),
+    together covering the longest request; a table too narrow for a seq_len is an error."""
     problem = make_problem(make_layer(20), [1, 1, 1], [300, 5, 129], 16, torch.bfloat16, seed=1)
     group = only_group(problem)
-    for threads in (1, 6, 16, 100):
+    for threads, expect_splits in ((1, 1), (3, 2), (6, 3), (16, 5), (100, 5)):  # 300 keys: 5 chunks
         layout = group.native_layout(16, 20, threads)
-        assert 3 * 2 * layout.num_splits >= min(threads, 3 * 2 * 5)  # 300 keys: at most 5 chunks
+        wanted = -(-NATIVE_ITEMS_PER_THREAD * threads // (3 * 2))  # 3 requests x 2 row groups of 20 heads
+        assert layout.num_splits == expect_splits <= wanted
         assert layout.split_keys % 64 == 0 and layout.num_splits * layout.split_keys >= 300
         assert (layout.num_splits - 1) * layout.split_keys < 300  # no split past the longest
+        if layout.split_keys > 64:  # a chunk shorter would need more splits than wanted
+            assert -(-300 // (layout.split_keys - 64)) > min(wanted, 5)
     with pytest.raises(ValueError, match="blocks of 4"):
         group.native_layout(4, 20, 1)
 
