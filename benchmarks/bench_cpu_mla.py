@@ -227,7 +227,9 @@ def main() -> None:
             impl = CpuAmxMLAImpl(layer, path=path, native_kernel="the A/B's PyTorch side")
             built = CpuAmxMetadataBuilder(group_keys, chunk_keys or None, fused_max_rows).build(metadata)
             s = timed(partial(impl.attend, query, kv_cache, built, return_lse=True), args.iters, before)
-            kernel = "fused" if heads <= fused_max_rows else "bmm"
+            # as StepPlan.fused decides: bf16 products always run the fused (flash) kernel
+            bf16 = compute_dtype(path, query.dtype) != torch.float32
+            kernel = "fused" if heads <= fused_max_rows or bf16 else "bmm"
             keys = f"{kernel} | {group_keys} | {chunk_keys or 'auto'}"
             rows.append(row(f"cpu_amx {path}", keys, s, ref_s))
             print(rows[-1], flush=True)

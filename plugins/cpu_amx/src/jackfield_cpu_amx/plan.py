@@ -31,8 +31,9 @@ FUSED_MAX_ROWS = 32  # the flash kernel's query slice for short queries (see ker
 NATIVE_MAX_Q_LEN = 8  # decode (speculative tokens included); longer queries are prefill
 NATIVE_CHUNK_KEYS = 64  # CHUNK_KEYS of native/mla_decode.c: splits start at its multiples
 NATIVE_TILE_ROWS = 16  # query rows per native work item (one AMX tile height)
-# Native work items per thread, where the keys allow: on the AMX host (B=16, S=4096, H=16), 4 per
-# thread ran 1.26 / 1.57 ms (cache in L3 / evicted), 1 per thread 1.34 / 1.79 ms.
+# Native work items per thread, where the keys allow: on the AMX host (B=16, S=4096, H=16), in two
+# runs 4 per thread took 1.26 / 1.15 ms with the cache in L3 and 1.57 / 1.56 ms evicted, 1 per
+# thread 1.34 / 1.28 and 1.79 / 1.78 ms (dynamic scheduling evens out slower cores).
 NATIVE_ITEMS_PER_THREAD = 4
 PlanKey = tuple[int, int, int]  # (num_reqs, num_tokens, num_decodes) of the metadata a plan serves
 

@@ -32,8 +32,9 @@
 #define DIMS_PER_KSTEP 32   /* bfloat16 products summed per tile row */
 #define CHUNK_KEYS 64       /* keys per softmax step: 4 score tiles, 2 P tiles */
 /* Chunks ahead whose records are prefetched into L2 during the value product. On the AMX host
- * (B=16, S=4096, H=16, cache evicted from L3) 2 ahead ran 1.49 ms, 1 ahead 1.57, none 1.67; with
- * the cache in L3, none was ~0.1 ms faster than either. */
+ * (B=16, S=4096, H=16, 4 splits, cache evicted from L3), two runs: 2 ahead 1.49 / 1.56 ms,
+ * 1 ahead 1.57 / 1.50, none 1.67 / 1.63 (1 vs 2 ahead is within noise). With the cache in L3,
+ * none was 0.07-0.1 ms faster than either (PERF_NOTES.md, round 2). */
 #define PREFETCH_CHUNKS_AHEAD 2
 #define PAIRS_PER_PTILE 16  /* key pairs (32 keys) per P tile */
 #define CACHE_LINE 64
