@@ -56,7 +56,7 @@ def edited_kernel(name: str, edit: tuple[str, str], cache: Path) -> NativeKernel
 def source_kernel(name: str, text: str, cache: Path) -> NativeKernel:
     source = cache / f"{''.join(c if c.isalnum() else '_' for c in name)}.c"
     source.write_text(text)
-    return NativeKernel(build_library(source, COMMON_FLAGS + AMX_FLAGS, LIBS, cache), emulated=False)
+    return NativeKernel(build_library(source, COMMON_FLAGS + AMX_FLAGS, LIBS, cache))
 
 
 def decode_into_fresh_outputs(

@@ -143,8 +143,7 @@ class CpuAmxMLAImpl(MLAImpl):
     ) -> None:
         assert isinstance(self.native_kernel, NativeKernel) and group.decode_tables is not None
         layout = group.native_layout(kv_cache.shape[1], self.layer.num_heads, torch.get_num_threads())
-        _check_block_span(layout.block_span, kv_cache)
-        self.native_kernel.decode(
+        self.native_kernel.decode(  # checks the layout's block ids against this cache
             query.contiguous(), kv_cache, group.decode_tables, layout, self.layer.scale, out, lse
         )
 
@@ -161,7 +160,7 @@ class CpuAmxMLAImpl(MLAImpl):
 
 
 def _check_block_span(span: tuple[int, int], kv_cache: torch.Tensor) -> None:
-    """The block ids a kernel reads (from the step's layout, built once) against this cache."""
+    """The block ids the gather reads (from the step's layout, built once) against this cache."""
     low, high = span
     if high >= kv_cache.shape[0] or low < 0:
         raise ValueError(f"block_table holds block {high} / {low}, the cache has {kv_cache.shape[0]}")

@@ -48,38 +48,23 @@ _INT32, _INT64, _FLOAT, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, c
 class NativeKernel:
     """A loaded build of mla_decode.c."""
 
-    def __init__(self, library: Path, emulated: bool) -> None:
+    def __init__(self, library: Path) -> None:
         self.path = library
-        self.emulated = emulated
         # torch is imported first, so the library's libgomp.so.1 binds to torch's copy (one OpenMP runtime).
         self._decode = ctypes.CDLL(str(library)).jf_mla_decode
         self._decode.restype = _INT32
-        self._decode.argtypes = [
-            _PTR,
-            _PTR,
-            _PTR,
-            _INT64,
-            _PTR,
-            _PTR,  # query, cache, block table + stride, seq_lens, visible
-            _INT32,
-            _INT32,
-            _INT32,
-            _INT32,
-            _INT32,
-            _INT32,  # reqs, q_len, heads, L, L+R, block size
-            _INT32,
-            _INT32,
-            _FLOAT,  # splits, keys per split, scale
-            _PTR,
-            _PTR,
-            _INT32,  # out, lse, threads
-        ]
+        self._decode.argtypes = (
+            [_PTR, _PTR, _PTR, _INT64, _PTR, _PTR]  # query, cache, table + stride, seq_lens, visible
+            + [_INT32] * 6  # requests, q_len, heads, kv_lora_rank, record width, block size
+            + [_INT32, _INT32, _FLOAT]  # splits, keys per split, scale
+            + [_PTR, _PTR, _INT32]  # out, lse, threads
+        )
 
     @classmethod
     def build(cls, emulate_tiles: bool = False, cache: Path | None = None) -> NativeKernel:
         """Builds (or finds in the cache) and loads the package's source; raises NativeBuildError."""
         flags = COMMON_FLAGS + (EMULATED_FLAGS if emulate_tiles else AMX_FLAGS)
-        return cls(build_library(SOURCE, flags, LIBS, cache), emulate_tiles)
+        return cls(build_library(SOURCE, flags, LIBS, cache))
 
     def decode(
         self,
