@@ -4,6 +4,9 @@ One decode step of one layer: B requests, one new token each, S cached tokens, H
 kv_lora_rank 512 + rope 64 latent records in a bfloat16 paged cache. Effective bandwidth is the
 cache bytes a decode must read (B * S * 576 * 2) over the step time.
 
+On an AMX host cpu_amx decodes with its native kernel (reads the paged cache in place); the
+PyTorch path (gather + flash kernel) is timed in the same run for the A/B (--decode-kernels).
+
     .venv/bin/python benchmarks/bench_cpu_mla.py [--heads 16 128] [--append benchmarks/RESULTS.md]
 """
 
@@ -24,7 +27,14 @@ from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
 from jackfield_cpu_amx.backend import CpuAmxMLAImpl, compute_dtype
 from jackfield_cpu_amx.capabilities import ComputePath, detected_amx_status
 from jackfield_cpu_amx.kernels import attend_group_bmm, attend_group_fused, gather_group_cache
-from jackfield_cpu_amx.plan import FUSED_MAX_ROWS, PLANS_KEY, CpuAmxMetadataBuilder, plan_key
+from jackfield_cpu_amx.native import NativeKernel, decode_kernel_name, native_decode_kernel
+from jackfield_cpu_amx.plan import (
+    DEFAULT_GROUP_KEYS,
+    FUSED_MAX_ROWS,
+    PLANS_KEY,
+    CpuAmxMetadataBuilder,
+    plan_key,
+)
 
 KV_LORA_RANK, ROPE = 512, 64
 
@@ -148,6 +158,14 @@ def main() -> None:
         help="evict the caches before each timed step (cache read from memory)",
     )
     parser.add_argument("--paths", nargs="+", default=None, help="compute paths (default: the detected one)")
+    parser.add_argument(
+        "--decode-kernels",
+        nargs="+",
+        choices=["native", "flash"],
+        default=None,
+        help="native: the AMX kernel (one row per H and path, default group keys); flash: the "
+        "PyTorch path, one row per setting (default: both when the native kernel is active)",
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--ref-iters", type=int, default=2)
     parser.add_argument("--append", default=None, help="append the table to this markdown file")
@@ -155,6 +173,12 @@ def main() -> None:
 
     status = detected_amx_status()
     paths: list[ComputePath] = args.paths or [status.path]
+    native = native_decode_kernel()
+    decode_kernels = args.decode_kernels or (
+        ["native", "flash"] if isinstance(native, NativeKernel) else ["flash"]
+    )
+    if "native" in decode_kernels and not isinstance(native, NativeKernel):
+        parser.error(f"no native kernel here: {native}")
     bandwidth = copy_bandwidth()
     before = cache_evictor() if args.evict else None
     cpu = platform.processor() or platform.machine()
@@ -162,7 +186,8 @@ def main() -> None:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     header = (
         f"CPU: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; detected path: "
-        f"{status.path} ({status.reason})\nhost copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s; "
+        f"{status.path} ({status.reason}); decode kernel: {decode_kernel_name(native)}\n"
+        f"host copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s; "
         f"B={args.batch}, S={args.seq}, block {args.block_size}, "
         f"kv_lora_rank {KV_LORA_RANK} + rope {ROPE}, bf16 cache"
         + ("; caches evicted before each step" if args.evict else "")
@@ -189,14 +214,22 @@ def main() -> None:
         )
         rows.append(row("torch_ref", "- | - | -", ref_s, ref_s))
         print(rows[-1], flush=True)
+        for path in paths if "native" in decode_kernels else []:
+            impl = CpuAmxMLAImpl(layer, path=path, native_kernel=native)
+            built = CpuAmxMetadataBuilder(DEFAULT_GROUP_KEYS).build(metadata)
+            s = timed(partial(impl.attend, query, kv_cache, built, return_lse=True), args.iters, before)
+            rows.append(row(f"cpu_amx {path}", f"native | {DEFAULT_GROUP_KEYS} | -", s, ref_s))
+            print(rows[-1], flush=True)
         settings = itertools.product(paths, args.fused_max_rows, args.group_keys, args.chunk_keys)
-        for path, fused_max_rows, group_keys, chunk_keys in settings:
+        for path, fused_max_rows, group_keys, chunk_keys in settings if "flash" in decode_kernels else []:
             if fused_max_rows < heads and chunk_keys:
                 continue  # the bmm kernel reads one chunk per request
-            impl = CpuAmxMLAImpl(layer, path=path)
+            impl = CpuAmxMLAImpl(layer, path=path, native_kernel="the A/B's PyTorch side")
             built = CpuAmxMetadataBuilder(group_keys, chunk_keys or None, fused_max_rows).build(metadata)
             s = timed(partial(impl.attend, query, kv_cache, built, return_lse=True), args.iters, before)
-            kernel = "fused" if heads <= fused_max_rows else "bmm"
+            # as StepPlan.fused decides: bf16 products always run the fused (flash) kernel
+            bf16 = compute_dtype(path, query.dtype) != torch.float32
+            kernel = "fused" if heads <= fused_max_rows or bf16 else "bmm"
             keys = f"{kernel} | {group_keys} | {chunk_keys or 'auto'}"
             rows.append(row(f"cpu_amx {path}", keys, s, ref_s))
             print(rows[-1], flush=True)

@@ -117,7 +117,9 @@ def test_bf16_amx_path_stays_accurate_at_large_logits(num_heads: int) -> None:
     """Queries scaled so the logits reach tens (as trained models' do): bfloat16 scores would be
     off by up to an ulp of 0.125 there, so the AMX path must keep scores in float32 (the fused
     kernel) for every row count, within bfloat16 output rounding of the float64 reference."""
-    problem = make_problem(make_layer(num_heads=num_heads), [1, 1, 2], [70, 33, 48], 16, torch.bfloat16, seed=9)
+    problem = make_problem(
+        make_layer(num_heads=num_heads), [1, 1, 2], [70, 33, 48], 16, torch.bfloat16, seed=9
+    )
     problem.query.mul_(8)
     result = run_attend("amx_bf16", problem)
     ref_out, ref_lse = reference_attend(problem)

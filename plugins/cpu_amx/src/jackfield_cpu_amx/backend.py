@@ -1,4 +1,9 @@
-"""The cpu_amx backend: MLA on x86 CPUs, bfloat16 products on AMX tiles, float32 on AVX-512 otherwise."""
+"""The cpu_amx backend: MLA on x86 CPUs, bfloat16 products on AMX tiles, float32 on AVX-512 otherwise.
+
+Decode groups go to the native AMX kernel (native.py) when it is built and the group fits it,
+everything else to the PyTorch kernels (kernels.py): gather the group's cache, then the flash
+kernel (or, for many float32 rows, two batched products).
+"""
 
 from __future__ import annotations
 
@@ -21,9 +26,11 @@ from jackfield_cpu_amx.capabilities import (
     detected_amx_status,
 )
 from jackfield_cpu_amx.kernels import attend_group_bmm, attend_group_fused, gather_group_cache
+from jackfield_cpu_amx.native import NativeKernel, native_decode_kernel, unfit_reason
 from jackfield_cpu_amx.plan import (
     PLANS_KEY,
     CpuAmxMetadataBuilder,
+    RequestGroup,
     Scratch,
     StepPlan,
     plan_key,
@@ -40,9 +47,17 @@ def compute_dtype(path: ComputePath, activation_dtype: torch.dtype) -> torch.dty
 
 
 class CpuAmxMLAImpl(MLAImpl):
-    def __init__(self, layer: AttentionLayerSpec, path: ComputePath | None = None) -> None:
+    def __init__(
+        self,
+        layer: AttentionLayerSpec,
+        path: ComputePath | None = None,
+        native_kernel: NativeKernel | str | None = None,
+    ) -> None:
+        """`path` and `native_kernel` default to what this process detected; a string for
+        `native_kernel` keeps every group on the PyTorch kernels and says why."""
         super().__init__(layer)
         self.path: ComputePath = detected_amx_status().path if path is None else path
+        self.native_kernel = native_decode_kernel() if native_kernel is None else native_kernel
         # W_UK [H, N, L] and W_UV [H, L, V] per compute dtype: float32 (the base's), and bfloat16
         # copies on the AMX path, so each absorption is one head-batched product in that dtype.
         self.bmm_weights: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -100,19 +115,55 @@ class CpuAmxMLAImpl(MLAImpl):
         check_attend_inputs(self.layer, query, kv_cache, metadata, kv_scale, sinks, topk_indices)
         lay = self.layer
         dtype = compute_dtype(self.path, query.dtype)
-        plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale, sinks, topk_indices, dtype)
+        plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale, sinks, topk_indices)
         q = query.to(dtype)
         # Every row is written below: the plan's groups tile the query rows (StepPlan checks).
         out = query.new_empty((query.shape[0], lay.num_heads, lay.kv_lora_rank))
         lse = torch.empty(query.shape[:2], dtype=torch.float32)
         for group in plan.groups:
             t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
+            if self.native_unfit_reason(group, q, kv_cache) is None:
+                self._decode_native(group, q[t0:t1], kv_cache, out[t0:t1], lse[t0:t1])
+                continue
             fused = plan.fused(group, lay.num_heads, dtype)
             chunks = group.key_chunks(kv_cache.shape[1], split=fused)
+            _check_block_span(chunks.block_span, kv_cache)
             keys = gather_group_cache(kv_cache, group, chunks, dtype, scratch)
             attend = attend_group_fused if fused else attend_group_bmm
             attend(q[t0:t1], keys, group, chunks, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1])
         return AttentionOutput(out, lse if return_lse else None)
+
+    def _decode_native(
+        self,
+        group: RequestGroup,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        assert isinstance(self.native_kernel, NativeKernel) and group.decode_tables is not None
+        layout = group.native_layout(kv_cache.shape[1], self.layer.num_heads, torch.get_num_threads())
+        self.native_kernel.decode(  # checks the layout's block ids against this cache
+            query.contiguous(), kv_cache, group.decode_tables, layout, self.layer.scale, out, lse
+        )
+
+    def native_unfit_reason(
+        self, group: RequestGroup, query: torch.Tensor, kv_cache: torch.Tensor
+    ) -> str | None:
+        """Why this group does not go to the native kernel (None: it does); `query` in the
+        compute dtype."""
+        if not isinstance(self.native_kernel, NativeKernel):
+            return self.native_kernel
+        if self.path != "amx_bf16":
+            return f"the {self.path} path was asked for"
+        return unfit_reason(query, kv_cache, self.layer.kv_lora_rank, group.q_len)
+
+
+def _check_block_span(span: tuple[int, int], kv_cache: torch.Tensor) -> None:
+    """The block ids the gather reads (from the step's layout, built once) against this cache."""
+    low, high = span
+    if high >= kv_cache.shape[0] or low < 0:
+        raise ValueError(f"block_table holds block {high} / {low}, the cache has {kv_cache.shape[0]}")
 
 
 def _checked_plan(
@@ -122,7 +173,6 @@ def _checked_plan(
     kv_scale: torch.Tensor | None,
     sinks: torch.Tensor | None,
     topk_indices: torch.Tensor | None,
-    dtype: torch.dtype,
 ) -> tuple[StepPlan, Scratch]:
     """What cpu_amx needs beyond the common checks: its own plan, a CPU cache it can read."""
     unsupported = [
@@ -146,12 +196,6 @@ def _checked_plan(
         plan = metadata.extra[PLANS_KEY][plan_key(metadata)]  # type: ignore[index]
     if plan.num_tokens != query.shape[0]:
         raise ValueError(f"the cpu_amx plan covers {plan.num_tokens} query rows, got {query.shape[0]}")
-    num_blocks = kv_cache.shape[0]
-    for group in plan.groups:
-        # The layout (and its block-id span) is built on the step's first layer and reused.
-        low, high = group.key_chunks(kv_cache.shape[1], split=plan.fused(group, query.shape[1], dtype)).block_span
-        if high >= num_blocks or low < 0:
-            raise ValueError(f"block_table holds block {high} / {low}, the cache has {num_blocks}")
     scratch = metadata.extra.get("cpu_amx_scratch")
     assert isinstance(scratch, Scratch)
     return plan, scratch

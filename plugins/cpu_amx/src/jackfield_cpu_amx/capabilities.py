@@ -1,6 +1,7 @@
 """What cpu_amx supports, and whether this CPU and OS let it use the AMX tile units.
 
-Light on purpose: `jackfield plugins` imports this to list the backend, so no kernels here.
+Light on purpose: `jackfield plugins` imports this to list the backend, so no kernels here
+(availability() imports the native kernel's module when asked).
 AMX needs three things: the CPU flags amx_tile and amx_bf16, and the Linux kernel granting this
 process the AMX tile-data state (arch_prctl ARCH_REQ_XCOMP_PERM, the same request oneDNN and
 PyTorch make before their first AMX instruction). Without them the backend runs its AVX-512
@@ -109,9 +110,13 @@ def is_amx_bmm_enabled() -> bool:
 
 
 def availability(status: AmxStatus | None = None) -> Availability:
-    """The backend runs on any x86-64 CPU; the reason says which path is active and why."""
+    """The backend runs on any x86-64 CPU; the reason says which path and which decode kernel are
+    active, and why. On an AMX host this builds the native kernel (once: it is cached on disk)."""
     status = detected_amx_status() if status is None else status
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return Availability.no(f"cpu_amx needs an x86-64 CPU, this is {machine}")
-    return Availability.yes(f"{status.path}: {status.reason}")
+    from jackfield_cpu_amx.native import decode_kernel_name, native_decode_kernel  # builds: not at import
+
+    kernel = native_decode_kernel() if status.enabled else "no AMX tiles"
+    return Availability.yes(f"{status.path}: {status.reason}; decode: {decode_kernel_name(kernel)}")

@@ -8,6 +8,10 @@ H >= 16, or several tokens of H >= 8 heads. Each request's keys are cut into chu
 blocks, each chunk one task of the fused attention kernel. The block size is a property of the
 cache, not of the metadata, so the gather layout (block ids, never-written rows, masks) is
 resolved for it once per step, on the first layer, and reused by the rest.
+
+Decode groups (q_len <= NATIVE_MAX_Q_LEN) also carry what the native AMX kernel reads instead
+(native/mla_decode.c reads the cache in place through the block table, no gather): int32 tables
+built here, and a split of each request's keys memoized per (block size, heads, threads).
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ MIN_CHUNK_KEYS = 256
 # call costing ~0.3 ms beyond its share of the work. The bmm kernel slices a group itself.
 DEFAULT_GROUP_KEYS = 65536
 FUSED_MAX_ROWS = 32  # the flash kernel's query slice for short queries (see kernels.py)
+NATIVE_MAX_Q_LEN = 8  # decode (speculative tokens included); longer queries are prefill
+NATIVE_CHUNK_KEYS = 64  # CHUNK_KEYS of native/mla_decode.c: splits start at its multiples
+NATIVE_TILE_ROWS = 16  # query rows per native work item (one AMX tile height)
+# Native work items per thread, where the keys allow: on the AMX host (B=16, S=4096, H=16), in two
+# runs 4 per thread took 1.26 / 1.15 ms with the cache in L3 and 1.57 / 1.56 ms evicted, 1 per
+# thread 1.34 / 1.28 and 1.79 / 1.78 ms (dynamic scheduling evens out slower cores).
+NATIVE_ITEMS_PER_THREAD = 4
 PlanKey = tuple[int, int, int]  # (num_reqs, num_tokens, num_decodes) of the metadata a plan serves
 
 
@@ -62,6 +73,27 @@ class KeyChunks:
 
 
 @dataclass(frozen=True)
+class DecodeTables:
+    """What the native decode kernel reads besides the query, the cache and the outputs: int32,
+    contiguous, built once per step."""
+
+    q_len: int
+    block_table: torch.Tensor  # [num_reqs, max_blocks]
+    seq_lens: torch.Tensor  # [num_reqs]
+    visible_keys: torch.Tensor  # [num_reqs * q_len]: how many keys the rows of each query token see
+
+
+@dataclass(frozen=True)
+class NativeLayout:
+    """A decode group's work split for the native kernel, for one block size, head and thread count."""
+
+    block_size: int
+    num_splits: int  # key splits per (request, 16-row group), merged through their LSEs
+    split_keys: int  # keys per split, a multiple of NATIVE_CHUNK_KEYS
+    block_span: tuple[int, int]  # smallest and largest block id the requests own
+
+
+@dataclass(frozen=True)
 class RequestGroup:
     req_start: int  # first request, relative to the metadata the plan serves
     num_reqs: int
@@ -72,7 +104,33 @@ class RequestGroup:
     key_bias: torch.Tensor  # [num_reqs, q_len, num_keys] float32: 0 visible, -inf hidden
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32 rows of this group
     seq_lens: torch.Tensor  # [num_reqs] int64
+    decode_tables: DecodeTables | None  # for the native kernel; None past NATIVE_MAX_Q_LEN
     _chunks: dict[tuple[int, bool], KeyChunks] = field(default_factory=dict, compare=False, repr=False)
+    _native: dict[tuple[int, int, int], NativeLayout] = field(default_factory=dict, compare=False, repr=False)
+
+    def native_layout(self, block_size: int, num_heads: int, num_threads: int) -> NativeLayout:
+        """Enough (request, 16-row group, split) work items for NATIVE_ITEMS_PER_THREAD per thread,
+        splits of whole chunks; memoized (the block size is the cache's, the heads the layer's)."""
+        key = (block_size, num_heads, num_threads)
+        layout = self._native.get(key)
+        if layout is None:
+            layout = self._native[key] = self._native_layout(block_size, num_heads, num_threads)
+        return layout
+
+    def _native_layout(self, block_size: int, num_heads: int, num_threads: int) -> NativeLayout:
+        owned_blocks = -(-self.seq_lens // block_size)
+        if int(owned_blocks.max()) > self.block_table.shape[1]:
+            raise ValueError(
+                f"block_table has {self.block_table.shape[1]} columns, seq_len {self.num_keys} "
+                f"needs {int(owned_blocks.max())} blocks of {block_size}"
+            )
+        owned = self.block_table[torch.arange(self.block_table.shape[1]) < owned_blocks[:, None]]
+        span = (int(owned.min()), int(owned.max())) if owned.numel() else (0, 0)
+        items = self.num_reqs * -(-self.q_len * num_heads // NATIVE_TILE_ROWS)
+        chunks = max(1, -(-self.num_keys // NATIVE_CHUNK_KEYS))
+        splits = min(chunks, -(-NATIVE_ITEMS_PER_THREAD * num_threads // items))
+        split_keys = -(-chunks // splits) * NATIVE_CHUNK_KEYS
+        return NativeLayout(block_size, max(1, -(-self.num_keys // split_keys)), split_keys, span)
 
     def key_chunks(self, block_size: int, split: bool = True) -> KeyChunks:
         """The gather layout (one chunk per request unless `split`), memoized per block size (a
@@ -143,6 +201,23 @@ def _key_bias(seq_lens: torch.Tensor, q_len: int, num_keys: int, causal: bool) -
     return torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
 
 
+def _decode_tables(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int, causal: bool
+) -> DecodeTables | None:
+    """The native kernel's int32 tables; token i of a request with seq_len n sees n - (q_len - 1 - i)
+    keys when causal, n when not (as _key_bias)."""
+    if q_len > NATIVE_MAX_Q_LEN:
+        return None
+    behind_last = torch.arange(q_len) - (q_len - 1) if causal else torch.zeros(q_len, dtype=torch.long)
+    visible = (seq_lens[:, None] + behind_last).clamp_(min=0)
+    return DecodeTables(
+        q_len=q_len,
+        block_table=block_table.to(torch.int32).contiguous(),
+        seq_lens=seq_lens.to(torch.int32).contiguous(),
+        visible_keys=visible.to(torch.int32).reshape(-1).contiguous(),
+    )
+
+
 class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
     """Builds the step's plans: for the whole batch and for its decode and prefill halves
     (MLAImpl.forward hands `attend` one half; the conformance kit hands it the whole)."""
@@ -185,6 +260,9 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
                 ),
                 block_table=block_table[r0:r1],
                 seq_lens=seq_lens[r0:r1],
+                decode_tables=_decode_tables(
+                    block_table[r0:r1], seq_lens[r0:r1], int(q_lens[r0]), common.causal
+                ),
             )
             for r0, r1 in groups
         ]
