@@ -177,3 +177,13 @@ def test_interpreted_kernels_always_take_triton_s_path() -> None:
     for _ in range(2):
         launcher((3,), x, out, 40, 2.0, BLOCK=16, FLAG=False)
     assert torch.equal(out, x * 2.0) and launcher.direct_launches == 0
+
+
+@pytest.mark.parametrize("major, overlaps", [(7, False), (8, False), (9, True), (10, True)])
+def test_stage_overlap_only_from_compute_capability_9(monkeypatch, major: int, overlaps: bool) -> None:
+    """griddepcontrol is an sm_90 instruction: below it (A100, L4, RTX 30/40) ptxas rejects the
+    kernels, so stage 2 must launch plainly there."""
+    from jackfield.sampling import gumbel_triton
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (major, 0))
+    assert gumbel_triton._has_grid_dependency_control.__wrapped__(torch.device("cuda", 0)) is overlaps

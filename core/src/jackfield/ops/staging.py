@@ -37,7 +37,8 @@ def host_single_threaded() -> Iterator[None]:
     thread. PyTorch spreads some of these small ops over the intra-op thread pool, and where the
     host's cores are busy the pool's barriers cost milliseconds an op: the H200 host spent ~3 ms
     on one repeat_interleave over 8192 rows with 16 threads, this 2-core VM under load 24 ms;
-    one thread does each in tens of microseconds. The pool size is restored on exit."""
+    one thread does each in tens of microseconds. The pool size is restored on exit; it is
+    process-wide, so this is for the engine's one stepping thread, not for concurrent callers."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

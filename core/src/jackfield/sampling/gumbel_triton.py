@@ -25,6 +25,7 @@ their logits themselves, exactly.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -368,7 +369,7 @@ def _exact_rows(
         threshold = m - 2.0 * _approx_error_bound(m)
         # No finite M (nothing kept, overflow, x * inf from a subnormal T): recompute everything.
         threshold = tl.where(tl.abs(m) < _RELIABLE, threshold, float("-inf"))
-    candidate = in_row & (approx >= threshold)  # stage 1's maxima are never NaN (tl.maximum)
+    candidate = in_row & (approx >= threshold)  # a NaN maximum (all-NaN sub-block) is no candidate
 
     lanes = tl.arange(0, SUB)
     best = tl.full((), float("-inf"), tl.float32)
@@ -452,10 +453,17 @@ _TABLE_ROUNDING = 1 << 16
 MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's y (and z) extent
 
 
+@functools.cache
+def _has_grid_dependency_control(device: torch.device) -> bool:
+    """griddepcontrol (programmatic dependent launch) is a PTX instruction of sm_90 and later:
+    ptxas rejects the kernel below that."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _overlaps(shape: LaunchShape, logits: torch.Tensor) -> bool:
-    """Whether stage 2 is a programmatic dependent launch of stage 1 (a CUDA feature: the
-    interpreter has no grid dependency control)."""
-    return shape.overlap_stages and logits.is_cuda
+    """Whether stage 2 is a programmatic dependent launch of stage 1: CUDA on compute capability
+    >= 9.0 (the interpreter has no grid dependency control)."""
+    return shape.overlap_stages and logits.is_cuda and _has_grid_dependency_control(logits.device)
 
 
 def _dependent_launch(shape: LaunchShape, logits: torch.Tensor) -> dict[str, bool]:
