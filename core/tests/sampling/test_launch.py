@@ -147,6 +147,28 @@ def test_installed_launch_hooks_take_triton_s_path(recorded) -> None:
     assert launcher.direct_launches == 1
 
 
+@pytest.mark.parametrize(
+    "setting", ["debug", "instrumentation", "fpsan", "stage inspection", "pre-run hook"])
+def test_settings_triton_folds_into_each_launch_take_triton_s_path(recorded, monkeypatch, setting) -> None:
+    """A kept kernel was compiled without them: turning one on after the first launch must reach
+    Triton's dispatch (which recompiles or runs the hook), not the kept kernel."""
+    launcher, dispatch = recorded
+    x, out = fresh(32), torch.empty(32)
+    launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)
+    if setting == "debug":
+        monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    elif setting == "instrumentation":
+        monkeypatch.setattr(triton.knobs.compilation, "instrumentation_mode", "consan")
+    elif setting == "fpsan":
+        monkeypatch.setattr(triton.knobs.compilation, "fpsan_homomorphic_casts", True)
+    elif setting == "stage inspection":
+        monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", lambda: ("k", "h"))
+    else:
+        monkeypatch.setattr(launcher.kernel, "pre_run_hooks", [lambda *a, **k: None], raising=False)
+    launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)
+    assert len(dispatch.calls) == 2 and launcher.direct_launches == 0
+
+
 def test_an_asynchronous_compile_is_not_kept(recorded) -> None:
     """What Triton returns without a launcher (a future of an asynchronous compile) is not kept."""
     launcher, _ = recorded

@@ -46,13 +46,22 @@ def _runtime_value_key(value: object) -> object:
     return ("other", value)  # None and other hashable values: by value
 
 
-def _hooks_installed() -> bool:
-    """Whether a Triton launch hook is set: then Triton's path runs them (3.6+: hook chains)."""
-    runtime_knobs = triton.knobs.runtime
-    for hook in (runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook):
+def _triton_path_required(kernel: JITFunction) -> bool:
+    """Whether Triton's own path must launch: a launch hook is set (3.6+: hook chains), or a
+    setting Triton folds into each launch's compile options or checks per launch (debug mode,
+    instrumentation, float sanitizer casts, a stage-inspection hook, pre-run hooks) is on. A kept
+    kernel was compiled without them."""
+    runtime, compilation = triton.knobs.runtime, triton.knobs.compilation
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return True
-    return False
+    return bool(
+        runtime.debug
+        or getattr(runtime, "add_stages_inspection_hook", None) is not None
+        or getattr(compilation, "instrumentation_mode", "")
+        or getattr(compilation, "fpsan_homomorphic_casts", False)
+        or getattr(kernel, "pre_run_hooks", None)
+    )
 
 
 class DirectLauncher:
@@ -77,7 +86,7 @@ class DirectLauncher:
         self.direct_launches = 0
 
     def __call__(self, grid: Sequence[int], *args: object, **kwargs: object) -> None:
-        if not (self.direct_capable and direct_launch_enabled) or _hooks_installed():
+        if not (self.direct_capable and direct_launch_enabled) or _triton_path_required(self.kernel):
             self.kernel[grid](*args, **kwargs)
             return
         values = args + tuple(kwargs[name] for name in self._names[len(args) :])
