@@ -233,10 +233,25 @@ def test_kernel_checks_its_arguments(emulated: NativeKernel) -> None:
         "kv_lora_rank 72": (q, cache, layout, torch.empty(2, 16, 72, dtype=torch.bfloat16), lse),
         "the layout is for blocks": (q, cache[: layout.block_span[1]], layout, out, lse),
         "of 32 keys, the cache has": (q, cache, dataclasses.replace(layout, block_size=32), out, lse),
+        "built for other tables": (
+            q, cache, dataclasses.replace(layout, tables=dataclasses.replace(tables)), out, lse),
     }
     for message, (query, kv_cache, lay_out, o, s) in bad_calls.items():
         with pytest.raises(ValueError, match=message):
             emulated.decode(query, kv_cache, tables, lay_out, lay.scale, o, s)
+    # Tables the C side would read past or misread: checked before the call too.
+    bad_tables = {
+        "block_table must be": dataclasses.replace(tables, block_table=tables.block_table.long()),
+        "visible counts": dataclasses.replace(tables, visible_keys=tables.visible_keys[:1]),
+    }
+    for message, other in bad_tables.items():
+        with pytest.raises(ValueError, match=message):
+            emulated.decode(q, cache, other, dataclasses.replace(layout, tables=other), lay.scale, out, lse)
+    # A layout whose splits do not cover the longest request is refused where it is made.
+    with pytest.raises(ValueError, match="splits of"):
+        dataclasses.replace(layout, num_splits=1, split_keys=64, num_keys=300)
+    with pytest.raises(ValueError, match="whole chunks"):
+        dataclasses.replace(layout, split_keys=8)
 
 
 def test_layout_splits_keys_for_every_thread_and_checks_the_table() -> None:
@@ -290,6 +305,25 @@ def test_missing_compiler_keeps_the_pytorch_kernel_and_says_so(
     assert decode_kernel_name(kernel).startswith("PyTorch flash kernel: native build failed")
     impl = CpuAmxMLAImpl(make_layer(16), path="amx_bf16", native_kernel=kernel)
     assert impl.native_unfit_reason(None, None, None) == kernel  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("failure", ["cache is a file", "library will not load"])
+def test_an_unusable_cache_or_library_keeps_the_pytorch_kernel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, failure: str
+) -> None:
+    """Not only a failed compile: a cache that cannot be written (read-only home, a file in the
+    way) or a library that will not load (noexec mount, truncated file) leave the PyTorch path."""
+    monkeypatch.delenv(NATIVE_ENV, raising=False)
+    if failure == "cache is a file":
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("JACKFIELD_CACHE", str(tmp_path / "file" / "below"))
+    else:
+        bad = tmp_path / "bad.so"
+        bad.write_bytes(b"not a library")
+        monkeypatch.setattr(NativeKernel, "build", classmethod(lambda cls, **kw: cls(bad)))
+    kernel = select_native_kernel(AmxStatus(True, "faked grant"), frozenset(AVX512_FLAGS))
+    assert isinstance(kernel, str) and kernel.startswith("native kernel unavailable: ")
+    assert ("NotADirectoryError" if failure == "cache is a file" else "OSError") in kernel
 
 
 @needs_avx512_bf16

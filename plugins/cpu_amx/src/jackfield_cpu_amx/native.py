@@ -124,7 +124,18 @@ def _check_decode_args(
     ):
         if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"native decode: {name} must be a contiguous CPU {dtype} tensor")
+    if layout.tables is not tables:
+        raise ValueError("native decode: the layout was built for other tables")
+    for name, tensor in (("block_table", tables.block_table), ("seq_lens", tables.seq_lens),
+                         ("visible_keys", tables.visible_keys)):
+        if tensor.dtype != torch.int32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"native decode: {name} must be a contiguous CPU int32 tensor")
     rows = tables.seq_lens.numel() * tables.q_len
+    if tables.visible_keys.numel() != rows or tables.block_table.shape[0] != tables.seq_lens.numel():
+        raise ValueError(
+            f"native decode: tables for {tables.seq_lens.numel()} requests of {tables.q_len} tokens hold "
+            f"{tables.visible_keys.numel()} visible counts and {tables.block_table.shape[0]} table rows"
+        )
     if (
         query.dim() != 3
         or query.shape[0] != rows
@@ -157,8 +168,8 @@ def shape_unfit_reason(width: int, kv_lora_rank: int, block_size: int, q_len: in
         return f"kv_lora_rank + rope = {width} is not a multiple of 32 (one tile k-step)"
     if kv_lora_rank % 16 or not 0 < kv_lora_rank <= width:
         return f"kv_lora_rank {kv_lora_rank} is not a positive multiple of 16 up to {width}"
-    if block_size % 16:
-        return f"block size {block_size} is not a multiple of 16 (one key tile)"
+    if block_size <= 0 or block_size % 16:
+        return f"block size {block_size} is not a positive multiple of 16 (one key tile)"
     if not 0 < q_len <= NATIVE_MAX_Q_LEN:
         return f"q_len {q_len} is not in 1..{NATIVE_MAX_Q_LEN} (prefill)"
     return None
@@ -185,6 +196,8 @@ def select_native_kernel(status: AmxStatus, cpu_flags: frozenset[str]) -> Native
         return NativeKernel.build()
     except NativeBuildError as exc:
         return f"native build failed: {exc}"
+    except (OSError, AttributeError) as exc:  # an unwritable cache, a library that will not load
+        return f"native kernel unavailable: {type(exc).__name__}: {exc}"
 
 
 @functools.cache

@@ -85,12 +85,25 @@ class DecodeTables:
 
 @dataclass(frozen=True)
 class NativeLayout:
-    """A decode group's work split for the native kernel, for one block size, head and thread count."""
+    """A decode group's work split for the native kernel, for one block size, head and thread
+    count, and the tables it was made for (the kernel is handed exactly those)."""
 
     block_size: int
     num_splits: int  # key splits per (request, 16-row group), merged through their LSEs
     split_keys: int  # keys per split, a multiple of NATIVE_CHUNK_KEYS
     block_span: tuple[int, int]  # smallest and largest block id the requests own
+    num_keys: int  # the longest seq_len of the requests
+    tables: DecodeTables = field(compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The C kernel reads whole 64-key chunks of each split and trusts the splits to cover
+        # every request: a layout that does not is refused here, not read past there.
+        if (self.block_size <= 0 or self.split_keys <= 0 or self.split_keys % NATIVE_CHUNK_KEYS
+                or self.num_splits < 1 or self.num_splits * self.split_keys < self.num_keys):
+            raise ValueError(
+                f"native layout: {self.num_splits} splits of {self.split_keys} keys (whole chunks of "
+                f"{NATIVE_CHUNK_KEYS}) for {self.num_keys} keys in blocks of {self.block_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -130,7 +143,9 @@ class RequestGroup:
         chunks = max(1, -(-self.num_keys // NATIVE_CHUNK_KEYS))
         splits = min(chunks, -(-NATIVE_ITEMS_PER_THREAD * num_threads // items))
         split_keys = -(-chunks // splits) * NATIVE_CHUNK_KEYS
-        return NativeLayout(block_size, max(1, -(-self.num_keys // split_keys)), split_keys, span)
+        assert self.decode_tables is not None, "native layouts serve decode groups"
+        num_splits = max(1, -(-self.num_keys // split_keys))
+        return NativeLayout(block_size, num_splits, split_keys, span, self.num_keys, self.decode_tables)
 
     def key_chunks(self, block_size: int, split: bool = True) -> KeyChunks:
         """The gather layout (one chunk per request unless `split`), memoized per block size (a

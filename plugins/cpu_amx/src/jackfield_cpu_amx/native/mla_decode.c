@@ -424,13 +424,6 @@ static void attend_item(const problem *p, thread_buffers *buf, int req, int grou
     _mm512_storeu_ps(row_sum, l);
 }
 
-static inline bf16 float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even (values here are finite) */
-    return (bf16)(u >> 16);
-}
-
 /* out and lse of rows [16 * group, +rows) of `req`, merged over `parts` partial results
  * (acc[s] in the value pack's column order, row_max / row_sum per part, 16 floats apart). */
 static void write_rows(const problem *p, int req, int group, int parts, float *const *acc, const float *row_max,
