@@ -169,13 +169,15 @@ def test_settings_triton_folds_into_each_launch_take_triton_s_path(recorded, mon
     assert len(dispatch.calls) == 2 and launcher.direct_launches == 0
 
 
-def test_an_asynchronous_compile_is_not_kept(recorded) -> None:
-    """What Triton returns without a launcher (a future of an asynchronous compile) is not kept."""
+def test_an_asynchronous_compile_keeps_the_kernel_not_the_future(recorded) -> None:
+    """Under Triton's AsyncCompileMode the first launch returns a future of the kernel: the
+    kernel it resolves to is kept, and later launches call it directly."""
     launcher, _ = recorded
+    kernel = RecordedCompiled()
 
-    class Future:
+    class Future:  # as triton.runtime._async_compile.FutureKernel: result() gives the kernel
         def result(self) -> RecordedCompiled:
-            return RecordedCompiled()
+            return kernel
 
     calls: list = []
 
@@ -184,6 +186,22 @@ def test_an_asynchronous_compile_is_not_kept(recorded) -> None:
             return lambda *args, **kwargs: calls.append(args) or Future()
 
     launcher.kernel = AsyncDispatch()
+    x, out = fresh(32), torch.empty(32)
+    for _ in range(3):
+        launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)
+    assert len(calls) == 1 and launcher.direct_launches == 2 and len(kernel.runs) == 2
+
+
+def test_a_launch_returning_no_kernel_is_not_kept(recorded) -> None:
+    """Whatever Triton returns without a launcher (None from a warm-up-only path) is not kept."""
+    launcher, _ = recorded
+    calls: list = []
+
+    class NoKernelDispatch:
+        def __getitem__(self, grid: tuple[int, ...]):
+            return lambda *args, **kwargs: calls.append(args)
+
+    launcher.kernel = NoKernelDispatch()
     x, out = fresh(32), torch.empty(32)
     for _ in range(2):
         launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)

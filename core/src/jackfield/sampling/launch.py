@@ -103,8 +103,13 @@ class DirectLauncher:
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, **kwargs)
+            # Under Triton's AsyncCompileMode the launch returns a future of the kernel (the
+            # launch itself already waited for it): keep the kernel, not the future.
+            result = getattr(compiled, "result", None)
+            if callable(result) and not hasattr(type(compiled), "run"):
+                compiled = result()
             if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
-                self._compiled[key] = compiled  # not an asynchronous compile's future
+                self._compiled[key] = compiled
             return
         if self._stream_of is None:
             self._stream_of = triton.runtime.driver.active.get_current_stream
