@@ -35,14 +35,19 @@ def bf32(on: bool) -> None:
     torch.backends.mkldnn.matmul.fp32_precision = "bf16" if on else "ieee"
 
 
-def interleaved(variants: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
-    """Median ms per call of each variant; the variants take turns, `reps` calls a turn."""
+def interleaved(
+    variants: dict[str, Callable[[], object]], rounds: int, reps: int, before: Callable[[], object] | None = None
+) -> dict[str, float]:
+    """Median ms per call of each variant; the variants take turns, `reps` calls a turn, each
+    call after `before()` (untimed: e.g. evicting the cache) when given."""
     samples: dict[str, list[float]] = collections.defaultdict(list)
     for fn in variants.values():
         fn()
     for _ in range(rounds):
         for name, fn in variants.items():
             for _ in range(reps):
+                if before is not None:
+                    before()
                 t0 = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - t0)

@@ -18,15 +18,13 @@ cache.
 from __future__ import annotations
 
 import argparse
-import collections
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
+from amx_probe import interleaved
 from bench_cpu_mla import cache_evictor, copy_bandwidth, decode_problem
 from jackfield_cpu_amx.backend import CpuAmxMLAImpl
 from jackfield_cpu_amx.native import AMX_FLAGS, COMMON_FLAGS, LIBS, SOURCE, NativeKernel
@@ -70,23 +68,6 @@ def decode_into_fresh_outputs(
     """As attend() does: the outputs allocated for the call."""
     out = torch.empty(*query.shape[:2], 512, dtype=torch.bfloat16)
     kernel.decode(query, kv_cache, tables, layout, scale, out, torch.empty(query.shape[:2]))
-
-
-def interleaved(
-    variants: dict[str, Callable[[], object]], rounds: int, reps: int, before: Callable[[], object] | None
-) -> dict[str, float]:
-    samples: dict[str, list[float]] = collections.defaultdict(list)
-    for fn in variants.values():
-        fn()
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            for _ in range(reps):
-                if before is not None:
-                    before()
-                t0 = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 
 def report(variants: dict[str, Callable[[], object]], bandwidth: float, evict: Callable[[], object]) -> None:

@@ -466,12 +466,6 @@ def _overlaps(shape: LaunchShape, logits: torch.Tensor) -> bool:
     return shape.overlap_stages and logits.is_cuda and _has_grid_dependency_control(logits.device)
 
 
-def _dependent_launch(shape: LaunchShape, logits: torch.Tensor) -> dict[str, bool]:
-    """Stage 2's launch option for an overlapped launch (none otherwise: the interpreter takes no
-    CUDA launch options)."""
-    return {"launch_pdl": True} if _overlaps(shape, logits) else {}
-
-
 def token_table(length: int, device: torch.device) -> torch.Tensor:
     """int32 [>= length]: entry t holds the bits of rotl(rotl(t * c1, 15) * c2, 13), the token
     word of Murmur3 scrambled and rotated (the row half is rotl(h, 13)); cached per device."""
@@ -530,14 +524,17 @@ def exact_from_maxima(
     """Stage 2: the exact (token, score) of each row into `out`, from stage 1's maxima."""
     num_rows, vocab = logits.shape
     num_sub = maxima.shape[1]
+    overlap = _overlaps(shape, logits)
+    # launch_pdl only for an overlapped launch: the interpreter takes no CUDA launch options
+    dependent_launch = {"launch_pdl": True} if overlap else {}
     launch_exact_rows(
         (num_rows,),
         logits, logits.stride(0), temperature, seeds, positions,
         cutoff if cutoff is not None else temperature, skip if skip is not None else temperature,
         maxima, out[0], out[1], vocab, num_sub,
         HAS_CUTOFF=cutoff is not None, HAS_SKIP=skip is not None, SUB=shape.sub_block,
-        SUBS_POW2=triton.next_power_of_2(num_sub), OVERLAP=_overlaps(shape, logits),
-        num_warps=shape.exact_warps, enable_fp_fusion=False, **_dependent_launch(shape, logits),
+        SUBS_POW2=triton.next_power_of_2(num_sub), OVERLAP=overlap,
+        num_warps=shape.exact_warps, enable_fp_fusion=False, **dependent_launch,
     )  # fmt: skip
 
 
