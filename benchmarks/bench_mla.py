@@ -25,15 +25,22 @@ RANK, ROPE, PAGE = 512, 64, 64
 WIDTH = RANK + ROPE
 SCALE = WIDTH**-0.5
 FP8 = torch.float8_e4m3fn
-# --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma, swap)
+# --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma, swap,
+# Gluon many-rows tile (keys, buffers) or None = the Triton kernel)
 SWEEPS = {
     "h16": [
-        (64, 8, 2, None, False, True, False),
-        (64, 4, 2, None, False, True, True),
+        (64, 8, 2, None, False, True, False, None),
+        (64, 4, 2, None, False, True, True, None),
     ],
     "fp8": [
-        (32, 4, 1, 2, True, False, False),
-        (32, 4, 1, 4, True, False, False),
+        (32, 4, 1, 2, True, False, False, None),
+        (32, 4, 1, 4, True, False, False, None),
+    ],
+    "h128": [
+        (64, 8, 2, None, False, True, False, None),  # the Triton kernel (the default before Gluon)
+        (64, 8, 2, None, False, True, False, (64, 2)),
+        (64, 8, 2, None, False, True, False, (32, 3)),
+        (64, 8, 2, 2, False, True, False, (32, 4)),
     ],
 }
 
@@ -149,10 +156,11 @@ def decode_row(name: str, c: dict, copy_gbs: float, mm_tflops: float, sweep: boo
         rows = tokens // c["seq_lens"].numel() * heads if c["topk"] is None else heads
         block_m = default_config(rows, True).block_m
         want = run_kernel(c)[0].float()
-        for bn, warps, stages, splits, prefetch, tma, swap in variants:
-            cfg = DecodeConfig(block_m, bn, warps, stages, prefetch, tma, swap)
+        for bn, warps, stages, splits, prefetch, tma, swap, gluon in variants:
+            cfg = DecodeConfig(block_m, bn, warps, stages, prefetch, tma, swap, gluon=gluon)
             label = f"bn{bn}/w{warps}/s{stages}/split{splits or 'auto'}{'/prefetch' if prefetch else ''}"
             label += ("/tma" if tma else "") + ("/swap" if swap else "")
+            label = f"gluon bn{gluon[0]}/s{gluon[1]}/split{splits or 'auto'}" if gluon else label
             try:
                 diff = (run_kernel(c, cfg, splits)[0].float() - want).abs().max().item()
                 ms = do_bench(lambda cfg=cfg, splits=splits: run_kernel(c, cfg, splits), warmup=5, rep=20)
@@ -223,7 +231,7 @@ def main() -> None:
         ("B128 H16 S4096 q2 bf16 (MTP)", dict(batch=128, heads=16, seq=4096, q_len=2, sweep="h16")),
         ("B128 H16 S4096 q1 fp8", dict(batch=128, heads=16, seq=4096, q_len=1, fp8=True, sweep="fp8")),
         ("B128 H128 S4096 q1 bf16", dict(batch=128, heads=128, seq=4096, q_len=1, sweep="h128")),
-        ("B128 H128 S4096 q2 bf16 (MTP)", dict(batch=128, heads=128, seq=4096, q_len=2)),
+        ("B128 H128 S4096 q2 bf16 (MTP)", dict(batch=128, heads=128, seq=4096, q_len=2, sweep="h128")),
         ("sparse top2048 B64 H128 q2", dict(batch=64, heads=128, seq=8192, q_len=2, topk=2048)),
         ("sparse top2048 B128 H128 q2", dict(batch=128, heads=128, seq=8192, q_len=2, topk=2048)),
     ]

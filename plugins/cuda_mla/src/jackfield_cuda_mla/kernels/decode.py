@@ -17,6 +17,11 @@ from jackfield_cuda_mla.kernels.checks import FP8, check_cache, check_device, ch
 from jackfield_cuda_mla.kernels.decode_kernels import mla_decode_stage1
 from jackfield_cuda_mla.kernels.decode_merge import mla_decode_stage2
 
+try:  # Gluon (Hopper): the many-rows kernel; without it every call takes the Triton kernel
+    from jackfield_cuda_mla.kernels.decode_gluon_many import launch_many_rows, many_rows_applies
+except (ImportError, AttributeError):  # no Gluon, or a Triton without its Hopper TMA module
+    launch_many_rows = many_rows_applies = None
+
 LOG2E = 1.4426950408889634
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -33,6 +38,9 @@ class DecodeConfig:
     tma: bool = False  # dense, 16-bit or fp8 cache with PAGE % block_n == 0: whole tiles by TMA
     swap: bool = False  # keys as the M dimension of both products (few rows: wgmma needs M = 64)
     ctas_per_sm: int = 1  # programs of this tile that fit on one SM at once: plan_splits' wave size
+    # (keys a tile, ring buffers) of the Gluon many-rows kernel (decode_gluon_many.py) where it
+    # applies; None, or a call it does not fit, takes the Triton kernel with the fields above
+    gluon: tuple[int, int] | None = None
 
 
 def default_config(
@@ -54,6 +62,10 @@ def default_config(
         return DecodeConfig(block_m, 64, 8, 1, prefetch=True)
     if block_m <= 32 and not sparse and cache_dtype.itemsize == 2:
         return DecodeConfig(block_m, 64, 4, 3, tma=True, swap=True)
+    if not sparse and cache_dtype.itemsize == 2:
+        # Gluon where it fits (H a multiple of 64, Hopper): tile t's softmax runs while PV of tile
+        # t - 1 is on the tensor cores; 32-key tiles in 4 buffers keep 3 tiles in flight
+        return DecodeConfig(block_m, 64, 8, 2, tma=True, gluon=(32, 4))
     return DecodeConfig(block_m, 64, 8, 2, tma=True)
 
 
@@ -213,52 +225,80 @@ def mla_decode(
         rows_2d, row_stride = kv_cache.shape[0] * page, kv_cache.stride(1)
         kv_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, kv_lora_rank])
         pe_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, rope])
-    mla_decode_stage1[(row_blocks, groups, splits)](
-        query,
-        kv_cache,
-        kv_desc,
-        pe_desc,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        token_req,
-        topk_indices if sparse else seq_lens,
-        part_out,
-        part_lse,
-        scale,
-        sm_scale * LOG2E,
-        heads,
-        topk_indices.shape[1] if sparse else 0,
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        topk_indices.stride(0) if sparse else 0,
-        part_out.stride(0),
-        part_out.stride(1),
-        stride_os,
-        part_lse.stride(0),
-        part_lse.stride(1),
-        stride_ls,
-        RANK=kv_lora_rank,
-        ROPE=rope,
-        BLOCK_R=triton.next_power_of_2(kv_lora_rank),
-        BLOCK_P=triton.next_power_of_2(rope),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        PAGE=page,
-        SPLITS=splits,
-        SPARSE=sparse,
-        CAUSAL=causal and not sparse,
-        FP8=kv_cache.dtype == FP8,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32; 16-bit ignores it
-        PREFETCH=cfg.prefetch,
-        TMA=use_tma,
-        SWAP=cfg.swap,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    use_gluon = (
+        cfg.gluon is not None
+        and not sparse
+        and many_rows_applies is not None
+        and many_rows_applies(query, kv_cache, kv_lora_rank, *cfg.gluon)
     )
+    if use_gluon:
+        launch_many_rows(
+            query,
+            kv_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            part_out,
+            part_lse,
+            stride_os,
+            stride_ls,
+            sm_scale_log2=sm_scale * LOG2E,
+            kv_lora_rank=kv_lora_rank,
+            max_query_len=max_query_len,
+            splits=splits,
+            causal=causal,
+            block_n=cfg.gluon[0],
+            stages=cfg.gluon[1],
+        )
+    else:
+        mla_decode_stage1[(row_blocks, groups, splits)](
+            query,
+            kv_cache,
+            kv_desc,
+            pe_desc,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            token_req,
+            topk_indices if sparse else seq_lens,
+            part_out,
+            part_lse,
+            scale,
+            sm_scale * LOG2E,
+            heads,
+            topk_indices.shape[1] if sparse else 0,
+            query.stride(0),
+            query.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            block_table.stride(0),
+            topk_indices.stride(0) if sparse else 0,
+            part_out.stride(0),
+            part_out.stride(1),
+            stride_os,
+            part_lse.stride(0),
+            part_lse.stride(1),
+            stride_ls,
+            RANK=kv_lora_rank,
+            ROPE=rope,
+            BLOCK_R=triton.next_power_of_2(kv_lora_rank),
+            BLOCK_P=triton.next_power_of_2(rope),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            PAGE=page,
+            SPLITS=splits,
+            SPARSE=sparse,
+            CAUSAL=causal and not sparse,
+            FP8=kv_cache.dtype == FP8,
+            PRECISION="ieee"
+            if query.dtype == torch.float32
+            else "tf32",  # fp32 stays fp32; 16-bit ignores it
+            PREFETCH=cfg.prefetch,
+            TMA=use_tma,
+            SWAP=cfg.swap,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     if splits > 1:
         mla_decode_stage2[(tokens, heads)](
             part_out,

@@ -1,0 +1,352 @@
+"""Stage 1 of dense MLA decode for many rows a request (H >= 64, compute-bound), in Gluon for Hopper.
+
+Same contract as `mla_decode_stage1` (dense): one program per (64-row block of a request, KV split)
+writes the normalized output and natural-log LSE of its rows (or split partials for stage 2).
+
+Why a second kernel: in the Triton (tl) kernel the chain QK wgmma -> wait -> softmax -> PV wgmma
+is serial, so the tensor cores idle while the softmax and the rescale run (PERF_NOTES.md). Here
+the loop issues QK of tile t and PV of tile t - 1 back to back as asynchronous wgmma, waits only
+for QK, and runs tile t's softmax while PV(t - 1) is still on the tensor cores.
+
+Layout: 8 warps; every MMA splits its N dimension over the two warpgroups (warps [4, 2]), so each
+warpgroup keeps half of the 64 x 512 fp32 accumulator (128 registers a thread). Q (64 x 576) sits
+in shared memory for the whole loop; KV tiles of BLOCK_N keys arrive by TMA in a ring of STAGES
+buffers (Q 73.7 KB + 4 x 32-key tiles 147 KB = 221 KB). A tile is both K (QK) and V (PV), so a
+buffer is free only after PV of its tile: with 32-key tiles and 4 buffers, the load of tile t + 3
+is issued while tile t is computed. Cache rows past seq_len may hold NaN, and 0 * NaN = NaN in an
+MMA, so the one tile that reaches past seq_len has those rows zeroed in shared memory first.
+
+Requires (the launcher's `applies` checks it; anything else goes to the tl kernel): heads a
+multiple of 64 (a row block is one token's 64 heads, so causality is one bound per program),
+16-bit query and cache of the same dtype, PAGE % BLOCK_N == 0, power-of-two rank <= 512 and rope.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Triton 3.6 (the device) and 3.9 (CI) name these two differently; the rest of the API is common.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+BLOCK_M = 64  # rows a program: one warpgroup's wgmma M
+NUM_WARPS = 8  # two warpgroups, each owning half of every product's N
+LN2 = gl.constexpr(0.6931471805599453)
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _issue_tile(
+    kv_desc, pe_desc, kv_smem, pe_smem, ready, table, tile, start, pred, BLOCK_N, RANK, STAGES, PAGE
+):
+    """TMA of tile `tile` (keys start + tile * BLOCK_N ...) into ring slot tile % STAGES, if pred."""
+    n0 = start + tile * BLOCK_N
+    row = gl.load(table + n0 // PAGE, mask=pred, other=0) * PAGE + n0 % PAGE
+    slot = tile % STAGES
+    bar = ready.index(slot)
+    mbarrier.expect(
+        bar, BLOCK_N * (RANK + pe_desc.block_type.shape[1]) * kv_desc.dtype.primitive_bitwidth // 8, pred
+    )
+    _tma_load(kv_desc, [row, 0], bar, kv_smem.index(slot), pred)
+    _tma_load(pe_desc, [row, RANK], bar, pe_smem.index(slot), pred)
+
+
+@gluon.jit
+def _wait_tile(kv_smem, pe_smem, ready, tile, start, seq_len, BLOCK_N, RANK, ROPE, STAGES):
+    """Waits for tile `tile`; zeroes its rows at or past seq_len (they may hold NaN) before any MMA."""
+    slot = tile % STAGES
+    mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
+    n0 = start + tile * BLOCK_N
+    if n0 + BLOCK_N > seq_len:
+        # 64 columns at a time: a whole 32 x 512 tile in registers would spill the accumulator
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        key = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        for c in gl.static_range(RANK // ROPE):
+            chunk = kv_smem.index(slot).slice(c * ROPE, ROPE, dim=1)
+            values = chunk.load(layout)
+            chunk.store(gl.where(key[:, None] < seq_len, values, gl.zeros_like(values)))
+        values = pe_smem.index(slot).load(layout)
+        pe_smem.index(slot).store(gl.where(key[:, None] < seq_len, values, gl.zeros_like(values)))
+        fence_async_shared()  # the generic-proxy stores must be visible to wgmma's async reads
+        _cta_barrier()
+
+
+@gluon.jit
+def _softmax_step(
+    s, tile, start, end, m_i, l_i, sm_scale_log2, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr
+):
+    """Base-2 online softmax over one score tile: (probabilities, rescale factor, new max, new sum)."""
+    key = start + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    s = gl.where(key[None, :] < end, s * sm_scale_log2, float("-inf"))
+    # The first key of every processed tile is visible to all 64 rows (one causal bound a program),
+    # so m_new is finite and exp2(-inf - m_new) = 0 needs no guard.
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def mla_decode_many_rows(
+    q_nope_desc,
+    q_pe_desc,
+    kv_desc,
+    pe_desc,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    out,
+    lse,
+    sm_scale_log2,
+    num_heads,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    PAGE: gl.constexpr,
+    SPLITS: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = q_nope_desc.block_type.shape[0]
+    dtype: gl.constexpr = kv_desc.dtype
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, BLOCK_N // 2, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, RANK // 2, 16])
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(0, O_LAYOUT, 2)
+
+    # Row blocks of one request are neighbouring program ids: they run together and share each KV
+    # tile through L2. A row block is one query token's 64 consecutive heads.
+    row_block = gl.program_id(0)
+    req = gl.program_id(1)
+    split = gl.program_id(2)
+    head_blocks = num_heads // BLOCK_M
+    tok_in_req = row_block // head_blocks
+    head0 = (row_block % head_blocks) * BLOCK_M
+    first_tok = gl.load(query_start_loc + req)
+    q_len = gl.load(query_start_loc + req + 1) - first_tok
+    seq_len = gl.load(seq_lens + req)
+    block_valid = tok_in_req < q_len
+    tok = first_tok + tok_in_req
+
+    chunk = gl.cdiv(gl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    if CAUSAL:
+        end = gl.minimum(end, seq_len - q_len + tok_in_req + 1)  # keys up to the token's own position
+    end = gl.where(block_valid, end, start)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+
+    q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, RANK], q_nope_desc.layout)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], q_pe_desc.layout)
+    kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, RANK], kv_desc.layout)
+    pe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], pe_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(q_ready, count=1)
+    fence_async_shared()
+
+    q_row = tok * num_heads + head0
+    mbarrier.expect(q_ready, BLOCK_M * (RANK + ROPE) * dtype.primitive_bitwidth // 8, block_valid)
+    _tma_load(q_nope_desc, [q_row, 0], q_ready, q_nope_smem, block_valid)
+    _tma_load(q_pe_desc, [q_row, RANK], q_ready, q_pe_smem, block_valid)
+    table = block_table + req.to(gl.int64) * stride_bt
+    for i in gl.static_range(STAGES):
+        _issue_tile(
+            kv_desc,
+            pe_desc,
+            kv_smem,
+            pe_smem,
+            ready,
+            table,
+            i,
+            start,
+            i < n_tiles,
+            BLOCK_N,
+            RANK,
+            STAGES,
+            PAGE,
+        )
+    mbarrier.wait(q_ready, 0, pred=block_valid)
+
+    o = gl.zeros([BLOCK_M, RANK], gl.float32, O_LAYOUT)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    p_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, P_LAYOUT)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+
+    if n_tiles > 0:  # tile 0: scores and probabilities; its PV is issued by the loop
+        _wait_tile(kv_smem, pe_smem, ready, 0, start, seq_len, BLOCK_N, RANK, ROPE, STAGES)
+        s = warpgroup_mma(q_nope_smem, kv_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        s = warpgroup_mma(q_pe_smem, pe_smem.index(0).permute((1, 0)), s)
+        p, alpha, m_i, l_i = _softmax_step(s, 0, start, end, m_i, l_i, sm_scale_log2, BLOCK_N, S_LAYOUT)
+        p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
+
+    for t in range(1, n_tiles):
+        prev = (t - 1) % STAGES
+        _wait_tile(kv_smem, pe_smem, ready, t, start, seq_len, BLOCK_N, RANK, ROPE, STAGES)
+        slot = t % STAGES
+        s_tok = warpgroup_mma(
+            q_nope_smem, kv_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )
+        s_tok = warpgroup_mma(q_pe_smem, pe_smem.index(slot).permute((1, 0)), s_tok, is_async=True)
+        o_tok = warpgroup_mma(p_op, kv_smem.index(prev), o, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # QK(t) done; PV(t - 1) keeps the tensor cores busy
+        p, alpha, m_i, l_i = _softmax_step(s, t, start, end, m_i, l_i, sm_scale_log2, BLOCK_N, S_LAYOUT)
+        p_next = gl.convert_layout(p.to(dtype), P_LAYOUT)
+        o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        # Both warpgroups are past PV(t - 1): its buffer takes tile t - 1 + STAGES.
+        _cta_barrier()
+        _issue_tile(
+            kv_desc,
+            pe_desc,
+            kv_smem,
+            pe_smem,
+            ready,
+            table,
+            t - 1 + STAGES,
+            start,
+            t - 1 + STAGES < n_tiles,
+            BLOCK_N,
+            RANK,
+            STAGES,
+            PAGE,
+        )
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        p_op = p_next
+
+    if n_tiles > 0:
+        o = warpgroup_mma(p_op, kv_smem.index((n_tiles - 1) % STAGES), o)
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(q_ready)
+
+    seen = l_i > 0.0
+    denom = gl.where(seen, l_i, 1.0)
+    row_lse = gl.where(seen, (m_i + gl.log2(denom)) * LN2, float("-inf"))
+    inv = gl.convert_layout(gl.where(seen, 1.0 / denom, 0.0), gl.SliceLayout(1, O_LAYOUT))
+    result = o * inv[:, None]
+
+    rows_valid = gl.where(block_valid, BLOCK_M, 0)
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_LAYOUT))
+    cols = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_LAYOUT))
+    o_base = out + tok.to(gl.int64) * stride_ot + split * stride_os
+    o_ptr = o_base + (head0 + rows)[:, None].to(gl.int64) * stride_oh + cols[None, :]
+    gl.store(
+        o_ptr, result.to(out.dtype.element_ty), mask=(rows[:, None] < rows_valid) & (cols[None, :] < RANK)
+    )
+    l_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_LAYOUT))
+    l_ptr = lse + tok.to(gl.int64) * stride_lt + split * stride_ls + (head0 + l_rows) * stride_lh
+    gl.store(l_ptr, row_lse, mask=l_rows < rows_valid)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def many_rows_applies(
+    query: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, stages: int
+) -> bool:
+    """Whether this kernel serves the (dense) call; anything else goes to the Triton kernel."""
+    tokens, heads, width = query.shape
+    rope = width - kv_lora_rank
+    page = kv_cache.shape[1]
+    return (
+        query.is_cuda
+        and torch.cuda.get_device_capability(query.device)[0] == 9
+        and query.dtype in GL_DTYPES
+        and kv_cache.dtype == query.dtype
+        and heads % BLOCK_M == 0
+        and _power_of_two(kv_lora_rank)
+        and _power_of_two(rope)
+        and 64 <= rope <= kv_lora_rank <= 512  # O's N per warpgroup <= 256; pe zeroed in 64-wide chunks
+        and block_n in (16, 32, 64)
+        and stages >= 2
+        and page % block_n == 0
+        and query.is_contiguous()  # Q as a [tokens x heads, width] matrix for TMA
+        and query.data_ptr() % 16 == 0
+        # pages back to back, 16-byte rows: the cache as a [blocks x page, width] matrix for TMA
+        and kv_cache.stride(2) == 1
+        and kv_cache.stride(0) == page * kv_cache.stride(1)
+        and kv_cache.stride(1) * kv_cache.element_size() % 16 == 0
+        and kv_cache.data_ptr() % 16 == 0
+    )
+
+
+def launch_many_rows(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    stride_os: int,
+    stride_ls: int,
+    *,
+    sm_scale_log2: float,
+    kv_lora_rank: int,
+    max_query_len: int,
+    splits: int,
+    causal: bool,
+    block_n: int,
+    stages: int,
+) -> None:
+    """Stage 1 over every (64-row block, request, split); `many_rows_applies` must hold."""
+    tokens, heads, width = query.shape
+    rope = width - kv_lora_rank
+    page = kv_cache.shape[1]
+    element = GL_DTYPES[query.dtype]
+
+    def descriptor(base: torch.Tensor, rows: int, row_stride: int, box: list[int]) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout.get_default_for(box, element)
+        return TensorDescriptor(base, [rows, width], [row_stride, 1], box, layout)
+
+    cache_rows, cache_stride = kv_cache.shape[0] * page, kv_cache.stride(1)
+    mla_decode_many_rows[(triton.cdiv(max_query_len * heads, BLOCK_M), seq_lens.numel(), splits)](
+        descriptor(query, tokens * heads, width, [BLOCK_M, kv_lora_rank]),
+        descriptor(query, tokens * heads, width, [BLOCK_M, rope]),
+        descriptor(kv_cache, cache_rows, cache_stride, [block_n, kv_lora_rank]),
+        descriptor(kv_cache, cache_rows, cache_stride, [block_n, rope]),
+        block_table,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_lse,
+        sm_scale_log2,
+        heads,
+        block_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        stride_os,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        stride_ls,
+        RANK=kv_lora_rank,
+        ROPE=rope,
+        BLOCK_N=block_n,
+        STAGES=stages,
+        PAGE=page,
+        SPLITS=splits,
+        CAUSAL=causal,
+        num_warps=NUM_WARPS,
+    )

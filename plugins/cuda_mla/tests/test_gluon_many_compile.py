@@ -1,0 +1,86 @@
+"""Compiles the Gluon many-rows decode kernel for sm_90 (no GPU needed) and checks its machine code.
+
+What the kernel's speed rests on: wgmma (HGMMA), the wait that leaves PV in flight during the
+softmax (at most one wgmma group outstanding), no local-memory spills of the accumulator, and
+shared memory within the H100/H200's 227 KB a block.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+gluon_many = pytest.importorskip(
+    "jackfield_cuda_mla.kernels.decode_gluon_many", reason="this Triton lacks Gluon's Hopper modules"
+)
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+SHARED_LIMIT = 227 * 1024
+
+
+def descriptor_type(rows: int, cols: int) -> str:
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+    return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
+
+
+def compile_default_tile(out_dir: Path) -> None:
+    """Writes the sm_90 cubin, its SASS and its shared-memory size into out_dir."""
+    block_n, stages = 32, 4
+    signature = {
+        "q_nope_desc": descriptor_type(64, 512),
+        "q_pe_desc": descriptor_type(64, 64),
+        "kv_desc": descriptor_type(block_n, 512),
+        "pe_desc": descriptor_type(block_n, 64),
+        "block_table": "*i32",
+        "seq_lens": "*i32",
+        "query_start_loc": "*i32",
+        "out": "*bf16",
+        "lse": "*fp32",
+        "sm_scale_log2": "fp32",
+        **{name: "i32" for name in ("num_heads", "stride_bt", "stride_ot", "stride_oh", "stride_os")},
+        **{name: "i32" for name in ("stride_lt", "stride_lh", "stride_ls")},
+    }
+    constants = dict(RANK=512, ROPE=64, BLOCK_N=block_n, STAGES=stages, PAGE=64, SPLITS=1, CAUSAL=True)
+    signature.update({name: "constexpr" for name in constants})
+    source = GluonASTSource(gluon_many.mla_decode_many_rows, signature, constants)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    cubin = out_dir / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    sass = subprocess.run(
+        [str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+    )
+    (out_dir / "kernel.sass").write_text(sass.stdout)
+    (out_dir / "shared").write_text(str(kernel.metadata.shared))
+
+
+@pytest.mark.skipif(
+    not (BIN / "ptxas").exists() or not (BIN / "cuobjdump").exists(),
+    reason="Triton ships no ptxas/cuobjdump here",
+)
+def test_default_tile_compiles_to_overlapped_wgmma_without_spills(tmp_path: Path) -> None:
+    # A child process: the repo's conftest turns on TRITON_INTERPRET without a GPU, and the
+    # interpreter's functions cannot be compiled.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    subprocess.run([sys.executable, __file__, str(tmp_path)], check=True, env=env, timeout=120)
+    sass = (tmp_path / "kernel.sass").read_text()
+
+    assert int((tmp_path / "shared").read_text()) <= SHARED_LIMIT
+    assert re.search(r"\bHGMMA\.64x256x16\.F32\.BF16\b", sass), "PV must run on wgmma (64 x 256 a warpgroup)"
+    assert re.search(r"\bHGMMA\.64x16x16\.F32\.BF16\b", sass), "QK must run on wgmma"
+    assert not re.search(r"\bHMMA\b", sass), "no mma.sync fallback"
+    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "QK's wait must leave PV in flight"
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills"
+
+
+if __name__ == "__main__":
+    compile_default_tile(Path(sys.argv[1]))
