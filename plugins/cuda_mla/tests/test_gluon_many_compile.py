@@ -1,8 +1,7 @@
 """Compiles the Gluon many-rows decode kernel for sm_90 (no GPU needed) and checks its machine code.
 
-What the kernel's speed rests on: wgmma (HGMMA), the wait that leaves PV in flight during the
-softmax (at most one wgmma group outstanding), no local-memory spills of the accumulator, and
-shared memory within the H100/H200's 227 KB a block.
+What the kernel's speed rests on: wgmma (HGMMA), a wait that leaves the other product in flight,
+no local-memory spills of the accumulator, and shared memory within the H100/H200's 227 KB a block.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import triton
 gluon_many = pytest.importorskip(
     "jackfield_cuda_mla.kernels.decode_gluon_many", reason="this Triton lacks Gluon's Hopper modules"
 )
+from jackfield_cuda_mla.kernels.decode import default_config  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
@@ -33,8 +33,8 @@ def descriptor_type(rows: int, cols: int) -> str:
 
 
 def compile_default_tile(out_dir: Path) -> None:
-    """Writes the sm_90 cubin, its SASS and its shared-memory size into out_dir."""
-    block_n, stages = 32, 4
+    """Writes the sm_90 cubin, its SASS, its resource use and its shared-memory size into out_dir."""
+    block_n, stages, release_first = default_config(128, on_gpu=True).gluon
     signature = {
         "q_nope_desc": descriptor_type(64, 512),
         "q_pe_desc": descriptor_type(64, 64),
@@ -49,16 +49,26 @@ def compile_default_tile(out_dir: Path) -> None:
         **{name: "i32" for name in ("num_heads", "stride_bt", "stride_ot", "stride_oh", "stride_os")},
         **{name: "i32" for name in ("stride_lt", "stride_lh", "stride_ls")},
     }
-    constants = dict(RANK=512, ROPE=64, BLOCK_N=block_n, STAGES=stages, PAGE=64, SPLITS=1, CAUSAL=True)
+    constants = dict(
+        RANK=512,
+        ROPE=64,
+        BLOCK_N=block_n,
+        STAGES=stages,
+        PAGE=64,
+        SPLITS=1,
+        CAUSAL=True,
+        RELEASE_FIRST=release_first,
+    )
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gluon_many.mla_decode_many_rows, signature, constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     cubin = out_dir / "kernel.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    sass = subprocess.run(
-        [str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
-    )
-    (out_dir / "kernel.sass").write_text(sass.stdout)
+    for flag, name in (("-sass", "kernel.sass"), ("-res-usage", "resources")):
+        dump = subprocess.run(
+            [str(BIN / "cuobjdump"), flag, str(cubin)], capture_output=True, text=True, check=True
+        )
+        (out_dir / name).write_text(dump.stdout)
     (out_dir / "shared").write_text(str(kernel.metadata.shared))
 
 
@@ -73,13 +83,19 @@ def test_default_tile_compiles_to_overlapped_wgmma_without_spills(tmp_path: Path
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     subprocess.run([sys.executable, __file__, str(tmp_path)], check=True, env=env, timeout=120)
     sass = (tmp_path / "kernel.sass").read_text()
+    stack = int(re.search(r"STACK:(\d+)", (tmp_path / "resources").read_text()).group(1))
+    release_first = default_config(128, on_gpu=True).gluon[2]
 
     assert int((tmp_path / "shared").read_text()) <= SHARED_LIMIT
     assert re.search(r"\bHGMMA\.64x256x16\.F32\.BF16\b", sass), "PV must run on wgmma (64 x 256 a warpgroup)"
-    assert re.search(r"\bHGMMA\.64x16x16\.F32\.BF16\b", sass), "QK must run on wgmma"
+    assert re.search(r"\bHGMMA\.64x(16|32)x16\.F32\.BF16\b", sass), "QK must run on wgmma"
     assert not re.search(r"\bHMMA\b", sass), "no mma.sync fallback"
-    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "QK's wait must leave PV in flight"
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills"
+    if release_first:  # PV(t - 1) waited for while QK(t)'s two wgmma groups run on
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x2", sass), "PV's wait must leave QK in flight"
+    else:  # QK(t) waited for while PV(t - 1) runs on
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "QK's wait must leave PV in flight"
+    # Triton 3.6 spills a few loop scalars (24-32 bytes); the accumulator alone is 512 bytes a thread
+    assert stack <= 64, f"{stack} bytes of local memory a thread: more than scalars spill"
 
 
 if __name__ == "__main__":

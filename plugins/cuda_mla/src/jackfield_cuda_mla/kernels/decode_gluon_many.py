@@ -124,6 +124,7 @@ def mla_decode_many_rows(
     PAGE: gl.constexpr,
     SPLITS: gl.constexpr,
     CAUSAL: gl.constexpr,
+    RELEASE_FIRST: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = q_nope_desc.block_type.shape[0]
     dtype: gl.constexpr = kv_desc.dtype
@@ -202,36 +203,67 @@ def mla_decode_many_rows(
 
     for t in range(1, n_tiles):
         prev = (t - 1) % STAGES
-        _wait_tile(kv_smem, pe_smem, ready, t, start, seq_len, BLOCK_N, RANK, ROPE, STAGES)
         slot = t % STAGES
-        s_tok = warpgroup_mma(
-            q_nope_smem, kv_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
-        )
-        s_tok = warpgroup_mma(q_pe_smem, pe_smem.index(slot).permute((1, 0)), s_tok, is_async=True)
-        o_tok = warpgroup_mma(p_op, kv_smem.index(prev), o, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])  # QK(t) done; PV(t - 1) keeps the tensor cores busy
-        p, alpha, m_i, l_i = _softmax_step(s, t, start, end, m_i, l_i, sm_scale_log2, BLOCK_N, S_LAYOUT)
-        p_next = gl.convert_layout(p.to(dtype), P_LAYOUT)
-        o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        # Both warpgroups are past PV(t - 1): its buffer takes tile t - 1 + STAGES.
-        _cta_barrier()
-        _issue_tile(
-            kv_desc,
-            pe_desc,
-            kv_smem,
-            pe_smem,
-            ready,
-            table,
-            t - 1 + STAGES,
-            start,
-            t - 1 + STAGES < n_tiles,
-            BLOCK_N,
-            RANK,
-            STAGES,
-            PAGE,
-        )
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        p_op = p_next
+        if RELEASE_FIRST:
+            # PV(t - 1) first: its buffer is refilled while QK(t) and tile t's softmax run, at the
+            # price of a softmax that overlaps no MMA.
+            o_tok = warpgroup_mma(p_op, kv_smem.index(prev), o, is_async=True)
+            _wait_tile(kv_smem, pe_smem, ready, t, start, seq_len, BLOCK_N, RANK, ROPE, STAGES)
+            s_tok = warpgroup_mma(
+                q_nope_smem, kv_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
+            s_tok = warpgroup_mma(q_pe_smem, pe_smem.index(slot).permute((1, 0)), s_tok, is_async=True)
+            o, p_op = warpgroup_mma_wait(2, deps=[o_tok, p_op])  # PV(t - 1) done, QK(t) may run on
+            _cta_barrier()
+            _issue_tile(
+                kv_desc,
+                pe_desc,
+                kv_smem,
+                pe_smem,
+                ready,
+                table,
+                t - 1 + STAGES,
+                start,
+                t - 1 + STAGES < n_tiles,
+                BLOCK_N,
+                RANK,
+                STAGES,
+                PAGE,
+            )
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            p, alpha, m_i, l_i = _softmax_step(s, t, start, end, m_i, l_i, sm_scale_log2, BLOCK_N, S_LAYOUT)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
+        else:
+            _wait_tile(kv_smem, pe_smem, ready, t, start, seq_len, BLOCK_N, RANK, ROPE, STAGES)
+            s_tok = warpgroup_mma(
+                q_nope_smem, kv_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
+            s_tok = warpgroup_mma(q_pe_smem, pe_smem.index(slot).permute((1, 0)), s_tok, is_async=True)
+            o_tok = warpgroup_mma(p_op, kv_smem.index(prev), o, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])  # QK(t) done; PV(t - 1) keeps the tensor cores busy
+            p, alpha, m_i, l_i = _softmax_step(s, t, start, end, m_i, l_i, sm_scale_log2, BLOCK_N, S_LAYOUT)
+            p_next = gl.convert_layout(p.to(dtype), P_LAYOUT)
+            o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+            # Both warpgroups are past PV(t - 1): its buffer takes tile t - 1 + STAGES.
+            _cta_barrier()
+            _issue_tile(
+                kv_desc,
+                pe_desc,
+                kv_smem,
+                pe_smem,
+                ready,
+                table,
+                t - 1 + STAGES,
+                start,
+                t - 1 + STAGES < n_tiles,
+                BLOCK_N,
+                RANK,
+                STAGES,
+                PAGE,
+            )
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            p_op = p_next
 
     if n_tiles > 0:
         o = warpgroup_mma(p_op, kv_smem.index((n_tiles - 1) % STAGES), o)
@@ -264,7 +296,12 @@ def _power_of_two(n: int) -> bool:
 
 
 def many_rows_applies(
-    query: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, stages: int
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_lora_rank: int,
+    block_n: int,
+    stages: int,
+    release_first: bool,
 ) -> bool:
     """Whether this kernel serves the (dense) call; anything else goes to the Triton kernel."""
     tokens, heads, width = query.shape
@@ -310,6 +347,7 @@ def launch_many_rows(
     causal: bool,
     block_n: int,
     stages: int,
+    release_first: bool,
 ) -> None:
     """Stage 1 over every (64-row block, request, split); `many_rows_applies` must hold."""
     tokens, heads, width = query.shape
@@ -348,5 +386,6 @@ def launch_many_rows(
         PAGE=page,
         SPLITS=splits,
         CAUSAL=causal,
+        RELEASE_FIRST=release_first,
         num_warps=NUM_WARPS,
     )
