@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import triton
 
 gluon_many = pytest.importorskip(
@@ -96,6 +97,13 @@ def test_default_tile_compiles_to_overlapped_wgmma_without_spills(tmp_path: Path
         assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "QK's wait must leave PV in flight"
     # Triton 3.6 spills a few loop scalars (24-32 bytes); the accumulator alone is 512 bytes a thread
     assert stack <= 64, f"{stack} bytes of local memory a thread: more than scalars spill"
+
+
+def test_cpu_tensors_take_the_triton_kernel() -> None:
+    query = torch.randn(2, 64, 576, dtype=torch.bfloat16)
+    cache = torch.randn(4, 64, 576, dtype=torch.bfloat16)
+    block_n, stages, _ = default_config(128, on_gpu=True).gluon
+    assert not gluon_many.many_rows_applies(query, cache, 512, block_n, stages)
 
 
 if __name__ == "__main__":

@@ -301,7 +301,6 @@ def many_rows_applies(
     kv_lora_rank: int,
     block_n: int,
     stages: int,
-    release_first: bool,
 ) -> bool:
     """Whether this kernel serves the (dense) call; anything else goes to the Triton kernel."""
     tokens, heads, width = query.shape
