@@ -26,7 +26,7 @@ WIDTH = RANK + ROPE
 SCALE = WIDTH**-0.5
 FP8 = torch.float8_e4m3fn
 # --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma, swap,
-# Gluon many-rows tile (keys, buffers, PV before QK) or None = the Triton kernel)
+# Gluon many-rows tile (keys, buffers) or None = the Triton kernel)
 SWEEPS = {
     "h16": [
         (64, 8, 2, None, False, True, False, None),
@@ -38,9 +38,8 @@ SWEEPS = {
     ],
     "h128": [
         (64, 8, 2, None, False, True, False, None),  # the Triton kernel (the default before Gluon)
-        (64, 8, 2, None, False, True, False, (64, 2, False)),
-        (64, 8, 2, None, False, True, False, (32, 4, False)),
-        (64, 8, 2, 2, False, True, False, (64, 2, True)),
+        (64, 8, 2, None, False, True, False, (32, 4)),
+        (64, 8, 2, 2, False, True, False, (64, 2)),
     ],
 }
 
@@ -160,11 +159,7 @@ def decode_row(name: str, c: dict, copy_gbs: float, mm_tflops: float, sweep: boo
             cfg = DecodeConfig(block_m, bn, warps, stages, prefetch, tma, swap, gluon=gluon)
             label = f"bn{bn}/w{warps}/s{stages}/split{splits or 'auto'}{'/prefetch' if prefetch else ''}"
             label += ("/tma" if tma else "") + ("/swap" if swap else "")
-            label = (
-                f"gluon bn{gluon[0]}/s{gluon[1]}{'/pv-first' if gluon[2] else ''}/split{splits or 'auto'}"
-                if gluon
-                else label
-            )
+            label = f"gluon bn{gluon[0]}/s{gluon[1]}/split{splits or 'auto'}" if gluon else label
             try:
                 diff = (run_kernel(c, cfg, splits)[0].float() - want).abs().max().item()
                 ms = do_bench(lambda cfg=cfg, splits=splits: run_kernel(c, cfg, splits), warmup=5, rep=20)

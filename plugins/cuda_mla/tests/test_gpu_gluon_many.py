@@ -54,7 +54,7 @@ def assert_matches_reference(
 ) -> None:
     gpu = {k: v.cuda() for k, v in batch.items()}
     tokens, heads, _ = batch["query"].shape
-    applies = gluon_many.many_rows_applies(gpu["query"], gpu["kv_cache"], RANK, *config.gluon[:2])
+    applies = gluon_many.many_rows_applies(gpu["query"], gpu["kv_cache"], RANK, *config.gluon)
     assert applies == expect_gluon
     out = torch.full((tokens, heads, RANK), float("nan"), device="cuda", dtype=batch["query"].dtype)
     lse = torch.full((tokens, heads), float("nan"), device="cuda")
@@ -98,18 +98,16 @@ def assert_matches_reference(
 @pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("q_case", sorted(Q_LENS))
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("release_first", [True, False])
-def test_64_key_tiles_match_reference(
-    release_first: bool, causal: bool, q_case: str, splits: int | None
-) -> None:
-    config = DecodeConfig(64, 64, 8, 2, tma=True, gluon=(64, 2, release_first))
+def test_default_tile_matches_reference(causal: bool, q_case: str, splits: int | None) -> None:
+    config = default_config(HEADS, on_gpu=True)
+    assert config.gluon is not None
     assert_matches_reference(
         poisoned_batch(SEQ_LENS, Q_LENS[q_case], HEADS, torch.bfloat16), causal, config, splits
     )
 
 
-@pytest.mark.parametrize("tile", [(32, 4, False), (32, 3, False), (32, 4, True)])
-def test_other_tiles_match_reference(tile: tuple[int, int, bool]) -> None:
+@pytest.mark.parametrize("tile", [(32, 4), (32, 3)])
+def test_other_tiles_match_reference(tile: tuple[int, int]) -> None:
     config = DecodeConfig(64, 64, 8, 2, tma=True, gluon=tile)
     assert_matches_reference(
         poisoned_batch(SEQ_LENS, Q_LENS["mixed up to 8"], HEADS, torch.bfloat16), True, config, None

@@ -4,17 +4,17 @@ Same contract as `mla_decode_stage1` (dense): one program per (64-row block of a
 writes the normalized output and natural-log LSE of its rows (or split partials for stage 2).
 
 Why a second kernel: in the Triton (tl) kernel the chain QK wgmma -> wait -> softmax -> PV wgmma
-is serial, so the tensor cores idle while the softmax and the rescale run (PERF_NOTES.md). Here
-the loop issues QK of tile t and PV of tile t - 1 back to back as asynchronous wgmma, waits only
-for QK, and runs tile t's softmax while PV(t - 1) is still on the tensor cores.
+is serial, and the next tile's load waits for PV (PERF_NOTES.md). Here each step issues PV of tile
+t - 1 and QK of tile t back to back as asynchronous wgmma, waits for PV only, refills PV's buffer
+with tile t + 1 by TMA while QK(t) runs, then waits for QK and runs tile t's softmax.
 
 Layout: 8 warps; every MMA splits its N dimension over the two warpgroups (warps [4, 2]), so each
-warpgroup keeps half of the 64 x 512 fp32 accumulator (128 registers a thread). Q (64 x 576) sits
-in shared memory for the whole loop; KV tiles of BLOCK_N keys arrive by TMA in a ring of STAGES
-buffers (Q 73.7 KB + 4 x 32-key tiles 147 KB = 221 KB). A tile is both K (QK) and V (PV), so a
-buffer is free only after PV of its tile: with 32-key tiles and 4 buffers, the load of tile t + 3
-is issued while tile t is computed. Cache rows past seq_len may hold NaN, and 0 * NaN = NaN in an
-MMA, so the one tile that reaches past seq_len has those rows zeroed in shared memory first.
+warpgroup keeps half of the 64 x 512 fp32 accumulator (128 registers a thread) and computes 32 of
+a 64-key tile's scores. Q (64 x 576) stays in shared memory for the whole loop; KV tiles of
+BLOCK_N keys arrive by TMA in a ring of STAGES buffers (Q 73.7 KB + 2 x 64-key tiles 147 KB =
+221 KB). A tile is both K (QK) and V (PV), so a buffer is free only after PV of its tile. Cache
+rows past seq_len may hold NaN, and 0 * NaN = NaN in an MMA, so the one tile that reaches past
+seq_len has those rows zeroed in shared memory first.
 
 Requires (the launcher's `applies` checks it; anything else goes to the tl kernel): heads a
 multiple of 64 (a row block is one token's 64 heads, so causality is one bound per program),
@@ -124,7 +124,6 @@ def mla_decode_many_rows(
     PAGE: gl.constexpr,
     SPLITS: gl.constexpr,
     CAUSAL: gl.constexpr,
-    RELEASE_FIRST: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = q_nope_desc.block_type.shape[0]
     dtype: gl.constexpr = kv_desc.dtype
@@ -204,66 +203,35 @@ def mla_decode_many_rows(
     for t in range(1, n_tiles):
         prev = (t - 1) % STAGES
         slot = t % STAGES
-        if RELEASE_FIRST:
-            # PV(t - 1) first: its buffer is refilled while QK(t) and tile t's softmax run, at the
-            # price of a softmax that overlaps no MMA.
-            o_tok = warpgroup_mma(p_op, kv_smem.index(prev), o, is_async=True)
-            _wait_tile(kv_smem, pe_smem, ready, t, start, seq_len, BLOCK_N, RANK, ROPE, STAGES)
-            s_tok = warpgroup_mma(
-                q_nope_smem, kv_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
-            s_tok = warpgroup_mma(q_pe_smem, pe_smem.index(slot).permute((1, 0)), s_tok, is_async=True)
-            o, p_op = warpgroup_mma_wait(2, deps=[o_tok, p_op])  # PV(t - 1) done, QK(t) may run on
-            _cta_barrier()
-            _issue_tile(
-                kv_desc,
-                pe_desc,
-                kv_smem,
-                pe_smem,
-                ready,
-                table,
-                t - 1 + STAGES,
-                start,
-                t - 1 + STAGES < n_tiles,
-                BLOCK_N,
-                RANK,
-                STAGES,
-                PAGE,
-            )
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            p, alpha, m_i, l_i = _softmax_step(s, t, start, end, m_i, l_i, sm_scale_log2, BLOCK_N, S_LAYOUT)
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-        else:
-            _wait_tile(kv_smem, pe_smem, ready, t, start, seq_len, BLOCK_N, RANK, ROPE, STAGES)
-            s_tok = warpgroup_mma(
-                q_nope_smem, kv_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
-            s_tok = warpgroup_mma(q_pe_smem, pe_smem.index(slot).permute((1, 0)), s_tok, is_async=True)
-            o_tok = warpgroup_mma(p_op, kv_smem.index(prev), o, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s_tok])  # QK(t) done; PV(t - 1) keeps the tensor cores busy
-            p, alpha, m_i, l_i = _softmax_step(s, t, start, end, m_i, l_i, sm_scale_log2, BLOCK_N, S_LAYOUT)
-            p_next = gl.convert_layout(p.to(dtype), P_LAYOUT)
-            o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-            # Both warpgroups are past PV(t - 1): its buffer takes tile t - 1 + STAGES.
-            _cta_barrier()
-            _issue_tile(
-                kv_desc,
-                pe_desc,
-                kv_smem,
-                pe_smem,
-                ready,
-                table,
-                t - 1 + STAGES,
-                start,
-                t - 1 + STAGES < n_tiles,
-                BLOCK_N,
-                RANK,
-                STAGES,
-                PAGE,
-            )
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            p_op = p_next
+        # PV(t - 1) goes first so its buffer is free, and refilled, while QK(t) runs (H200: 348 us
+        # against 458 us with QK first and tile t's softmax overlapping PV(t - 1), PERF_NOTES.md).
+        o_tok = warpgroup_mma(p_op, kv_smem.index(prev), o, is_async=True)
+        _wait_tile(kv_smem, pe_smem, ready, t, start, seq_len, BLOCK_N, RANK, ROPE, STAGES)
+        s_tok = warpgroup_mma(
+            q_nope_smem, kv_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )
+        s_tok = warpgroup_mma(q_pe_smem, pe_smem.index(slot).permute((1, 0)), s_tok, is_async=True)
+        o, p_op = warpgroup_mma_wait(2, deps=[o_tok, p_op])  # PV(t - 1) done; QK(t)'s two groups run on
+        _cta_barrier()  # both warpgroups are past PV(t - 1): its buffer takes tile t - 1 + STAGES
+        _issue_tile(
+            kv_desc,
+            pe_desc,
+            kv_smem,
+            pe_smem,
+            ready,
+            table,
+            t - 1 + STAGES,
+            start,
+            t - 1 + STAGES < n_tiles,
+            BLOCK_N,
+            RANK,
+            STAGES,
+            PAGE,
+        )
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        p, alpha, m_i, l_i = _softmax_step(s, t, start, end, m_i, l_i, sm_scale_log2, BLOCK_N, S_LAYOUT)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
 
     if n_tiles > 0:
         o = warpgroup_mma(p_op, kv_smem.index((n_tiles - 1) % STAGES), o)
@@ -346,7 +314,6 @@ def launch_many_rows(
     causal: bool,
     block_n: int,
     stages: int,
-    release_first: bool,
 ) -> None:
     """Stage 1 over every (64-row block, request, split); `many_rows_applies` must hold."""
     tokens, heads, width = query.shape
@@ -385,6 +352,5 @@ def launch_many_rows(
         PAGE=page,
         SPLITS=splits,
         CAUSAL=causal,
-        RELEASE_FIRST=release_first,
         num_warps=NUM_WARPS,
     )
