@@ -1,4 +1,4 @@
-"""Stage 1 of dense MLA decode for many rows a request (H >= 64, compute-bound), in Gluon for Hopper.
+"""Stage 1 of dense MLA decode for many rows a request (H a multiple of 64: compute-bound), Gluon, Hopper.
 
 Same contract as `mla_decode_stage1` (dense): one program per (64-row block of a request, KV split)
 writes the normalized output and natural-log LSE of its rows (or split partials for stage 2).
@@ -18,7 +18,8 @@ seq_len has those rows zeroed in shared memory first.
 
 Requires (the launcher's `applies` checks it; anything else goes to the tl kernel): heads a
 multiple of 64 (a row block is one token's 64 heads, so causality is one bound per program),
-16-bit query and cache of the same dtype, PAGE % BLOCK_N == 0, power-of-two rank <= 512 and rope.
+16-bit query and cache of the same dtype, PAGE % BLOCK_N == 0, power-of-two 64 <= rope <= rank <= 512,
+contiguous query, pages back to back in the cache.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _wait_tile(kv_smem, pe_smem, ready, tile, start, seq_len, BLOCK_N, RANK, ROP
     mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
     n0 = start + tile * BLOCK_N
     if n0 + BLOCK_N > seq_len:
-        # 64 columns at a time: a whole 32 x 512 tile in registers would spill the accumulator
+        # 64 columns at a time: a whole BLOCK_N x 512 tile in registers would spill the accumulator
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         key = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         for c in gl.static_range(RANK // ROPE):
@@ -283,7 +284,7 @@ def many_rows_applies(
         and _power_of_two(kv_lora_rank)
         and _power_of_two(rope)
         and 64 <= rope <= kv_lora_rank <= 512  # O's N per warpgroup <= 256; pe zeroed in 64-wide chunks
-        and block_n in (16, 32, 64)
+        and block_n in (32, 64)  # the tiles the device tests cover
         and stages >= 2
         and page % block_n == 0
         and query.is_contiguous()  # Q as a [tokens x heads, width] matrix for TMA
