@@ -25,15 +25,17 @@ RANK, ROPE, PAGE = 512, 64, 64
 WIDTH = RANK + ROPE
 SCALE = WIDTH**-0.5
 FP8 = torch.float8_e4m3fn
-# --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma, swap)
+# --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma, swap, gluon)
+# (gluon: the Gluon few-rows kernel, whose tile is its own; the other fields are the Triton kernel's)
 SWEEPS = {
     "h16": [
-        (64, 8, 2, None, False, True, False),
-        (64, 4, 2, None, False, True, True),
+        (64, 4, 3, None, False, True, True, False),  # the Triton kernel's default (round 3)
+        (64, 4, 2, None, False, True, True, False),
+        (64, 4, 3, 2, False, True, True, True),
     ],
     "fp8": [
-        (32, 4, 1, 2, True, False, False),
-        (32, 4, 1, 4, True, False, False),
+        (32, 4, 1, 2, True, False, False, False),  # the Triton kernel's default (round 3)
+        (64, 4, 3, 2, False, False, False, True),
     ],
 }
 
@@ -149,10 +151,11 @@ def decode_row(name: str, c: dict, copy_gbs: float, mm_tflops: float, sweep: boo
         rows = tokens // c["seq_lens"].numel() * heads if c["topk"] is None else heads
         block_m = default_config(rows, True).block_m
         want = run_kernel(c)[0].float()
-        for bn, warps, stages, splits, prefetch, tma, swap in variants:
-            cfg = DecodeConfig(block_m, bn, warps, stages, prefetch, tma, swap)
+        for bn, warps, stages, splits, prefetch, tma, swap, gluon in variants:
+            cfg = DecodeConfig(block_m, bn, warps, stages, prefetch, tma, swap, gluon=gluon)
             label = f"bn{bn}/w{warps}/s{stages}/split{splits or 'auto'}{'/prefetch' if prefetch else ''}"
             label += ("/tma" if tma else "") + ("/swap" if swap else "")
+            label = f"gluon/split{splits or 'auto'}" if gluon else label
             try:
                 diff = (run_kernel(c, cfg, splits)[0].float() - want).abs().max().item()
                 ms = do_bench(lambda cfg=cfg, splits=splits: run_kernel(c, cfg, splits), warmup=5, rep=20)

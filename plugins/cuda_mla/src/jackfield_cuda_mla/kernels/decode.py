@@ -17,6 +17,11 @@ from jackfield_cuda_mla.kernels.checks import FP8, check_cache, check_device, ch
 from jackfield_cuda_mla.kernels.decode_kernels import mla_decode_stage1
 from jackfield_cuda_mla.kernels.decode_merge import mla_decode_stage2
 
+try:  # Gluon's Hopper module (Triton >= 3.6): the few-rows kernel; without it the Triton kernel runs
+    from jackfield_cuda_mla.kernels import decode_gluon_few
+except ImportError:
+    decode_gluon_few = None
+
 LOG2E = 1.4426950408889634
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -33,6 +38,7 @@ class DecodeConfig:
     tma: bool = False  # dense, 16-bit or fp8 cache with PAGE % block_n == 0: whole tiles by TMA
     swap: bool = False  # keys as the M dimension of both products (few rows: wgmma needs M = 64)
     ctas_per_sm: int = 1  # programs of this tile that fit on one SM at once: plan_splits' wave size
+    gluon: bool = False  # dense, <= 32 rows, Hopper: the Gluon kernel (decode_gluon_few.py) if it applies
 
 
 def default_config(
@@ -47,13 +53,15 @@ def default_config(
     block_m = max(16, min(64, triton.next_power_of_2(rows_per_group)))
     if not on_gpu:
         return DecodeConfig(block_m, 16, 4, 1)
+    # The tile fields stay the Triton kernel's choice: it runs wherever the Gluon kernel does not apply.
+    gluon = block_m <= 32 and not sparse and cache_dtype in (torch.bfloat16, FP8)
     if cache_dtype == FP8 and block_m == 16:
         # 32-key tiles on 4 warps: two programs per SM hide each other's conversion latency
-        return DecodeConfig(block_m, 32, 4, 1, prefetch=True, ctas_per_sm=2)
+        return DecodeConfig(block_m, 32, 4, 1, prefetch=True, ctas_per_sm=2, gluon=gluon)
     if cache_dtype == FP8:
-        return DecodeConfig(block_m, 64, 8, 1, prefetch=True)
+        return DecodeConfig(block_m, 64, 8, 1, prefetch=True, gluon=gluon)
     if block_m <= 32 and not sparse and cache_dtype.itemsize == 2:
-        return DecodeConfig(block_m, 64, 4, 3, tma=True, swap=True)
+        return DecodeConfig(block_m, 64, 4, 3, tma=True, swap=True, gluon=gluon)
     return DecodeConfig(block_m, 64, 8, 2, tma=True)
 
 
@@ -181,10 +189,20 @@ def mla_decode(
         # H200, Triton 3.6: the unpipelined swapped loop wrote NaN and faulted (PERF_NOTES.md, round 3)
         lambda: f"swapped products need num_stages >= 2, got {cfg.num_stages}",
     )
-    row_blocks = triton.cdiv(rows_per_group, cfg.block_m)
+    gluon = (
+        cfg.gluon
+        and not sparse
+        and decode_gluon_few is not None
+        and decode_gluon_few.few_rows_applies(query, kv_cache, rows_per_group, kv_lora_rank)
+    )
+    row_blocks = 1 if gluon else triton.cdiv(rows_per_group, cfg.block_m)
     max_keys = topk_indices.shape[1] if sparse else max_seq_len
     splits = num_splits or plan_splits(
-        groups * row_blocks, max_keys, cfg.block_n, _num_sms(device), cfg.ctas_per_sm
+        groups * row_blocks,
+        max_keys,
+        decode_gluon_few.TILE_KEYS if gluon else cfg.block_n,
+        _num_sms(device),
+        1 if gluon else cfg.ctas_per_sm,
     )
     if splits == 1:
         part_out, part_lse = out, lse
@@ -202,7 +220,8 @@ def mla_decode(
         token_req = seq_lens  # unused by the dense kernel
     rope = width - kv_lora_rank
     use_tma = (
-        cfg.tma
+        not gluon
+        and cfg.tma
         and not sparse
         and page % cfg.block_n == 0
         and triton.next_power_of_2(kv_lora_rank) == kv_lora_rank
@@ -213,52 +232,71 @@ def mla_decode(
         rows_2d, row_stride = kv_cache.shape[0] * page, kv_cache.stride(1)
         kv_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, kv_lora_rank])
         pe_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, rope])
-    mla_decode_stage1[(row_blocks, groups, splits)](
-        query,
-        kv_cache,
-        kv_desc,
-        pe_desc,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        token_req,
-        topk_indices if sparse else seq_lens,
-        part_out,
-        part_lse,
-        scale,
-        sm_scale * LOG2E,
-        heads,
-        topk_indices.shape[1] if sparse else 0,
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        topk_indices.stride(0) if sparse else 0,
-        part_out.stride(0),
-        part_out.stride(1),
-        stride_os,
-        part_lse.stride(0),
-        part_lse.stride(1),
-        stride_ls,
-        RANK=kv_lora_rank,
-        ROPE=rope,
-        BLOCK_R=triton.next_power_of_2(kv_lora_rank),
-        BLOCK_P=triton.next_power_of_2(rope),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        PAGE=page,
-        SPLITS=splits,
-        SPARSE=sparse,
-        CAUSAL=causal and not sparse,
-        FP8=kv_cache.dtype == FP8,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32; 16-bit ignores it
-        PREFETCH=cfg.prefetch,
-        TMA=use_tma,
-        SWAP=cfg.swap,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    if gluon:
+        decode_gluon_few.launch_few_rows(
+            query,
+            kv_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            part_out,
+            part_lse,
+            stride_os,
+            stride_ls,
+            scale,
+            sm_scale * LOG2E,
+            rows_per_group,
+            splits,
+            causal,
+            kv_lora_rank,
+        )
+    else:
+        mla_decode_stage1[(row_blocks, groups, splits)](
+            query,
+            kv_cache,
+            kv_desc,
+            pe_desc,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            token_req,
+            topk_indices if sparse else seq_lens,
+            part_out,
+            part_lse,
+            scale,
+            sm_scale * LOG2E,
+            heads,
+            topk_indices.shape[1] if sparse else 0,
+            query.stride(0),
+            query.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            block_table.stride(0),
+            topk_indices.stride(0) if sparse else 0,
+            part_out.stride(0),
+            part_out.stride(1),
+            stride_os,
+            part_lse.stride(0),
+            part_lse.stride(1),
+            stride_ls,
+            RANK=kv_lora_rank,
+            ROPE=rope,
+            BLOCK_R=triton.next_power_of_2(kv_lora_rank),
+            BLOCK_P=triton.next_power_of_2(rope),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            PAGE=page,
+            SPLITS=splits,
+            SPARSE=sparse,
+            CAUSAL=causal and not sparse,
+            FP8=kv_cache.dtype == FP8,
+            PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32; 16-bit ignores it
+            PREFETCH=cfg.prefetch,
+            TMA=use_tma,
+            SWAP=cfg.swap,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     if splits > 1:
         mla_decode_stage2[(tokens, heads)](
             part_out,
