@@ -199,10 +199,11 @@ def mla_decode_few_rows(
         k_pe_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, ROPE], rope_bf16)
     fence_async_shared()
 
-    # The ring's first units go out before the query is loaded.
-    issued = gl.minimum(2 * n_tiles, NOPE_SLOTS)
-    _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start, 0, issued,
-                 RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+    # The ring's first units go out before the query is loaded. Later, once the first `consumed`
+    # units are free, units up to consumed + NOPE_SLOTS are in the ring. (Computed, not carried
+    # through the loop: Triton 3.6 dropped such a loop-carried scalar, reissuing units.)
+    _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start, 0,
+                 gl.minimum(NOPE_SLOTS, 2 * n_tiles), RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
 
     # Row r of the group is (token r // H, head r % H).
     rows_h = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_half_regs))
@@ -224,10 +225,9 @@ def mla_decode_few_rows(
     _cta_barrier()
     if FP8:
         # Tile 0's fp8 units are converted (all warps are past the barrier): they refill.
-        limit = gl.minimum(2 + NOPE_SLOTS, 2 * n_tiles)
-        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start, issued, limit,
+        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
+                     gl.minimum(NOPE_SLOTS, 2 * n_tiles), gl.minimum(2 + NOPE_SLOTS, 2 * n_tiles),
                      RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
-        issued = limit
 
     rows = gl.arange(0, BLOCK_M, layout=row_vec)
     row_ok = rows < q_len * num_heads
@@ -312,13 +312,13 @@ def mla_decode_few_rows(
                 _stage_keys(nope_ring.index(next_hi), k_hi, next_valid, key_half_regs)
                 fence_async_shared()
                 _cta_barrier()
-            limit = gl.minimum(2 * t + 4 + NOPE_SLOTS, 2 * n_tiles)  # tile t + 1's fp8 units are free
+            consumed = 2 * t + 4  # tile t + 1's fp8 units are converted
         else:
             acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
-            limit = gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles)  # tile t's halves are free
-        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start, issued, limit,
+            consumed = 2 * t + 2  # tile t's halves are read
+        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
+                     gl.minimum(consumed - 2 + NOPE_SLOTS, 2 * n_tiles), gl.minimum(consumed + NOPE_SLOTS, 2 * n_tiles),
                      RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
-        issued = limit
 
     for i in gl.static_range(NOPE_SLOTS):
         mbarrier.invalidate(ready.index(i))
