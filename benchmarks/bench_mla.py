@@ -148,6 +148,7 @@ def decode_row(name: str, c: dict, copy_gbs: float, mm_tflops: float, sweep: boo
     best_ms, best_cfg = do_bench(lambda: run_kernel(c)), "default"
     variants = SWEEPS.get(c.get("sweep") or "", []) if sweep else []
     if variants:
+        print(f"  {name} default: {best_ms * 1e3:.1f} us", flush=True)
         rows = tokens // c["seq_lens"].numel() * heads if c["topk"] is None else heads
         block_m = default_config(rows, True).block_m
         want = run_kernel(c)[0].float()

@@ -96,7 +96,7 @@ def compiled_counts(fp8: bool, block_m: int) -> dict:
 
 def count(sass: str, shared: int, block_m: int) -> dict:
     return dict(
-        hgmma=len(re.findall(rf"\bHGMMA\.64x{block_m}x16\.F32\.BF16\b", sass)),
+        hgmma=len(re.findall(rf"\bHGMMA\.64x{block_m}x16\.F32(\.BF16)? ", sass)),  # bf16 or f16 operands
         waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
         mma_sync=len(re.findall(r"\bHMMA\b", sass)),
         spills=len(re.findall(r"\b(LDL|STL)\b", sass)),

@@ -15,9 +15,9 @@ not 1-2 as with whole-page stages. The block table is read one scalar per TMA (L
 first).
 
 fp8 cache (float8_e4m3fn, per-tensor scale): the fp8 ring is converted once per tile into one
-bf16 tile that both products read (dequantization is exact; the scale is folded into scores and
-output). The conversion of tile t overlaps the PV product of tile t - 1 and QK's first parts.
-The query stays bf16; nothing is quantized.
+f16 tile that both products read (dequantization is exact; the scale is folded into scores and
+output). The conversion of tile t + 1 overlaps the PV product of tile t. The query goes to f16
+exactly (scaled by a power of two into f16's range); nothing is quantized.
 
 Rows past seq_len in the last page may hold NaN: they are zeroed in shared memory before any
 product reads them (bf16: rewritten in place; fp8: masked in the conversion).
@@ -93,8 +93,15 @@ def _stage_keys(src, dst, valid, layout: gl.constexpr):
     """Copy a [BLOCK_N, W] key box from src to dst in shared memory (fp8 -> bf16 when the dtypes
     differ), with key rows >= valid zeroed (they may hold NaN). src may be dst."""
     x = src.load(layout).to(dst.dtype)
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    dst.store(gl.where((keys < valid)[:, None], x, gl.zeros_like(x)))
+    if valid < BLOCK_N:
+        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        x = gl.where((keys < valid)[:, None], x, gl.zeros_like(x))
+    dst.store(x)
+
+
+@gluon.jit
+def _max_abs(x):
+    return gl.max(gl.max(gl.abs(x.to(gl.float32)), axis=1), axis=0)
 
 
 @gluon.jit
@@ -175,15 +182,21 @@ def mla_decode_few_rows(
     table = block_table + req.to(gl.int64) * stride_bt
 
     # Shared memory: query halves and rope (wgmma B operands, K-major), P^T, the TMA rings.
+    # Operands are bf16, or f16 over an fp8 cache: e4m3 -> f16 is one conversion a pair, e4m3 ->
+    # bf16 four on the slow conversion pipe (~1.9 us a tile on the H200).
     kv_dtype: gl.constexpr = nope_desc.dtype
-    q_half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.bfloat16)
-    q_rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], gl.bfloat16)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
+    if FP8:
+        op_dtype: gl.constexpr = gl.float16
+    else:
+        op_dtype: gl.constexpr = gl.bfloat16
+    q_half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], op_dtype)
+    q_rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], op_dtype)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], op_dtype)
     # Single buffers with a leading axis of 1: see `here` in the loop.
-    q_lo_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_M, HALF], q_half_smem)
-    q_hi_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_M, HALF], q_half_smem)
-    q_pe_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_M, ROPE], q_rope_smem)
-    p_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, BLOCK_M], p_smem_layout)
+    q_lo_buf = gl.allocate_shared_memory(op_dtype, [1, BLOCK_M, HALF], q_half_smem)
+    q_hi_buf = gl.allocate_shared_memory(op_dtype, [1, BLOCK_M, HALF], q_half_smem)
+    q_pe_buf = gl.allocate_shared_memory(op_dtype, [1, BLOCK_M, ROPE], q_rope_smem)
+    p_buf = gl.allocate_shared_memory(op_dtype, [1, BLOCK_N, BLOCK_M], p_smem_layout)
     nope_ring = gl.allocate_shared_memory(kv_dtype, [NOPE_SLOTS, BLOCK_N, HALF], nope_desc.layout)
     rope_ring = gl.allocate_shared_memory(kv_dtype, [ROPE_SLOTS, BLOCK_N, ROPE], rope_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NOPE_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -192,11 +205,11 @@ def mla_decode_few_rows(
     if FP8:
         # The converted tile both products read (single-buffered: the conversion of tile t + 1
         # waits for the products of tile t, part by part).
-        half_bf16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
-        rope_bf16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], gl.bfloat16)
-        k_lo_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, HALF], half_bf16)
-        k_hi_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, HALF], half_bf16)
-        k_pe_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, ROPE], rope_bf16)
+        half_f16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float16)
+        rope_f16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], gl.float16)
+        k_lo_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, HALF], half_f16)
+        k_hi_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, HALF], half_f16)
+        k_pe_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, ROPE], rope_f16)
     fence_async_shared()
 
     # The ring's first units go out before the query is loaded. Later, once the first `consumed`
@@ -207,13 +220,29 @@ def mla_decode_few_rows(
 
     # Row r of the group is (token r // H, head r % H).
     rows_h = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_half_regs))
-    q_lo_buf.index(0).store(_load_query(q, (first_tok + rows_h // num_heads).to(gl.int64), rows_h % num_heads,
-                                        rows_h < q_len * num_heads, 0, HALF, stride_qt, stride_qh, q_half_regs))
-    q_hi_buf.index(0).store(_load_query(q, (first_tok + rows_h // num_heads).to(gl.int64), rows_h % num_heads,
-                                        rows_h < q_len * num_heads, HALF, HALF, stride_qt, stride_qh, q_half_regs))
+    tok_h = (first_tok + rows_h // num_heads).to(gl.int64)
+    ok_h = rows_h < q_len * num_heads
+    q_lo_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, 0, HALF, stride_qt, stride_qh, q_half_regs)
+    q_hi_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, HALF, HALF, stride_qt, stride_qh, q_half_regs)
     rows_p = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_rope_regs))
-    q_pe_buf.index(0).store(_load_query(q, (first_tok + rows_p // num_heads).to(gl.int64), rows_p % num_heads,
-                                        rows_p < q_len * num_heads, RANK, ROPE, stride_qt, stride_qh, q_rope_regs))
+    tok_p = (first_tok + rows_p // num_heads).to(gl.int64)
+    ok_p = rows_p < q_len * num_heads
+    q_pe_val = _load_query(q, tok_p, rows_p % num_heads, ok_p, RANK, ROPE, stride_qt, stride_qh, q_rope_regs)
+    if FP8:
+        # The bf16 query in f16, exactly: scaled by a power of two that puts its largest element
+        # in [2^13, 2^15) (below f16's 65504; bf16's 8 mantissa bits fit f16's 11). Elements
+        # below 2^-28 of that largest one lose bits. The scores undo the scale.
+        q_max = gl.maximum(_max_abs(q_lo_val), gl.maximum(_max_abs(q_hi_val), _max_abs(q_pe_val)))
+        q_exp = gl.where(q_max > 0.0, 13.0 - gl.floor(gl.log2(q_max)), 0.0)
+        q_exp = gl.minimum(gl.maximum(q_exp, -126.0), 127.0).to(gl.int32)
+        q_scale = ((q_exp + 127) << 23).to(gl.float32, bitcast=True)  # 2^q_exp, exactly
+        q_lo_val = (q_lo_val.to(gl.float32) * q_scale).to(gl.float16)
+        q_hi_val = (q_hi_val.to(gl.float32) * q_scale).to(gl.float16)
+        q_pe_val = (q_pe_val.to(gl.float32) * q_scale).to(gl.float16)
+        score_scale_log2 = score_scale_log2 / q_scale
+    q_lo_buf.index(0).store(q_lo_val)
+    q_hi_buf.index(0).store(q_hi_val)
+    q_pe_buf.index(0).store(q_pe_val)
     if FP8:
         if n_tiles > 0:
             mbarrier.wait(ready.index(0), 0)
@@ -288,14 +317,14 @@ def mla_decode_few_rows(
         m_i = m_new
         acc_lo = acc_lo * alpha[None, :]
         acc_hi = acc_hi * alpha[None, :]
-        p_smem.store(prob.to(gl.bfloat16))
+        p_smem.store(prob.to(op_dtype))
         fence_async_shared()
         _cta_barrier()
         pv_lo = warpgroup_mma(k_lo.permute((1, 0)), p_smem, acc_lo, is_async=True)
         pv_hi = warpgroup_mma(k_hi.permute((1, 0)), p_smem, acc_hi, is_async=True)
         if FP8:
             # Convert tile t + 1 while PV runs: the rope box (QK is done), then each value half
-            # as soon as the PV half reading the bf16 tile has completed.
+            # as soon as the PV half reading the f16 tile has completed.
             has_next = t + 1 < n_tiles
             next_valid = valid - BLOCK_N
             next_lo = (2 * t + 2) % NOPE_SLOTS
@@ -349,7 +378,7 @@ def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, 
     """
     fixed = block_m * (rank + rope) * 2 + TILE_KEYS * block_m * 2
     if kv_bytes == 1:
-        fixed += TILE_KEYS * (rank + rope) * 2  # the converted bf16 tile
+        fixed += TILE_KEYS * (rank + rope) * 2  # the converted f16 tile
     half, box = TILE_KEYS * rank // 2 * kv_bytes, TILE_KEYS * rope * kv_bytes
     slots = 2
     while fixed + (slots + 1) * half + (slots + 2) // 2 * box <= SMEM_BYTES:
