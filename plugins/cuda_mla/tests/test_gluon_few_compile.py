@@ -134,3 +134,21 @@ def test_ring_plan() -> None:
 if __name__ == "__main__":
     fp8_arg, block_m_arg = bool(int(sys.argv[1])), int(sys.argv[2])
     print(json.dumps(count(*compile_sm90(fp8_arg, block_m_arg), block_m_arg)))
+
+
+def test_shapes_the_gluon_kernel_takes_and_leaves_to_triton() -> None:
+    """Fail closed: anything but the tested shapes and layouts goes to the Triton kernel."""
+    query = torch.randn(2, 16, RANK + ROPE).bfloat16()
+    cache = torch.randn(8, PAGE, RANK + ROPE).bfloat16()
+    fits = few.few_rows_shapes_fit
+    assert fits(query, cache, 16, RANK) and fits(query, cache.to(few.FP8), 32, RANK)
+    assert fits(query, torch.randn(4, 2 * PAGE, RANK + ROPE).bfloat16(), 16, RANK)
+    assert not fits(query, cache, 33, RANK)  # more rows than one wgmma N of 32
+    assert not fits(query.half(), cache.half(), 16, RANK)
+    assert not fits(query.float(), cache.to(few.FP8), 16, RANK)
+    assert not fits(query, cache, 16, RANK // 2)  # other widths
+    assert not fits(query[..., :544], cache[..., :544], 16, RANK)
+    assert not fits(query, torch.randn(8, 32, RANK + ROPE).bfloat16(), 16, RANK)  # half-tile pages
+    padded = torch.randn(8, PAGE + 1, RANK + ROPE).bfloat16()[:, :PAGE]
+    assert not fits(query, padded, 16, RANK)  # pages not back to back
+    assert not few.few_rows_applies(query, cache, 16, RANK)  # not on a GPU

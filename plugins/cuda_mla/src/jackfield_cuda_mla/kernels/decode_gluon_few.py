@@ -387,14 +387,21 @@ def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, 
 
 
 def few_rows_applies(query: torch.Tensor, kv_cache: torch.Tensor, rows_per_group: int, kv_lora_rank: int) -> bool:
-    """Whether this kernel takes a dense decode launch; anything else stays on the Triton kernel.
+    """Whether this kernel takes a dense decode launch (Hopper, and the shapes fit); anything else
+    stays on the Triton kernel."""
+    return (
+        kv_cache.device.type == "cuda"
+        and torch.cuda.get_device_capability(kv_cache.device)[0] == 9
+        and few_rows_shapes_fit(query, kv_cache, rows_per_group, kv_lora_rank)
+    )
 
-    Hopper only (wgmma, TMA), bf16 queries over a bf16 or fp8 cache, the DeepSeek widths it was
-    tuned and tested for (512 + 64), pages of whole 64-key tiles laid out back to back (one 2-D
-    TMA view of the cache), at most 32 rows a request.
-    """
-    if kv_cache.device.type != "cuda" or torch.cuda.get_device_capability(kv_cache.device)[0] != 9:
-        return False
+
+def few_rows_shapes_fit(
+    query: torch.Tensor, kv_cache: torch.Tensor, rows_per_group: int, kv_lora_rank: int
+) -> bool:
+    """bf16 queries over a bf16 or fp8 cache, the DeepSeek widths the kernel was tuned and tested
+    for (512 + 64), pages of whole 64-key tiles laid out back to back (one 2-D TMA view of the
+    cache, 16-byte aligned), at most 32 rows a request."""
     page, width = kv_cache.shape[1], kv_cache.shape[2]
     return (
         query.dtype == torch.bfloat16
