@@ -183,7 +183,8 @@ def mla_decode_few_rows(
 
     # Shared memory: query halves and rope (wgmma B operands, K-major), P^T, the TMA rings.
     # Operands are bf16, or f16 over an fp8 cache: e4m3 -> f16 is one conversion a pair, e4m3 ->
-    # bf16 four on the slow conversion pipe (~1.9 us a tile on the H200).
+    # bf16 four, two of them (f16 -> f32) on the quarter-rate conversion pipe (H200, B128 S4096:
+    # 258.6 us with bf16 operands, 234.2 us with f16; PERF_NOTES.md round 4).
     kv_dtype: gl.constexpr = nope_desc.dtype
     if FP8:
         op_dtype: gl.constexpr = gl.float16
