@@ -35,7 +35,8 @@ def descriptor_type(rows: int, cols: int) -> str:
 
 def compile_default_tile(out_dir: Path) -> None:
     """Writes the sm_90 cubin, its SASS, its resource use and its shared-memory size into out_dir."""
-    block_n, stages = default_config(128, on_gpu=True).gluon
+    config = default_config(128, on_gpu=True)
+    block_n, stages = config.block_n, config.num_stages
     signature = {
         "q_nope_desc": descriptor_type(64, 512),
         "q_pe_desc": descriptor_type(64, 64),
@@ -98,7 +99,8 @@ def test_default_tile_compiles_to_overlapped_wgmma_without_spills(tmp_path: Path
 def test_cpu_tensors_take_the_triton_kernel() -> None:
     query = torch.randn(2, 64, 576, dtype=torch.bfloat16)
     cache = torch.randn(4, 64, 576, dtype=torch.bfloat16)
-    block_n, stages = default_config(128, on_gpu=True).gluon
+    config = default_config(128, on_gpu=True)
+    block_n, stages = config.block_n, config.num_stages
     assert not gluon_many.many_rows_applies(query, cache, 512, block_n, stages)
 
 

@@ -54,7 +54,9 @@ def assert_matches_reference(
 ) -> None:
     gpu = {k: v.cuda() for k, v in batch.items()}
     tokens, heads, _ = batch["query"].shape
-    applies = gluon_many.many_rows_applies(gpu["query"], gpu["kv_cache"], RANK, *config.gluon)
+    applies = gluon_many.many_rows_applies(
+        gpu["query"], gpu["kv_cache"], RANK, config.block_n, config.num_stages
+    )
     assert applies == expect_gluon
     out = torch.full((tokens, heads, RANK), float("nan"), device="cuda", dtype=batch["query"].dtype)
     lse = torch.full((tokens, heads), float("nan"), device="cuda")
@@ -100,7 +102,7 @@ def assert_matches_reference(
 @pytest.mark.parametrize("causal", [True, False])
 def test_default_tile_matches_reference(causal: bool, q_case: str, splits: int | None) -> None:
     config = default_config(HEADS, on_gpu=True)
-    assert config.gluon is not None
+    assert config.gluon
     assert_matches_reference(
         poisoned_batch(SEQ_LENS, Q_LENS[q_case], HEADS, torch.bfloat16), causal, config, splits
     )
@@ -108,7 +110,7 @@ def test_default_tile_matches_reference(causal: bool, q_case: str, splits: int |
 
 @pytest.mark.parametrize("tile", [(32, 4), (32, 3)])
 def test_other_tiles_match_reference(tile: tuple[int, int]) -> None:
-    config = DecodeConfig(64, 64, 8, 2, tma=True, gluon=tile)
+    config = DecodeConfig(64, tile[0], 8, tile[1], tma=True, gluon=True)
     assert_matches_reference(
         poisoned_batch(SEQ_LENS, Q_LENS["mixed up to 8"], HEADS, torch.bfloat16), True, config, None
     )

@@ -8,6 +8,7 @@ natural-log LSE, so partial results from decode context parallel ranks can be me
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import triton
@@ -17,10 +18,10 @@ from jackfield_cuda_mla.kernels.checks import FP8, check_cache, check_device, ch
 from jackfield_cuda_mla.kernels.decode_kernels import mla_decode_stage1
 from jackfield_cuda_mla.kernels.decode_merge import mla_decode_stage2
 
-try:  # Gluon (Hopper): the many-rows kernel; without it every call takes the Triton kernel
-    from jackfield_cuda_mla.kernels.decode_gluon_many import launch_many_rows, many_rows_applies
-except (ImportError, AttributeError):  # no Gluon, or a Triton without its Hopper TMA module
-    launch_many_rows = many_rows_applies = None
+try:  # Gluon's Hopper modules (Triton >= 3.6); without them every call takes the Triton kernel
+    from jackfield_cuda_mla.kernels import decode_gluon_few, decode_gluon_many
+except (ImportError, AttributeError):
+    decode_gluon_few = decode_gluon_many = None
 
 LOG2E = 1.4426950408889634
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -38,9 +39,10 @@ class DecodeConfig:
     tma: bool = False  # dense, 16-bit or fp8 cache with PAGE % block_n == 0: whole tiles by TMA
     swap: bool = False  # keys as the M dimension of both products (few rows: wgmma needs M = 64)
     ctas_per_sm: int = 1  # programs of this tile that fit on one SM at once: plan_splits' wave size
-    # (keys a tile, ring buffers) of the Gluon many-rows kernel (decode_gluon_many.py) where it
-    # applies; None, or a call it does not fit, takes the Triton kernel with the fields above
-    gluon: tuple[int, int] | None = None
+    # Hopper: the Gluon kernel for this many rows (decode_gluon_few.py: <= 32 rows, its own tile;
+    # decode_gluon_many.py: 64-row blocks, block_n keys a tile in num_stages buffers) where the call
+    # fits it; anywhere else the Triton kernel runs with the fields above.
+    gluon: bool = False
 
 
 def default_config(
@@ -55,17 +57,19 @@ def default_config(
     block_m = max(16, min(64, triton.next_power_of_2(rows_per_group)))
     if not on_gpu:
         return DecodeConfig(block_m, 16, 4, 1)
+    # The tile fields stay the Triton kernel's choice: it runs wherever the Gluon kernel does not apply.
+    gluon = block_m <= 32 and not sparse and cache_dtype in (torch.bfloat16, FP8)
     if cache_dtype == FP8 and block_m == 16:
         # 32-key tiles on 4 warps: two programs per SM hide each other's conversion latency
-        return DecodeConfig(block_m, 32, 4, 1, prefetch=True, ctas_per_sm=2)
+        return DecodeConfig(block_m, 32, 4, 1, prefetch=True, ctas_per_sm=2, gluon=gluon)
     if cache_dtype == FP8:
-        return DecodeConfig(block_m, 64, 8, 1, prefetch=True)
+        return DecodeConfig(block_m, 64, 8, 1, prefetch=True, gluon=gluon)
     if block_m <= 32 and not sparse and cache_dtype.itemsize == 2:
-        return DecodeConfig(block_m, 64, 4, 3, tma=True, swap=True)
+        return DecodeConfig(block_m, 64, 4, 3, tma=True, swap=True, gluon=gluon)
     if not sparse and cache_dtype.itemsize == 2:
-        # Gluon where it fits (H a multiple of 64, Hopper): PV of tile t - 1 and QK of tile t back to
-        # back as async wgmma, tile t + 1 loading while QK runs (H200 H128: 348 us vs 533 us)
-        return DecodeConfig(block_m, 64, 8, 2, tma=True, gluon=(64, 2))
+        # Gluon where it fits (H a multiple of 64): PV of tile t - 1 and QK of tile t back to back
+        # as async wgmma, tile t + 1 loading while QK runs (H200 H128: 348 us vs 533 us)
+        return DecodeConfig(block_m, 64, 8, 2, tma=True, gluon=True)
     return DecodeConfig(block_m, 64, 8, 2, tma=True)
 
 
@@ -193,10 +197,16 @@ def mla_decode(
         # H200, Triton 3.6: the unpipelined swapped loop wrote NaN and faulted (PERF_NOTES.md, round 3)
         lambda: f"swapped products need num_stages >= 2, got {cfg.num_stages}",
     )
-    row_blocks = triton.cdiv(rows_per_group, cfg.block_m)
+    gluon = _gluon_kernel(cfg, sparse, query, kv_cache, rows_per_group, kv_lora_rank)
+    few_rows = gluon is decode_gluon_few
+    row_blocks = 1 if few_rows else triton.cdiv(rows_per_group, cfg.block_m)
     max_keys = topk_indices.shape[1] if sparse else max_seq_len
     splits = num_splits or plan_splits(
-        groups * row_blocks, max_keys, cfg.block_n, _num_sms(device), cfg.ctas_per_sm
+        groups * row_blocks,
+        max_keys,
+        decode_gluon_few.TILE_KEYS if few_rows else cfg.block_n,
+        _num_sms(device),
+        1 if few_rows else cfg.ctas_per_sm,
     )
     if splits == 1:
         part_out, part_lse = out, lse
@@ -205,99 +215,53 @@ def mla_decode(
         part_out = torch.empty(tokens, heads, splits, kv_lora_rank, dtype=torch.float32, device=device)
         part_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
         stride_os, stride_ls = part_out.stride(2), part_lse.stride(2)
-    if sparse:
-        counts = query_start_loc[1:] - query_start_loc[:-1]
-        token_req = torch.repeat_interleave(
-            torch.arange(num_reqs, device=device, dtype=torch.int32), counts, output_size=tokens
-        )
-    else:
-        token_req = seq_lens  # unused by the dense kernel
-    rope = width - kv_lora_rank
-    use_tma = (
-        cfg.tma
-        and not sparse
-        and page % cfg.block_n == 0
-        and triton.next_power_of_2(kv_lora_rank) == kv_lora_rank
-        and triton.next_power_of_2(rope) == rope
-    )
-    kv_desc = pe_desc = None
-    if use_tma:
-        rows_2d, row_stride = kv_cache.shape[0] * page, kv_cache.stride(1)
-        kv_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, kv_lora_rank])
-        pe_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, rope])
-    use_gluon = (
-        cfg.gluon is not None
-        and not sparse
-        and many_rows_applies is not None
-        and many_rows_applies(query, kv_cache, kv_lora_rank, *cfg.gluon)
-    )
-    if use_gluon:
-        launch_many_rows(
+    partials = (part_out, part_lse, stride_os, stride_ls)
+    if few_rows:
+        decode_gluon_few.launch_few_rows(
             query,
             kv_cache,
             block_table,
             seq_lens,
             query_start_loc,
-            part_out,
-            part_lse,
-            stride_os,
-            stride_ls,
+            *partials,
+            scale,
+            sm_scale * LOG2E,
+            rows_per_group,
+            splits,
+            causal,
+            kv_lora_rank,
+        )
+    elif gluon is decode_gluon_many:
+        decode_gluon_many.launch_many_rows(
+            query,
+            kv_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            *partials,
             sm_scale_log2=sm_scale * LOG2E,
             kv_lora_rank=kv_lora_rank,
             max_query_len=max_query_len,
             splits=splits,
             causal=causal,
-            block_n=cfg.gluon[0],
-            stages=cfg.gluon[1],
+            block_n=cfg.block_n,
+            stages=cfg.num_stages,
         )
     else:
-        mla_decode_stage1[(row_blocks, groups, splits)](
+        _launch_triton_stage1(
+            cfg,
+            (row_blocks, groups, splits),
             query,
             kv_cache,
-            kv_desc,
-            pe_desc,
             block_table,
             seq_lens,
             query_start_loc,
-            token_req,
-            topk_indices if sparse else seq_lens,
-            part_out,
-            part_lse,
+            topk_indices,
+            *partials,
             scale,
-            sm_scale * LOG2E,
-            heads,
-            topk_indices.shape[1] if sparse else 0,
-            query.stride(0),
-            query.stride(1),
-            kv_cache.stride(0),
-            kv_cache.stride(1),
-            block_table.stride(0),
-            topk_indices.stride(0) if sparse else 0,
-            part_out.stride(0),
-            part_out.stride(1),
-            stride_os,
-            part_lse.stride(0),
-            part_lse.stride(1),
-            stride_ls,
-            RANK=kv_lora_rank,
-            ROPE=rope,
-            BLOCK_R=triton.next_power_of_2(kv_lora_rank),
-            BLOCK_P=triton.next_power_of_2(rope),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            PAGE=page,
-            SPLITS=splits,
-            SPARSE=sparse,
-            CAUSAL=causal and not sparse,
-            FP8=kv_cache.dtype == FP8,
-            PRECISION="ieee"
-            if query.dtype == torch.float32
-            else "tf32",  # fp32 stays fp32; 16-bit ignores it
-            PREFETCH=cfg.prefetch,
-            TMA=use_tma,
-            SWAP=cfg.swap,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            sm_scale,
+            kv_lora_rank,
+            causal,
         )
     if splits > 1:
         mla_decode_stage2[(tokens, heads)](
@@ -321,3 +285,112 @@ def mla_decode(
             num_warps=4,
         )
     return out, lse
+
+
+def _gluon_kernel(
+    cfg: DecodeConfig,
+    sparse: bool,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rows_per_group: int,
+    kv_lora_rank: int,
+) -> ModuleType | None:
+    """The Gluon kernel module that serves this call, or None for the Triton kernel."""
+    if not cfg.gluon or sparse or decode_gluon_few is None:
+        return None
+    if decode_gluon_few.few_rows_applies(query, kv_cache, rows_per_group, kv_lora_rank):
+        return decode_gluon_few
+    if decode_gluon_many.many_rows_applies(query, kv_cache, kv_lora_rank, cfg.block_n, cfg.num_stages):
+        return decode_gluon_many
+    return None
+
+
+def _launch_triton_stage1(
+    cfg: DecodeConfig,
+    grid: tuple[int, int, int],
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    topk_indices: torch.Tensor | None,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    stride_os: int,
+    stride_ls: int,
+    scale: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+    causal: bool,
+) -> None:
+    """The tl kernel (decode_kernels.py): every GPU, the CPU interpreter, sparse decode, fp32."""
+    sparse = topk_indices is not None
+    _, heads, width = query.shape
+    page, rope = kv_cache.shape[1], width - kv_lora_rank
+    if sparse:
+        counts = query_start_loc[1:] - query_start_loc[:-1]
+        token_req = torch.repeat_interleave(
+            torch.arange(seq_lens.numel(), device=query.device, dtype=torch.int32),
+            counts,
+            output_size=query.shape[0],
+        )
+    else:
+        token_req = seq_lens  # unused by the dense kernel
+    use_tma = (
+        cfg.tma
+        and not sparse
+        and page % cfg.block_n == 0
+        and triton.next_power_of_2(kv_lora_rank) == kv_lora_rank
+        and triton.next_power_of_2(rope) == rope
+    )
+    kv_desc = pe_desc = None
+    if use_tma:
+        rows_2d, row_stride = kv_cache.shape[0] * page, kv_cache.stride(1)
+        kv_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, kv_lora_rank])
+        pe_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, rope])
+    mla_decode_stage1[grid](
+        query,
+        kv_cache,
+        kv_desc,
+        pe_desc,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        token_req,
+        topk_indices if sparse else seq_lens,
+        part_out,
+        part_lse,
+        scale,
+        sm_scale * LOG2E,
+        heads,
+        topk_indices.shape[1] if sparse else 0,
+        query.stride(0),
+        query.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        topk_indices.stride(0) if sparse else 0,
+        part_out.stride(0),
+        part_out.stride(1),
+        stride_os,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        stride_ls,
+        RANK=kv_lora_rank,
+        ROPE=rope,
+        BLOCK_R=triton.next_power_of_2(kv_lora_rank),
+        BLOCK_P=triton.next_power_of_2(rope),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PAGE=page,
+        SPLITS=grid[2],
+        SPARSE=sparse,
+        CAUSAL=causal and not sparse,
+        FP8=kv_cache.dtype == FP8,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32; 16-bit ignores it
+        PREFETCH=cfg.prefetch,
+        TMA=use_tma,
+        SWAP=cfg.swap,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,154 @@
+"""The Gluon few-rows decode kernel compiled for sm_90 here (no GPU needed): what its speed rests on.
+
+- wgmma (HGMMA), not mma.sync, and not serialized: ptxas puts a wait after every wgmma when an
+  accumulator register may be written while one is in flight (a few waits per tile are expected:
+  QK, then each PV half);
+- no local-memory spills at 16 rows (the H=16, q_len 1 case), where 40 hoisted wgmma descriptors
+  once spilled;
+- TMA loads (UTMALDG), the shared-memory plan within the 227 KB a Hopper program may use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+hopper = pytest.importorskip(
+    "triton.experimental.gluon.language.nvidia.hopper", reason="this Triton has no Gluon Hopper module"
+)
+from jackfield_cuda_mla.kernels import decode_gluon_few as few  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+pytestmark = pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton ships no cuobjdump")
+RANK, ROPE, PAGE = 512, 64, 64
+SCALARS = ["num_heads", "stride_qt", "stride_qh", "stride_bt", "stride_ot", "stride_oh", "stride_os"]
+SCALARS += ["stride_lt", "stride_lh", "stride_ls"]
+
+
+def compile_sm90(fp8: bool, block_m: int) -> tuple[str, int]:
+    """(SASS, shared memory bytes) of the kernel as decode.py launches it."""
+    dtype = gl.float8e4nv if fp8 else gl.bfloat16
+    cache = torch.empty(4, PAGE, RANK + ROPE, dtype=few.FP8 if fp8 else torch.bfloat16)
+
+    def descriptor(box: list[int]) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
+        return TensorDescriptor(cache, [4 * PAGE, RANK + ROPE], [RANK + ROPE, 1], box, layout)
+
+    signature = {
+        "q": "*bf16",
+        "nope_desc": mangle_type(descriptor([64, RANK // 2])),
+        "rope_desc": mangle_type(descriptor([64, ROPE])),
+        "block_table": "*i32",
+        "seq_lens": "*i32",
+        "query_start_loc": "*i32",
+        "out": "*bf16",
+        "lse": "*fp32",
+        "kv_scale": "*fp32",
+        "sm_scale_log2": "fp32",
+        **{name: "i32" for name in SCALARS},
+    }
+    nope_slots, rope_slots = few.ring_slots(block_m, RANK, ROPE, 1 if fp8 else 2)
+    constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, SPLITS=1, CAUSAL=True, FP8=fp8)
+    constants.update(NOPE_SLOTS=nope_slots, ROPE_SLOTS=rope_slots)
+    names = list(signature) + list(constants)
+    signature.update({name: "constexpr" for name in constants})
+    aligned = ["q", "block_table", "seq_lens", "query_start_loc", "out", "lse", "kv_scale"]
+    source = GluonASTSource(
+        few.mla_decode_few_rows,
+        signature,
+        {(names.index(name),): value for name, value in constants.items()},
+        {(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
+    )
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=few.NUM_WARPS))
+    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gluon_few_{os.getpid()}_{int(fp8)}_{block_m}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        sass = subprocess.run([CUOBJDUMP, "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    finally:
+        os.remove(cubin)
+    return sass, kernel.metadata.shared
+
+
+def compiled_counts(fp8: bool, block_m: int) -> dict:
+    """SASS counts, compiled in a fresh process: interpreter tests (TRITON_INTERPRET=1) patch
+    Triton's language in-process, which breaks a real compile afterwards."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run(
+        [sys.executable, __file__, str(int(fp8)), str(block_m)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def count(sass: str, shared: int, block_m: int) -> dict:
+    return dict(
+        hgmma=len(re.findall(rf"\bHGMMA\.64x{block_m}x16\.F32(\.BF16)? ", sass)),  # bf16 or f16 operands
+        waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
+        mma_sync=len(re.findall(r"\bHMMA\b", sass)),
+        spills=len(re.findall(r"\b(LDL|STL)\b", sass)),
+        tma=len(re.findall(r"\bUTMALDG\b", sass)),
+        shared=shared,
+    )
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_few_rows_kernel_uses_unserialized_wgmma_and_no_spills(fp8: bool) -> None:
+    got = compiled_counts(fp8, 16)
+    # QK: 576 / 16 k-steps; PV: 2 halves x 4 M-blocks of 64 x 4 k-steps
+    assert got["hgmma"] == 36 + 32, got
+    assert got["waits"] <= 8, f"wgmma serialized: {got}"
+    assert got["mma_sync"] == 0 and got["spills"] == 0 and got["tma"] > 0, got
+    assert got["shared"] <= 227 * 1024, got
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mtp_rows_fit_shared_memory_and_keep_wgmma_unserialized(fp8: bool) -> None:
+    """32 rows (H=16, q_len 2): twice the accumulator; a few spilled registers are tolerated."""
+    got = compiled_counts(fp8, 32)
+    assert got["hgmma"] == 36 + 32 and got["waits"] <= 8, got
+    assert got["shared"] <= 227 * 1024, got
+
+
+def test_ring_plan() -> None:
+    """Value halves: 5 (bf16) and 7 (fp8) at 16 rows; a rope slot for every tile the ring can hold."""
+    assert few.ring_slots(16, RANK, ROPE, 2) == (5, 3)
+    assert few.ring_slots(32, RANK, ROPE, 2) == (5, 3)
+    assert few.ring_slots(16, RANK, ROPE, 1) == (7, 4)
+    assert few.ring_slots(32, RANK, ROPE, 1) == (6, 3)
+
+
+if __name__ == "__main__":
+    fp8_arg, block_m_arg = bool(int(sys.argv[1])), int(sys.argv[2])
+    print(json.dumps(count(*compile_sm90(fp8_arg, block_m_arg), block_m_arg)))
+
+
+def test_shapes_the_gluon_kernel_takes_and_leaves_to_triton() -> None:
+    """Fail closed: anything but the tested shapes and layouts goes to the Triton kernel."""
+    query = torch.randn(2, 16, RANK + ROPE).bfloat16()
+    cache = torch.randn(8, PAGE, RANK + ROPE).bfloat16()
+    fits = few.few_rows_shapes_fit
+    assert fits(query, cache, 16, RANK) and fits(query, cache.to(few.FP8), 32, RANK)
+    assert fits(query, torch.randn(4, 2 * PAGE, RANK + ROPE).bfloat16(), 16, RANK)
+    assert not fits(query, cache, 33, RANK)  # more rows than one wgmma N of 32
+    assert not fits(query.half(), cache.half(), 16, RANK)
+    assert not fits(query.float(), cache.to(few.FP8), 16, RANK)
+    assert not fits(query, cache, 16, RANK // 2)  # other widths
+    assert not fits(query[..., :544], cache[..., :544], 16, RANK)
+    assert not fits(query, torch.randn(8, 32, RANK + ROPE).bfloat16(), 16, RANK)  # half-tile pages
+    padded = torch.randn(8, PAGE + 1, RANK + ROPE).bfloat16()[:, :PAGE]
+    assert not fits(query, padded, 16, RANK)  # pages not back to back
+    assert not few.few_rows_applies(query, cache, 16, RANK)  # not on a GPU

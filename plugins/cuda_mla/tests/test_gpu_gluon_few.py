@@ -1,0 +1,125 @@
+"""The Gluon few-rows decode kernel (decode_gluon_few.py) at full DeepSeek widths on a Hopper GPU.
+
+Every case checks against the float64 reference with NaN everywhere the kernel must not read or
+leave: the output before the run, cache rows past each seq_len, pages no request uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from jackfield_cuda_mla.kernels import decode, mla_decode
+from mla_reference import decode_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+RANK, ROPE, PAGE, HEADS = 512, 64, 64, 16
+FP8 = torch.float8_e4m3fn
+SEQ_LENS = [0, 1, 63, 64, 65, 4096 + 17, 700]
+
+
+def poisoned_batch(seq_lens: list[int], q_len: int, fp8: bool, heads: int = HEADS) -> dict:
+    """Pages shuffled over a pool twice the needed size; NaN past each seq_len and in unused pages."""
+    pages_per_req = max(seq_lens) // PAGE + 2
+    num_blocks = 2 * len(seq_lens) * pages_per_req
+    values = torch.randn(num_blocks, PAGE, RANK + ROPE, device="cuda")
+    table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)[: len(seq_lens) * pages_per_req]
+    table = table.reshape(len(seq_lens), pages_per_req)
+    poison = torch.ones(num_blocks * PAGE, dtype=torch.bool, device="cuda")
+    for req, seq_len in enumerate(seq_lens):
+        pos = torch.arange(seq_len, device="cuda")
+        poison[table[req, pos // PAGE].long() * PAGE + pos % PAGE] = False
+    values.view(-1, RANK + ROPE)[poison] = float("nan")
+    scale = torch.tensor([0.03], device="cuda") if fp8 else None
+    cache = (values / scale).clamp(-448, 448).to(FP8) if fp8 else values.bfloat16()
+    tokens = q_len * len(seq_lens)
+    return dict(
+        query=torch.randn(tokens, heads, RANK + ROPE, device="cuda", dtype=torch.bfloat16),
+        kv_cache=cache,
+        kv_scale=scale,
+        block_table=table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.arange(0, tokens + 1, q_len, dtype=torch.int32, device="cuda"),
+        q_len=q_len,
+    )
+
+
+def run_and_check(batch: dict, causal: bool, num_splits: int | None = None) -> None:
+    tokens, heads, _ = batch["query"].shape
+    out, lse = mla_decode(
+        batch["query"],
+        batch["kv_cache"],
+        batch["block_table"],
+        batch["seq_lens"],
+        batch["query_start_loc"],
+        max_query_len=batch["q_len"],
+        max_seq_len=int(batch["seq_lens"].max()),
+        sm_scale=(RANK + ROPE) ** -0.5,
+        kv_lora_rank=RANK,
+        causal=causal,
+        kv_scale=batch["kv_scale"],
+        num_splits=num_splits,
+        out=torch.full((tokens, heads, RANK), float("nan"), device="cuda", dtype=torch.bfloat16),
+        lse=torch.full((tokens, heads), float("nan"), device="cuda"),
+    )
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    ref_out, ref_lse = decode_reference(
+        cpu["query"],
+        cpu["kv_cache"],
+        cpu["block_table"],
+        cpu["seq_lens"],
+        cpu["query_start_loc"],
+        (RANK + ROPE) ** -0.5,
+        RANK,
+        causal=causal,
+        kv_scale=1.0 if cpu["kv_scale"] is None else float(cpu["kv_scale"]),
+    )
+    assert not out.isnan().any() and not lse.isnan().any()
+    err = (out.cpu().double() - ref_out).abs().max().item()
+    assert err < 2e-2 * max(1.0, ref_out.abs().max().item()), err
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.cpu().isfinite(), finite)
+    assert torch.equal(lse.cpu()[~finite], ref_lse[~finite].float())  # exactly -inf
+    assert (lse.cpu().double()[finite] - ref_lse[finite]).abs().max().item() < 2e-2
+    assert torch.equal(out.cpu()[~finite], torch.zeros_like(out.cpu()[~finite]))  # exactly 0
+
+
+@pytest.fixture
+def gluon_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts launches of the Gluon kernel (so a test knows which kernel it checked)."""
+    launches: list[int] = []
+    launch = decode.decode_gluon_few.launch_few_rows
+
+    def counted(*args, **kwargs) -> None:
+        launches.append(1)
+        launch(*args, **kwargs)
+
+    monkeypatch.setattr(decode.decode_gluon_few, "launch_few_rows", counted)
+    return launches
+
+
+def hopper() -> bool:
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_gluon_few_rows_matches_reference(
+    fp8: bool, q_len: int, causal: bool, num_splits: int | None, gluon_launches: list[int]
+) -> None:
+    run_and_check(poisoned_batch(SEQ_LENS, q_len, fp8), causal, num_splits)
+    assert len(gluon_launches) == (1 if hopper() else 0)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_single_tile_and_empty_requests(fp8: bool, gluon_launches: list[int]) -> None:
+    """Splits that get no key (seq_len 0, short requests over many splits) give 0 / -inf partials."""
+    run_and_check(poisoned_batch([0, 5, 64, 0], 1, fp8), causal=True, num_splits=4)
+    assert len(gluon_launches) == (1 if hopper() else 0)
+
+
+def test_more_rows_than_the_kernel_holds_run_on_triton(gluon_launches: list[int]) -> None:
+    """q_len 4 x 16 heads = 64 rows: past the Gluon kernel's 32, so the Triton kernel runs."""
+    run_and_check(poisoned_batch([300, 4113], 4, fp8=False), causal=True)
+    assert gluon_launches == []
