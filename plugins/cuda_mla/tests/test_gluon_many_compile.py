@@ -104,5 +104,26 @@ def test_cpu_tensors_take_the_triton_kernel() -> None:
     assert not gluon_many.many_rows_applies(query, cache, 512, block_n, stages)
 
 
+def test_shapes_the_kernel_takes_and_leaves_to_triton() -> None:
+    """Fail closed: tiles whose Q + ring exceed 227 KB of shared memory, or untested shapes, fall back."""
+    query = torch.randn(2, 128, 576, dtype=torch.bfloat16)
+    cache = torch.randn(4, 64, 576, dtype=torch.bfloat16)
+    fits = gluon_many.many_rows_shapes_fit
+    assert (
+        fits(query, cache, 512, 64, 2) and fits(query, cache, 512, 32, 4) and fits(query, cache, 512, 32, 3)
+    )
+    assert fits(query.half(), cache.half(), 512, 64, 2)
+    assert not fits(query, cache, 512, 64, 3)  # Q 73.7 KB + 3 x 73.7 KB pages
+    assert not fits(query, cache, 512, 32, 5)
+    wide_rope = torch.randn(2, 128, 640, dtype=torch.bfloat16)
+    assert not fits(wide_rope, torch.randn(4, 64, 640, dtype=torch.bfloat16), 512, 64, 2)
+    assert not fits(torch.randn(2, 96, 576, dtype=torch.bfloat16), cache, 512, 64, 2)  # 64 rows mix tokens
+    assert not fits(query, cache.to(torch.float8_e4m3fn), 512, 64, 2)
+    assert not fits(query.float(), cache.float(), 512, 64, 2)
+    assert not fits(query, cache, 512, 16, 2)  # untested tile
+    assert not fits(query, torch.randn(4, 65, 576, dtype=torch.bfloat16)[:, :64], 512, 64, 2)  # pages apart
+    assert not fits(query.transpose(0, 1).contiguous().transpose(0, 1), cache, 512, 64, 2)  # Q not one matrix
+
+
 if __name__ == "__main__":
     compile_default_tile(Path(sys.argv[1]))

@@ -8,7 +8,7 @@ natural-log LSE, so partial results from decode context parallel ranks can be me
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Literal
 
 import torch
 import triton
@@ -197,8 +197,8 @@ def mla_decode(
         # H200, Triton 3.6: the unpipelined swapped loop wrote NaN and faulted (PERF_NOTES.md, round 3)
         lambda: f"swapped products need num_stages >= 2, got {cfg.num_stages}",
     )
-    gluon = _gluon_kernel(cfg, sparse, query, kv_cache, rows_per_group, kv_lora_rank)
-    few_rows = gluon is decode_gluon_few
+    kernel = _stage1_kernel(cfg, sparse, query, kv_cache, rows_per_group, kv_lora_rank)
+    few_rows = kernel == "gluon_few"
     row_blocks = 1 if few_rows else triton.cdiv(rows_per_group, cfg.block_m)
     max_keys = topk_indices.shape[1] if sparse else max_seq_len
     splits = num_splits or plan_splits(
@@ -216,7 +216,7 @@ def mla_decode(
         part_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
         stride_os, stride_ls = part_out.stride(2), part_lse.stride(2)
     partials = (part_out, part_lse, stride_os, stride_ls)
-    if few_rows:
+    if kernel == "gluon_few":
         decode_gluon_few.launch_few_rows(
             query,
             kv_cache,
@@ -231,7 +231,7 @@ def mla_decode(
             causal,
             kv_lora_rank,
         )
-    elif gluon is decode_gluon_many:
+    elif kernel == "gluon_many":
         decode_gluon_many.launch_many_rows(
             query,
             kv_cache,
@@ -287,22 +287,22 @@ def mla_decode(
     return out, lse
 
 
-def _gluon_kernel(
+def _stage1_kernel(
     cfg: DecodeConfig,
     sparse: bool,
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     rows_per_group: int,
     kv_lora_rank: int,
-) -> ModuleType | None:
-    """The Gluon kernel module that serves this call, or None for the Triton kernel."""
+) -> Literal["gluon_few", "gluon_many", "triton"]:
+    """The kernel that serves this call: a Gluon one where asked for and fitting, else Triton's."""
     if not cfg.gluon or sparse or decode_gluon_few is None:
-        return None
+        return "triton"
     if decode_gluon_few.few_rows_applies(query, kv_cache, rows_per_group, kv_lora_rank):
-        return decode_gluon_few
+        return "gluon_few"
     if decode_gluon_many.many_rows_applies(query, kv_cache, kv_lora_rank, cfg.block_n, cfg.num_stages):
-        return decode_gluon_many
-    return None
+        return "gluon_many"
+    return "triton"
 
 
 def _launch_triton_stage1(

@@ -43,6 +43,8 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 BLOCK_M = 64  # rows a program: one warpgroup's wgmma M
 NUM_WARPS = 8  # two warpgroups, each owning half of every product's N
+SMEM_BYTES = 227 * 1024  # shared memory one program may use on sm_90
+SMEM_RESERVE = 5 * 1024  # barriers and the compiler's scratch: 4,120 B at the default tile (225,304 B in all)
 LN2 = gl.constexpr(0.6931471805599453)
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -272,13 +274,26 @@ def many_rows_applies(
     stages: int,
 ) -> bool:
     """Whether this kernel serves the (dense) call; anything else goes to the Triton kernel."""
+    return (
+        query.is_cuda
+        and torch.cuda.get_device_capability(query.device)[0] == 9
+        and many_rows_shapes_fit(query, kv_cache, kv_lora_rank, block_n, stages)
+    )
+
+
+def many_rows_shapes_fit(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_lora_rank: int,
+    block_n: int,
+    stages: int,
+) -> bool:
+    """The dtypes, widths, tiles and layouts this kernel serves, its shared memory within sm_90's."""
     tokens, heads, width = query.shape
     rope = width - kv_lora_rank
     page = kv_cache.shape[1]
     return (
-        query.is_cuda
-        and torch.cuda.get_device_capability(query.device)[0] == 9
-        and query.dtype in GL_DTYPES
+        query.dtype in GL_DTYPES
         and kv_cache.dtype == query.dtype
         and heads % BLOCK_M == 0
         and _power_of_two(kv_lora_rank)
@@ -294,6 +309,8 @@ def many_rows_applies(
         and kv_cache.stride(0) == page * kv_cache.stride(1)
         and kv_cache.stride(1) * kv_cache.element_size() % 16 == 0
         and kv_cache.data_ptr() % 16 == 0
+        # Q plus the ring in one program's shared memory (more stages or wider rope would not launch)
+        and (BLOCK_M + stages * block_n) * width * query.element_size() + SMEM_RESERVE <= SMEM_BYTES
     )
 
 
