@@ -74,7 +74,10 @@ def compile_sm90(fp8: bool, block_m: int, converter: bool = False) -> tuple[str,
         {(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
     )
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=few.NUM_WARPS))
-    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gluon_few_{os.getpid()}_{int(fp8)}_{block_m}_{int(converter)}.cubin")
+    cubin = os.path.join(
+        os.environ.get("TMPDIR", "/tmp"),
+        f"gluon_few_{os.getpid()}_{int(fp8)}_{block_m}_{int(converter)}.cubin",
+    )
     with open(cubin, "wb") as f:
         f.write(kernel.asm["cubin"])
     try:
@@ -180,3 +183,67 @@ def test_shapes_the_gluon_kernel_takes_and_leaves_to_triton() -> None:
     padded = torch.randn(8, PAGE + 1, RANK + ROPE).bfloat16()[:, :PAGE]
     assert not fits(query, padded, 16, RANK)  # pages not back to back
     assert not few.few_rows_applies(query, cache, 16, RANK)  # not on a GPU
+
+
+class RecordedLaunch:
+    """Stands in for a Gluon kernel: records the grid and the compile-time arguments of a launch."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid: tuple):
+        def launch(*args, **kwargs) -> None:
+            self.launches.append((grid, kwargs))
+
+        return launch
+
+
+@pytest.mark.parametrize("converter", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, few.FP8])
+@pytest.mark.parametrize("heads", [16, 32])
+def test_launcher_picks_the_fp8_converter_variant_only_when_selected(
+    converter: bool, cache_dtype: torch.dtype, heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FP8_CONVERTER_PARTITION sends fp8 caches (only) to the converter variant, with the ring that
+    fits next to its two f16 tiles; otherwise the default kernel with its own ring, unchanged."""
+    default_kernel, converter_kernel = RecordedLaunch(), RecordedLaunch()
+    monkeypatch.setattr(few, "mla_decode_few_rows", default_kernel)
+    monkeypatch.setattr(few, "mla_decode_few_rows_fp8_ws", converter_kernel)
+    monkeypatch.setattr(few, "FP8_CONVERTER_PARTITION", converter)
+    query = torch.randn(3, heads, RANK + ROPE).bfloat16()
+    cache = torch.randn(8, PAGE, RANK + ROPE).to(cache_dtype)
+    out, lse = torch.empty(3, heads, RANK).bfloat16(), torch.empty(3, heads)
+    i32 = torch.zeros(4, dtype=torch.int32)
+    few.launch_few_rows(
+        query,
+        cache,
+        i32.view(2, 2),
+        i32[:3],
+        i32[:3],
+        out,
+        lse,
+        0,
+        0,
+        torch.ones(1),
+        0.1,
+        heads,
+        2,
+        True,
+        RANK,
+    )
+    fp8 = cache_dtype == few.FP8
+    used, unused = (
+        (converter_kernel, default_kernel) if converter and fp8 else (default_kernel, converter_kernel)
+    )
+    assert unused.launches == [] and len(used.launches) == 1
+    grid, constants = used.launches[0]
+    block_m = 16 if heads == 16 else 32
+    assert grid == (3, 2) and constants["BLOCK_M"] == block_m and constants["SPLITS"] == 2
+    kv_bytes = 1 if fp8 else 2
+    slots = few.ring_slots(
+        block_m, RANK, ROPE, kv_bytes, converted_tiles=2 if used is converter_kernel else 1
+    )
+    assert (constants["NOPE_SLOTS"], constants["ROPE_SLOTS"]) == slots
+    assert ("FP8" in constants) == (used is default_kernel)
+    if used is default_kernel:
+        assert constants["FP8"] == fp8

@@ -378,7 +378,7 @@ def mla_decode_few_rows(
 # 2 rope boxes 8 KB = 220 KB (32 rows: 2 half units, 1 rope box, 220 KB).
 FP8_CONVERTER_PARTITION = False  # fp8 caches: True selects mla_decode_few_rows_fp8_ws
 CONVERTER_WARPS = gl.constexpr(4)
-CONVERTER_REGS = gl.constexpr(128)  # registers a converter thread gets (setmaxnreg); the MMA warpgroup the rest
+CONVERTER_REGS = gl.constexpr(128)  # per converter thread (setmaxnreg); the MMA warpgroup has the rest
 
 
 @gluon.jit
@@ -429,7 +429,8 @@ def _converter_partition(
         mbarrier.arrive(converted.index(b), count=1)
         # Tile t's two units are converted: their slots take units 2t + NOPE_SLOTS and the next.
         _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
-                     gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles), gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles),
+                     gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles),
+                     gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles),
                      RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
 
 
@@ -669,7 +670,9 @@ NUM_WARPS = 4  # one warpgroup
 FEW_ROWS = 32  # most rows a program holds (wgmma N); more rows go to the Triton kernel
 
 
-def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int, converted_tiles: int = 1) -> tuple[int, int]:
+def ring_slots(
+    block_m: int, rank: int, rope: int, kv_bytes: int, converted_tiles: int = 1
+) -> tuple[int, int]:
     """(value-half slots, rope slots) that fit next to the query, P^T and (fp8) the converted f16
     tiles (one; two with the converter warpgroup).
 
