@@ -371,7 +371,7 @@ def mla_decode_few_rows(
 # tile into the one f16 tile, QK, softmax, PV), so QK of tile t + 1 waits for its full conversion.
 # Here a second warpgroup converts (and issues the TMA loads) into two f16 tiles alternately while
 # the first runs the products:
-#   TMA -> ready[slot] -> converter -> converted[b] -> MMA warpgroup -> free[b] -> converter
+#   TMA -> ready[slot] -> converter -> converted[b] -> MMA warpgroup -> f16_free[b] -> converter
 # Every partition walks the same tiles 0 .. n_tiles - 1; phases and slots are computed from the
 # tile index (no loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
 # Shared memory at 16 rows: Q 18 KB + P^T 2 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB +
@@ -420,16 +420,25 @@ def _converter_partition(
         mbarrier.wait(ready.index((2 * t) % NOPE_SLOTS), ((2 * t) // NOPE_SLOTS) & 1)
         _stage_keys(rope_ring.index(t % ROPE_SLOTS), k_pe_bufs.index(b), valid, key_rope_regs)
         _stage_keys(nope_ring.index((2 * t) % NOPE_SLOTS), k_lo_bufs.index(b), valid, key_half_regs)
+        # Each refill waits for every converter warp's reads of the slot (the barrier), ordered
+        # before the TMA write (the fence). Unit 2t and tile t's rope box are converted: the slot
+        # takes unit 2t + NOPE_SLOTS now, not after the whole tile, to keep more bytes in flight
+        # (its rope slot, if it brings one, held tile t's box at the latest).
+        fence_async_shared()
+        _cta_barrier()
+        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
+                     gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles),
+                     gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
+                     RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
         mbarrier.wait(ready.index((2 * t + 1) % NOPE_SLOTS), ((2 * t + 1) // NOPE_SLOTS) & 1)
         _stage_keys(nope_ring.index((2 * t + 1) % NOPE_SLOTS), k_hi_bufs.index(b), valid, key_half_regs)
-        # Every converter warp's stores reach the async proxy before the one arriving thread
-        # signals; the same barrier orders this tile's fp8 reads before the TMA refills below.
+        # Every converter warp's f16 stores reach the async proxy before the one arriving thread
+        # signals the MMA warpgroup.
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(converted.index(b), count=1)
-        # Tile t's two units are converted: their slots take units 2t + NOPE_SLOTS and the next.
         _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
-                     gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles),
+                     gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
                      gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles),
                      RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
 
