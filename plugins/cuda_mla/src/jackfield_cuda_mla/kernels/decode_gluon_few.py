@@ -365,6 +365,313 @@ def mla_decode_few_rows(
     gl.store(lse + tok * stride_lt + head * stride_lh + split * stride_ls, row_lse, mask=row_ok)
 
 
+# --- fp8 with a converter warpgroup (selectable: FP8_CONVERTER_PARTITION) -------------------------
+#
+# The kernel above runs the whole per-tile chain on one warpgroup (wait for TMA, convert the fp8
+# tile into the one f16 tile, QK, softmax, PV), so QK of tile t + 1 waits for its full conversion.
+# Here a second warpgroup converts (and issues the TMA loads) into two f16 tiles alternately while
+# the first runs the products:
+#   TMA -> ready[slot] -> converter -> converted[b] -> MMA warpgroup -> f16_free[b] -> converter
+# Every partition walks the same tiles 0 .. n_tiles - 1; phases and slots are computed from the
+# tile index (no loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
+# Shared memory at 16 rows: Q 18 KB + P^T 2 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB +
+# 2 rope boxes 8 KB = 220 KB (32 rows: 2 half units, 1 rope box, 220 KB).
+FP8_CONVERTER_PARTITION = False  # fp8 caches: True selects mla_decode_few_rows_fp8_ws
+CONVERTER_WARPS = gl.constexpr(4)
+CONVERTER_REGS = gl.constexpr(128)  # per converter thread (setmaxnreg); the MMA warpgroup has the rest
+
+
+@gluon.jit
+def _converter_partition(
+    nope_desc,
+    rope_desc,
+    nope_ring,
+    rope_ring,
+    k_lo_bufs,
+    k_hi_bufs,
+    k_pe_bufs,
+    ready,
+    converted,
+    f16_free,
+    table,
+    start,
+    end,
+    n_tiles,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    HALF: gl.constexpr,
+    PAGE: gl.constexpr,
+    NOPE_SLOTS: gl.constexpr,
+    ROPE_SLOTS: gl.constexpr,
+):
+    """Issues the fp8 ring's TMA loads and converts tile t into f16 tile t % 2 (rows past the end
+    zeroed), once the MMA warpgroup has freed that tile (the products of tile t - 2 completed)."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    key_half_regs: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NUM_WARPS, 1], [1, 0])
+    key_rope_regs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0])
+    _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start, 0,
+                 gl.minimum(NOPE_SLOTS, 2 * n_tiles), RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+    for t in range(n_tiles):
+        b = t % 2
+        valid = end - (start + t * BLOCK_N)
+        # Tiles 0 and 1: parity 1 of a fresh barrier passes; later, the MMA warpgroup's arrival
+        # for tile t - 2 (it cannot arrive for tile t before this partition converted it).
+        mbarrier.wait(f16_free.index(b), ((t // 2) & 1) ^ 1)
+        mbarrier.wait(ready.index((2 * t) % NOPE_SLOTS), ((2 * t) // NOPE_SLOTS) & 1)
+        _stage_keys(rope_ring.index(t % ROPE_SLOTS), k_pe_bufs.index(b), valid, key_rope_regs)
+        _stage_keys(nope_ring.index((2 * t) % NOPE_SLOTS), k_lo_bufs.index(b), valid, key_half_regs)
+        # Each refill waits for every converter warp's reads of the slot (the barrier), ordered
+        # before the TMA write (the fence). Unit 2t and tile t's rope box are converted: the slot
+        # takes unit 2t + NOPE_SLOTS now, not after the whole tile, to keep more bytes in flight
+        # (its rope slot, if it brings one, held tile t's box at the latest).
+        fence_async_shared()
+        _cta_barrier()
+        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
+                     gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles),
+                     gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
+                     RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+        mbarrier.wait(ready.index((2 * t + 1) % NOPE_SLOTS), ((2 * t + 1) // NOPE_SLOTS) & 1)
+        _stage_keys(nope_ring.index((2 * t + 1) % NOPE_SLOTS), k_hi_bufs.index(b), valid, key_half_regs)
+        # Every converter warp's f16 stores reach the async proxy before the one arriving thread
+        # signals the MMA warpgroup.
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(converted.index(b), count=1)
+        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
+                     gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
+                     gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles),
+                     RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+
+
+@gluon.jit
+def _mma_partition(
+    q,
+    out,
+    lse,
+    q_lo_buf,
+    q_hi_buf,
+    q_pe_buf,
+    p_buf,
+    k_lo_bufs,
+    k_hi_bufs,
+    k_pe_bufs,
+    converted,
+    f16_free,
+    first_tok,
+    q_len,
+    seq_len,
+    start,
+    end,
+    n_tiles,
+    split,
+    score_scale_log2,
+    value_scale,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    HALF: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    """The query (to f16 exactly, as in mla_decode_few_rows), then per tile: QK, online softmax,
+    PV on f16 tile t % 2, which is handed back to the converter once PV completed; the output."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    key_vec: gl.constexpr = gl.SliceLayout(1, mma)
+    row_vec: gl.constexpr = gl.SliceLayout(0, mma)
+    q_half_regs: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
+    q_rope_regs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0])
+
+    rows_h = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_half_regs))
+    tok_h = (first_tok + rows_h // num_heads).to(gl.int64)
+    ok_h = rows_h < q_len * num_heads
+    q_lo_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, 0, HALF, stride_qt, stride_qh, q_half_regs)
+    q_hi_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, HALF, HALF, stride_qt, stride_qh, q_half_regs)
+    rows_p = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_rope_regs))
+    tok_p = (first_tok + rows_p // num_heads).to(gl.int64)
+    ok_p = rows_p < q_len * num_heads
+    q_pe_val = _load_query(q, tok_p, rows_p % num_heads, ok_p, RANK, ROPE, stride_qt, stride_qh, q_rope_regs)
+    q_max = gl.maximum(_max_abs(q_lo_val), gl.maximum(_max_abs(q_hi_val), _max_abs(q_pe_val)))
+    q_exp = gl.where(q_max > 0.0, 13.0 - gl.floor(gl.log2(q_max)), 0.0)
+    q_exp = gl.minimum(gl.maximum(q_exp, -126.0), 127.0).to(gl.int32)
+    q_scale = ((q_exp + 127) << 23).to(gl.float32, bitcast=True)  # 2^q_exp, exactly
+    q_lo_buf.index(0).store((q_lo_val.to(gl.float32) * q_scale).to(gl.float16))
+    q_hi_buf.index(0).store((q_hi_val.to(gl.float32) * q_scale).to(gl.float16))
+    q_pe_buf.index(0).store((q_pe_val.to(gl.float32) * q_scale).to(gl.float16))
+    score_scale_log2 = score_scale_log2 / q_scale
+    fence_async_shared()
+    _cta_barrier()
+
+    rows = gl.arange(0, BLOCK_M, layout=row_vec)
+    row_ok = rows < q_len * num_heads
+    last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_vec)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_vec)
+    acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
+    acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+
+    for t in range(n_tiles):
+        n0 = start + t * BLOCK_N
+        b = t % 2
+        # Always 0, not provably so: keeps the single buffers' wgmma descriptors next to their use
+        # (see mla_decode_few_rows).
+        here = gl.minimum(end - n0 - 1, 0)
+        q_lo = q_lo_buf.index(here)
+        q_hi = q_hi_buf.index(here)
+        q_pe = q_pe_buf.index(here)
+        p_smem = p_buf.index(here)
+        k_lo = k_lo_bufs.index(b)
+        k_hi = k_hi_bufs.index(b)
+        k_pe = k_pe_bufs.index(b)
+        mbarrier.wait(converted.index(b), (t // 2) & 1)
+        s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+
+        pos = n0 + gl.arange(0, BLOCK_N, layout=key_vec)
+        visible = (pos < end)[:, None] & row_ok[None, :]
+        if CAUSAL:
+            visible = visible & (pos[:, None] <= last_visible[None, :])
+        s = gl.where(visible, s * score_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
+        alpha = gl.exp2(m_i - m_safe)
+        prob = gl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + gl.sum(prob, axis=0)
+        m_i = m_new
+        acc_lo = acc_lo * alpha[None, :]
+        acc_hi = acc_hi * alpha[None, :]
+        p_smem.store(prob.to(gl.float16))
+        fence_async_shared()
+        _cta_barrier()
+        pv_lo = warpgroup_mma(k_lo.permute((1, 0)), p_smem, acc_lo, is_async=True)
+        pv_hi = warpgroup_mma(k_hi.permute((1, 0)), p_smem, acc_hi, is_async=True)
+        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
+        # Every warp's products of tile t have completed before the one arriving thread frees it.
+        _cta_barrier()
+        mbarrier.arrive(f16_free.index(b), count=1)
+
+    seen = l_i > 0.0
+    denom = gl.where(seen, l_i, 1.0)
+    norm = gl.where(seen, value_scale / denom, 0.0)  # rows that saw no key: output exactly 0
+    tok = (first_tok + rows // num_heads).to(gl.int64)
+    head = rows % num_heads
+    out_rows = out + tok * stride_ot + head * stride_oh + split * stride_os
+    _store_half(out_rows, acc_lo * norm[None, :], row_ok, 0, HALF, mma)
+    _store_half(out_rows, acc_hi * norm[None, :], row_ok, HALF, HALF, mma)
+    row_lse = gl.where(seen, (m_i + gl.log2(denom)) * LN2, float("-inf"))
+    gl.store(lse + tok * stride_lt + head * stride_lh + split * stride_ls, row_lse, mask=row_ok)
+
+
+@gluon.jit
+def mla_decode_few_rows_fp8_ws(
+    q,
+    nope_desc,
+    rope_desc,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    out,
+    lse,
+    kv_scale,
+    sm_scale_log2,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    PAGE: gl.constexpr,
+    SPLITS: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    NOPE_SLOTS: gl.constexpr,
+    ROPE_SLOTS: gl.constexpr,
+):
+    """mla_decode_few_rows over an fp8 cache, with the conversion on its own warpgroup."""
+    HALF: gl.constexpr = RANK // 2
+    req = gl.program_id(0)
+    split = gl.program_id(1)
+    first_tok = gl.load(query_start_loc + req)
+    q_len = gl.load(query_start_loc + req + 1) - first_tok
+    seq_len = gl.load(seq_lens + req)
+    value_scale = gl.load(kv_scale)
+    chunk = gl.cdiv(gl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    table = block_table + req.to(gl.int64) * stride_bt
+
+    q_half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float16)
+    q_rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], gl.float16)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.float16)
+    half_f16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float16)
+    rope_f16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], gl.float16)
+    q_lo_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
+    q_hi_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
+    q_pe_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, ROPE], q_rope_smem)
+    p_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_M], p_smem_layout)
+    k_lo_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HALF], half_f16)
+    k_hi_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HALF], half_f16)
+    k_pe_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROPE], rope_f16)
+    nope_ring = gl.allocate_shared_memory(nope_desc.dtype, [NOPE_SLOTS, BLOCK_N, HALF], nope_desc.layout)
+    rope_ring = gl.allocate_shared_memory(rope_desc.dtype, [ROPE_SLOTS, BLOCK_N, ROPE], rope_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NOPE_SLOTS, 1], mbarrier.MBarrierLayout())
+    converted = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    f16_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NOPE_SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(converted.index(i), count=1)
+        mbarrier.init(f16_free.index(i), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [
+            (
+                _mma_partition,
+                (q, out, lse, q_lo_buf, q_hi_buf, q_pe_buf, p_buf, k_lo_bufs, k_hi_bufs, k_pe_bufs,
+                 converted, f16_free, first_tok, q_len, seq_len, start, end, n_tiles, split,
+                 sm_scale_log2 * value_scale, value_scale, num_heads, stride_qt, stride_qh,
+                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
+                 RANK, ROPE, HALF, BLOCK_M, CAUSAL),
+            ),
+            (
+                _converter_partition,
+                (nope_desc, rope_desc, nope_ring, rope_ring, k_lo_bufs, k_hi_bufs, k_pe_bufs,
+                 ready, converted, f16_free, table, start, end, n_tiles,
+                 RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS),
+            ),
+        ],
+        [CONVERTER_WARPS],
+        [CONVERTER_REGS],
+    )
+
+    for i in gl.static_range(NOPE_SLOTS):
+        mbarrier.invalidate(ready.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(converted.index(i))
+        mbarrier.invalidate(f16_free.index(i))
+
+
 # Shared memory a program may use on sm_90 (227 KB), less a reserve for the compiler's reduction
 # scratch and the barriers.
 SMEM_BYTES = 227 * 1024 - 3 * 1024
@@ -372,14 +679,17 @@ NUM_WARPS = 4  # one warpgroup
 FEW_ROWS = 32  # most rows a program holds (wgmma N); more rows go to the Triton kernel
 
 
-def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, int]:
-    """(value-half slots, rope slots) that fit next to the query, P^T and (fp8) the converted tile.
+def ring_slots(
+    block_m: int, rank: int, rope: int, kv_bytes: int, converted_tiles: int = 1
+) -> tuple[int, int]:
+    """(value-half slots, rope slots) that fit next to the query, P^T and (fp8) the converted f16
+    tiles (one; two with the converter warpgroup).
 
     A rope slot per tile that can be in flight: the half ring holds ceil(slots / 2) tiles.
     """
     fixed = block_m * (rank + rope) * 2 + TILE_KEYS * block_m * 2
     if kv_bytes == 1:
-        fixed += TILE_KEYS * (rank + rope) * 2  # the converted f16 tile
+        fixed += converted_tiles * TILE_KEYS * (rank + rope) * 2
     half, box = TILE_KEYS * rank // 2 * kv_bytes, TILE_KEYS * rope * kv_bytes
     slots = 2
     while fixed + (slots + 1) * half + (slots + 2) // 2 * box <= SMEM_BYTES:
@@ -439,7 +749,10 @@ def launch_few_rows(
     num_blocks, page, width = kv_cache.shape
     rope = width - kv_lora_rank
     block_m = 16 if rows_per_group <= 16 else FEW_ROWS
-    nope_slots, rope_slots = ring_slots(block_m, kv_lora_rank, rope, kv_cache.element_size())
+    converter = FP8_CONVERTER_PARTITION and kv_cache.dtype == FP8
+    nope_slots, rope_slots = ring_slots(
+        block_m, kv_lora_rank, rope, kv_cache.element_size(), converted_tiles=2 if converter else 1
+    )
     kv_dtype = gl.float8e4nv if kv_cache.dtype == FP8 else gl.bfloat16
     shape, strides = [num_blocks * page, width], [kv_cache.stride(1), 1]
     half_box, rope_box = [TILE_KEYS, kv_lora_rank // 2], [TILE_KEYS, rope]
@@ -449,7 +762,8 @@ def launch_few_rows(
     rope_desc = TensorDescriptor(
         kv_cache, shape, strides, rope_box, gl.NVMMASharedLayout.get_default_for(rope_box, kv_dtype)
     )
-    mla_decode_few_rows[(seq_lens.numel(), splits)](
+    grid = (seq_lens.numel(), splits)
+    kernel_args = (
         query,
         nope_desc,
         rope_desc,
@@ -470,14 +784,12 @@ def launch_few_rows(
         part_lse.stride(0),
         part_lse.stride(1),
         stride_ls,
-        RANK=kv_lora_rank,
-        ROPE=rope,
-        BLOCK_M=block_m,
-        PAGE=page,
-        SPLITS=splits,
-        CAUSAL=causal,
-        FP8=kv_cache.dtype == FP8,
-        NOPE_SLOTS=nope_slots,
-        ROPE_SLOTS=rope_slots,
-        num_warps=NUM_WARPS,
     )
+    tiles = dict(
+        RANK=kv_lora_rank, ROPE=rope, BLOCK_M=block_m, PAGE=page, SPLITS=splits, CAUSAL=causal,
+        NOPE_SLOTS=nope_slots, ROPE_SLOTS=rope_slots, num_warps=NUM_WARPS,
+    )
+    if converter:
+        mla_decode_few_rows_fp8_ws[grid](*kernel_args, **tiles)
+    else:
+        mla_decode_few_rows[grid](*kernel_args, FP8=kv_cache.dtype == FP8, **tiles)
