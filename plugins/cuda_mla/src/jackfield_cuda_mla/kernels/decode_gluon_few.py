@@ -48,6 +48,10 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 TILE_KEYS = 64  # keys per tile: wgmma's M
 BLOCK_N = gl.constexpr(TILE_KEYS)
 LN2 = gl.constexpr(0.6931471805599453)
+# Probabilities (<= 1) go to f16 scaled by 2^15: below 2^-14 f16 loses bits and below 2^-24 flushes
+# them to 0 while the denominator keeps them; scaled, bits are lost only below 2^-29 (the output's
+# normalization takes the factor back out). bf16 has the exponent range and needs no scale.
+P_SCALE_F16 = gl.constexpr(32768.0)
 
 
 @gluon.jit
@@ -188,8 +192,10 @@ def mla_decode_few_rows(
     kv_dtype: gl.constexpr = nope_desc.dtype
     if FP8:
         op_dtype: gl.constexpr = gl.float16
+        P_SCALE: gl.constexpr = P_SCALE_F16
     else:
         op_dtype: gl.constexpr = gl.bfloat16
+        P_SCALE: gl.constexpr = 1.0
     q_half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], op_dtype)
     q_rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], op_dtype)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], op_dtype)
@@ -318,7 +324,7 @@ def mla_decode_few_rows(
         m_i = m_new
         acc_lo = acc_lo * alpha[None, :]
         acc_hi = acc_hi * alpha[None, :]
-        p_smem.store(prob.to(op_dtype))
+        p_smem.store((prob * P_SCALE).to(op_dtype))
         fence_async_shared()
         _cta_barrier()
         pv_lo = warpgroup_mma(k_lo.permute((1, 0)), p_smem, acc_lo, is_async=True)
@@ -355,7 +361,7 @@ def mla_decode_few_rows(
 
     seen = l_i > 0.0
     denom = gl.where(seen, l_i, 1.0)
-    norm = gl.where(seen, value_scale / denom, 0.0)  # rows that saw no key: output exactly 0
+    norm = gl.where(seen, value_scale / (denom * P_SCALE), 0.0)  # rows that saw no key: output exactly 0
     tok = (first_tok + rows // num_heads).to(gl.int64)
     head = rows % num_heads
     out_rows = out + tok * stride_ot + head * stride_oh + split * stride_os
@@ -553,7 +559,7 @@ def _mma_partition(
         m_i = m_new
         acc_lo = acc_lo * alpha[None, :]
         acc_hi = acc_hi * alpha[None, :]
-        p_smem.store(prob.to(gl.float16))
+        p_smem.store((prob * P_SCALE_F16).to(gl.float16))
         fence_async_shared()
         _cta_barrier()
         pv_lo = warpgroup_mma(k_lo.permute((1, 0)), p_smem, acc_lo, is_async=True)
@@ -565,7 +571,7 @@ def _mma_partition(
 
     seen = l_i > 0.0
     denom = gl.where(seen, l_i, 1.0)
-    norm = gl.where(seen, value_scale / denom, 0.0)  # rows that saw no key: output exactly 0
+    norm = gl.where(seen, value_scale / (denom * P_SCALE_F16), 0.0)  # no key seen: output exactly 0
     tok = (first_tok + rows // num_heads).to(gl.int64)
     head = rows % num_heads
     out_rows = out + tok * stride_ot + head * stride_oh + split * stride_os
