@@ -162,11 +162,6 @@ def test_ring_plan() -> None:
     assert few.ring_slots(32, RANK, ROPE, 1, converted_tiles=2) == (2, 1)
 
 
-if __name__ == "__main__":
-    fp8_arg, block_m_arg, converter_arg = bool(int(sys.argv[1])), int(sys.argv[2]), bool(int(sys.argv[3]))
-    print(json.dumps(count(*compile_sm90(fp8_arg, block_m_arg, converter_arg), block_m_arg)))
-
-
 def test_shapes_the_gluon_kernel_takes_and_leaves_to_triton() -> None:
     """Fail closed: anything but the tested shapes and layouts goes to the Triton kernel."""
     query = torch.randn(2, 16, RANK + ROPE).bfloat16()
@@ -247,3 +242,8 @@ def test_launcher_picks_the_fp8_converter_variant_only_when_selected(
     assert ("FP8" in constants) == (used is default_kernel)
     if used is default_kernel:
         assert constants["FP8"] == fp8
+
+
+if __name__ == "__main__":
+    fp8_arg, block_m_arg, converter_arg = bool(int(sys.argv[1])), int(sys.argv[2]), bool(int(sys.argv[3]))
+    print(json.dumps(count(*compile_sm90(fp8_arg, block_m_arg, converter_arg), block_m_arg)))
