@@ -97,8 +97,8 @@ def gluon_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return launches
 
 
-# Cache kinds: bf16, fp8 on the default kernel, fp8 on the variant with a converter warpgroup
-# (decode_gluon_few.FP8_CONVERTER_PARTITION).
+# Cache kinds: bf16, fp8 on the single-warpgroup kernel, fp8 on the variant with a converter warpgroup
+# (decode_gluon_few.FP8_CONVERTER_PARTITION, the default for fp8).
 CACHES = ["bf16", "fp8", "fp8-converter"]
 
 

@@ -166,7 +166,9 @@ def mla_decode_few_rows(
     q_half_regs: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
     q_rope_regs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0])
     key_half_regs: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NUM_WARPS, 1], [1, 0])
-    key_rope_regs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0])
+    key_rope_regs: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0]
+    )
 
     req = gl.program_id(0)
     split = gl.program_id(1)
@@ -222,8 +224,23 @@ def mla_decode_few_rows(
     # The ring's first units go out before the query is loaded. Later, once the first `consumed`
     # units are free, units up to consumed + NOPE_SLOTS are in the ring. (Computed, not carried
     # through the loop: Triton 3.6 dropped such a loop-carried scalar, reissuing units.)
-    _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start, 0,
-                 gl.minimum(NOPE_SLOTS, 2 * n_tiles), RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+    _issue_units(
+        nope_desc,
+        rope_desc,
+        nope_ring,
+        rope_ring,
+        ready,
+        table,
+        start,
+        0,
+        gl.minimum(NOPE_SLOTS, 2 * n_tiles),
+        RANK,
+        ROPE,
+        HALF,
+        PAGE,
+        NOPE_SLOTS,
+        ROPE_SLOTS,
+    )
 
     # Row r of the group is (token r // H, head r % H).
     rows_h = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_half_regs))
@@ -261,9 +278,23 @@ def mla_decode_few_rows(
     _cta_barrier()
     if FP8:
         # Tile 0's fp8 units are converted (all warps are past the barrier): they refill.
-        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
-                     gl.minimum(NOPE_SLOTS, 2 * n_tiles), gl.minimum(2 + NOPE_SLOTS, 2 * n_tiles),
-                     RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+        _issue_units(
+            nope_desc,
+            rope_desc,
+            nope_ring,
+            rope_ring,
+            ready,
+            table,
+            start,
+            gl.minimum(NOPE_SLOTS, 2 * n_tiles),
+            gl.minimum(2 + NOPE_SLOTS, 2 * n_tiles),
+            RANK,
+            ROPE,
+            HALF,
+            PAGE,
+            NOPE_SLOTS,
+            ROPE_SLOTS,
+        )
 
     rows = gl.arange(0, BLOCK_M, layout=row_vec)
     row_ok = rows < q_len * num_heads
@@ -352,9 +383,23 @@ def mla_decode_few_rows(
         else:
             acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
             consumed = 2 * t + 2  # tile t's halves are read
-        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
-                     gl.minimum(consumed - 2 + NOPE_SLOTS, 2 * n_tiles), gl.minimum(consumed + NOPE_SLOTS, 2 * n_tiles),
-                     RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+        _issue_units(
+            nope_desc,
+            rope_desc,
+            nope_ring,
+            rope_ring,
+            ready,
+            table,
+            start,
+            gl.minimum(consumed - 2 + NOPE_SLOTS, 2 * n_tiles),
+            gl.minimum(consumed + NOPE_SLOTS, 2 * n_tiles),
+            RANK,
+            ROPE,
+            HALF,
+            PAGE,
+            NOPE_SLOTS,
+            ROPE_SLOTS,
+        )
 
     for i in gl.static_range(NOPE_SLOTS):
         mbarrier.invalidate(ready.index(i))
@@ -382,7 +427,10 @@ def mla_decode_few_rows(
 # tile index (no loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
 # Shared memory at 16 rows: Q 18 KB + P^T 2 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB +
 # 2 rope boxes 8 KB = 220 KB (32 rows: 2 half units, 1 rope box, 220 KB).
-FP8_CONVERTER_PARTITION = False  # fp8 caches: True selects mla_decode_few_rows_fp8_ws
+# fp8 caches: True (default) selects mla_decode_few_rows_fp8_ws, False the single-warpgroup kernel.
+# H200, B128 H16 S4096, three processes: 150.4 / 169.5 / 210.7 us against 191.2 / 190.9 / 191.1 us
+# (the converter variant's time varies between processes; the single-warpgroup one does not).
+FP8_CONVERTER_PARTITION = True
 CONVERTER_WARPS = gl.constexpr(4)
 CONVERTER_REGS = gl.constexpr(128)  # per converter thread (setmaxnreg); the MMA warpgroup has the rest
 
@@ -414,9 +462,26 @@ def _converter_partition(
     zeroed), once the MMA warpgroup has freed that tile (the products of tile t - 2 completed)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     key_half_regs: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NUM_WARPS, 1], [1, 0])
-    key_rope_regs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0])
-    _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start, 0,
-                 gl.minimum(NOPE_SLOTS, 2 * n_tiles), RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+    key_rope_regs: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0]
+    )
+    _issue_units(
+        nope_desc,
+        rope_desc,
+        nope_ring,
+        rope_ring,
+        ready,
+        table,
+        start,
+        0,
+        gl.minimum(NOPE_SLOTS, 2 * n_tiles),
+        RANK,
+        ROPE,
+        HALF,
+        PAGE,
+        NOPE_SLOTS,
+        ROPE_SLOTS,
+    )
     for t in range(n_tiles):
         b = t % 2
         valid = end - (start + t * BLOCK_N)
@@ -432,10 +497,23 @@ def _converter_partition(
         # (its rope slot, if it brings one, held tile t's box at the latest).
         fence_async_shared()
         _cta_barrier()
-        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
-                     gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles),
-                     gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
-                     RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+        _issue_units(
+            nope_desc,
+            rope_desc,
+            nope_ring,
+            rope_ring,
+            ready,
+            table,
+            start,
+            gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles),
+            gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
+            RANK,
+            ROPE,
+            HALF,
+            PAGE,
+            NOPE_SLOTS,
+            ROPE_SLOTS,
+        )
         mbarrier.wait(ready.index((2 * t + 1) % NOPE_SLOTS), ((2 * t + 1) // NOPE_SLOTS) & 1)
         _stage_keys(nope_ring.index((2 * t + 1) % NOPE_SLOTS), k_hi_bufs.index(b), valid, key_half_regs)
         # Every converter warp's f16 stores reach the async proxy before the one arriving thread
@@ -443,10 +521,23 @@ def _converter_partition(
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(converted.index(b), count=1)
-        _issue_units(nope_desc, rope_desc, nope_ring, rope_ring, ready, table, start,
-                     gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
-                     gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles),
-                     RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS)
+        _issue_units(
+            nope_desc,
+            rope_desc,
+            nope_ring,
+            rope_ring,
+            ready,
+            table,
+            start,
+            gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
+            gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles),
+            RANK,
+            ROPE,
+            HALF,
+            PAGE,
+            NOPE_SLOTS,
+            ROPE_SLOTS,
+        )
 
 
 @gluon.jit
@@ -654,17 +745,68 @@ def mla_decode_few_rows_fp8_ws(
         [
             (
                 _mma_partition,
-                (q, out, lse, q_lo_buf, q_hi_buf, q_pe_buf, p_buf, k_lo_bufs, k_hi_bufs, k_pe_bufs,
-                 converted, f16_free, first_tok, q_len, seq_len, start, end, n_tiles, split,
-                 sm_scale_log2 * value_scale, value_scale, num_heads, stride_qt, stride_qh,
-                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
-                 RANK, ROPE, HALF, BLOCK_M, CAUSAL),
+                (
+                    q,
+                    out,
+                    lse,
+                    q_lo_buf,
+                    q_hi_buf,
+                    q_pe_buf,
+                    p_buf,
+                    k_lo_bufs,
+                    k_hi_bufs,
+                    k_pe_bufs,
+                    converted,
+                    f16_free,
+                    first_tok,
+                    q_len,
+                    seq_len,
+                    start,
+                    end,
+                    n_tiles,
+                    split,
+                    sm_scale_log2 * value_scale,
+                    value_scale,
+                    num_heads,
+                    stride_qt,
+                    stride_qh,
+                    stride_ot,
+                    stride_oh,
+                    stride_os,
+                    stride_lt,
+                    stride_lh,
+                    stride_ls,
+                    RANK,
+                    ROPE,
+                    HALF,
+                    BLOCK_M,
+                    CAUSAL,
+                ),
             ),
             (
                 _converter_partition,
-                (nope_desc, rope_desc, nope_ring, rope_ring, k_lo_bufs, k_hi_bufs, k_pe_bufs,
-                 ready, converted, f16_free, table, start, end, n_tiles,
-                 RANK, ROPE, HALF, PAGE, NOPE_SLOTS, ROPE_SLOTS),
+                (
+                    nope_desc,
+                    rope_desc,
+                    nope_ring,
+                    rope_ring,
+                    k_lo_bufs,
+                    k_hi_bufs,
+                    k_pe_bufs,
+                    ready,
+                    converted,
+                    f16_free,
+                    table,
+                    start,
+                    end,
+                    n_tiles,
+                    RANK,
+                    ROPE,
+                    HALF,
+                    PAGE,
+                    NOPE_SLOTS,
+                    ROPE_SLOTS,
+                ),
             ),
         ],
         [CONVERTER_WARPS],
@@ -703,7 +845,9 @@ def ring_slots(
     return slots, (slots + 1) // 2
 
 
-def few_rows_applies(query: torch.Tensor, kv_cache: torch.Tensor, rows_per_group: int, kv_lora_rank: int) -> bool:
+def few_rows_applies(
+    query: torch.Tensor, kv_cache: torch.Tensor, rows_per_group: int, kv_lora_rank: int
+) -> bool:
     """Whether this kernel takes a dense decode launch (Hopper, and the shapes fit); anything else
     stays on the Triton kernel."""
     return (
@@ -792,8 +936,15 @@ def launch_few_rows(
         stride_ls,
     )
     tiles = dict(
-        RANK=kv_lora_rank, ROPE=rope, BLOCK_M=block_m, PAGE=page, SPLITS=splits, CAUSAL=causal,
-        NOPE_SLOTS=nope_slots, ROPE_SLOTS=rope_slots, num_warps=NUM_WARPS,
+        RANK=kv_lora_rank,
+        ROPE=rope,
+        BLOCK_M=block_m,
+        PAGE=page,
+        SPLITS=splits,
+        CAUSAL=causal,
+        NOPE_SLOTS=nope_slots,
+        ROPE_SLOTS=rope_slots,
+        num_warps=NUM_WARPS,
     )
     if converter:
         mla_decode_few_rows_fp8_ws[grid](*kernel_args, **tiles)
