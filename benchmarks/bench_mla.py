@@ -17,7 +17,7 @@ import torch
 import triton
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
-from jackfield_cuda_mla.kernels import decode_gluon_few, mla_decode, mla_kv_insert
+from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
 from jackfield_cuda_mla.kernels.decode import DecodeConfig, default_config
 from triton.testing import do_bench
 
@@ -25,27 +25,23 @@ RANK, ROPE, PAGE = 512, 64, 64
 WIDTH = RANK + ROPE
 SCALE = WIDTH**-0.5
 FP8 = torch.float8_e4m3fn
-# --sweep variants per case kind:
-# (block_n, warps, stages, splits or None = auto, prefetch, tma, swap, gluon, converter)
+# --sweep variants per case kind: (block_n, warps, stages, splits or None = auto, prefetch, tma, swap, gluon)
 # (gluon: the Gluon kernel where it applies; the few-rows one has its own tile, the many-rows one takes
-# block_n keys a tile in `stages` buffers; the other fields are the Triton kernel's; converter: the
-# few-rows fp8 variant with a converter warpgroup, decode_gluon_few.FP8_CONVERTER_PARTITION)
+# block_n keys a tile in `stages` buffers; the other fields are the Triton kernel's)
 SWEEPS = {
     "h16": [
-        (64, 4, 3, None, False, True, True, False, False),  # the Triton kernel's default (round 3)
-        (64, 4, 2, None, False, True, True, False, False),
-        (64, 4, 3, 2, False, True, True, True, False),
+        (64, 4, 3, None, False, True, True, False),  # the Triton kernel's default (round 3)
+        (64, 4, 2, None, False, True, True, False),
+        (64, 4, 3, 2, False, True, True, True),
     ],
     "fp8": [
-        (32, 4, 1, 2, True, False, False, False, False),  # the Triton kernel's default (round 3)
-        (64, 4, 3, 2, False, False, False, True, False),
-        (64, 4, 3, None, False, False, False, True, True),
-        (64, 4, 3, 2, False, False, False, True, True),
+        (32, 4, 1, 2, True, False, False, False),  # the Triton kernel's default (round 3)
+        (64, 4, 3, 2, False, False, False, True),
     ],
     "h128": [
-        (64, 8, 2, None, False, True, False, False, False),  # the Triton kernel (the default before Gluon)
-        (32, 8, 4, None, False, True, False, True, False),
-        (64, 8, 2, 2, False, True, False, True, False),
+        (64, 8, 2, None, False, True, False, False),  # the Triton kernel (the default before Gluon)
+        (32, 8, 4, None, False, True, False, True),
+        (64, 8, 2, 2, False, True, False, True),
     ],
 }
 
@@ -162,23 +158,19 @@ def decode_row(name: str, c: dict, copy_gbs: float, mm_tflops: float, sweep: boo
         rows = tokens // c["seq_lens"].numel() * heads if c["topk"] is None else heads
         block_m = default_config(rows, True).block_m
         want = run_kernel(c)[0].float()
-        converter_default = decode_gluon_few.FP8_CONVERTER_PARTITION
-        for bn, warps, stages, splits, prefetch, tma, swap, gluon, converter in variants:
+        for bn, warps, stages, splits, prefetch, tma, swap, gluon in variants:
             cfg = DecodeConfig(block_m, bn, warps, stages, prefetch, tma, swap, gluon=gluon)
             label = f"bn{bn}/w{warps}/s{stages}/split{splits or 'auto'}{'/prefetch' if prefetch else ''}"
             label += ("/tma" if tma else "") + ("/swap" if swap else "")
             if gluon:
                 tile = f" bn{bn}/s{stages}" if block_m >= 64 else ""  # the few-rows kernel's tile is fixed
-                label = f"gluon{'-converter' if converter else ''}{tile}/split{splits or 'auto'}"
-            decode_gluon_few.FP8_CONVERTER_PARTITION = converter
+                label = f"gluon{tile}/split{splits or 'auto'}"
             try:
                 diff = (run_kernel(c, cfg, splits)[0].float() - want).abs().max().item()
                 ms = do_bench(lambda cfg=cfg, splits=splits: run_kernel(c, cfg, splits), warmup=5, rep=20)
             except Exception as exc:  # out of shared memory / registers for this tile: skip it
                 print(f"  {name} {label}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            finally:
-                decode_gluon_few.FP8_CONVERTER_PARTITION = converter_default
             print(f"  {name} {label}: {ms * 1e3:.1f} us (max diff vs default {diff:.1e})", flush=True)
             if ms < best_ms and diff < 0.05:
                 best_ms, best_cfg = ms, label

@@ -37,9 +37,9 @@ SCALARS = ["num_heads", "stride_qt", "stride_qh", "stride_bt", "stride_ot", "str
 SCALARS += ["stride_lt", "stride_lh", "stride_ls"]
 
 
-def compile_sm90(fp8: bool, block_m: int, converter: bool = False) -> tuple[str, int]:
-    """(SASS, shared memory bytes) of the kernel as decode.py launches it (converter: the fp8
-    variant with a converter warpgroup)."""
+def compile_sm90(fp8: bool, block_m: int) -> tuple[str, int]:
+    """(SASS, shared memory bytes) of the kernel as decode.py launches it (fp8: the kernel with a
+    converter warpgroup)."""
     dtype = gl.float8e4nv if fp8 else gl.bfloat16
     cache = torch.empty(4, PAGE, RANK + ROPE, dtype=few.FP8 if fp8 else torch.bfloat16)
 
@@ -56,27 +56,26 @@ def compile_sm90(fp8: bool, block_m: int, converter: bool = False) -> tuple[str,
         "query_start_loc": "*i32",
         "out": "*bf16",
         "lse": "*fp32",
-        "kv_scale": "*fp32",
         "sm_scale_log2": "fp32",
         **{name: "i32" for name in SCALARS},
+        **({"kv_scale": "*fp32"} if fp8 else {}),
     }
-    nope_slots, rope_slots = few.ring_slots(block_m, RANK, ROPE, 1 if fp8 else 2, 2 if converter else 1)
+    nope_slots, rope_slots = few.ring_slots(block_m, RANK, ROPE, 1 if fp8 else 2)
     constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, SPLITS=1, CAUSAL=True)
-    constants.update({} if converter else dict(FP8=fp8))
     constants.update(NOPE_SLOTS=nope_slots, ROPE_SLOTS=rope_slots)
     names = list(signature) + list(constants)
     signature.update({name: "constexpr" for name in constants})
-    aligned = ["q", "block_table", "seq_lens", "query_start_loc", "out", "lse", "kv_scale"]
+    aligned = [name for name in ("q", "block_table", "seq_lens", "query_start_loc", "out", "lse", "kv_scale")]
     source = GluonASTSource(
-        few.mla_decode_few_rows_fp8_ws if converter else few.mla_decode_few_rows,
+        few.mla_decode_few_rows_fp8 if fp8 else few.mla_decode_few_rows,
         signature,
         {(names.index(name),): value for name, value in constants.items()},
-        {(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
+        {(names.index(name),): [["tt.divisibility", 16]] for name in aligned if name in names},
     )
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=few.NUM_WARPS))
     cubin = os.path.join(
         os.environ.get("TMPDIR", "/tmp"),
-        f"gluon_few_{os.getpid()}_{int(fp8)}_{block_m}_{int(converter)}.cubin",
+        f"gluon_few_{os.getpid()}_{int(fp8)}_{block_m}.cubin",
     )
     with open(cubin, "wb") as f:
         f.write(kernel.asm["cubin"])
@@ -87,13 +86,13 @@ def compile_sm90(fp8: bool, block_m: int, converter: bool = False) -> tuple[str,
     return sass, kernel.metadata.shared
 
 
-def compiled_counts(fp8: bool, block_m: int, converter: bool = False) -> dict:
+def compiled_counts(fp8: bool, block_m: int) -> dict:
     """SASS counts, compiled in a fresh process: interpreter tests (TRITON_INTERPRET=1) patch
     Triton's language in-process, which breaks a real compile afterwards."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     done = subprocess.run(
-        [sys.executable, __file__, str(int(fp8)), str(block_m), str(int(converter))],
+        [sys.executable, __file__, str(int(fp8)), str(block_m)],
         env=env,
         capture_output=True,
         text=True,
@@ -118,31 +117,23 @@ def count(sass: str, shared: int, block_m: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_few_rows_kernel_uses_unserialized_wgmma_and_no_spills(fp8: bool) -> None:
-    got = compiled_counts(fp8, 16)
-    # QK: 576 / 16 k-steps; PV: 2 halves x 4 M-blocks of 64 x 4 k-steps
-    assert got["hgmma"] == 36 + 32, got
-    assert got["waits"] <= 8, f"wgmma serialized: {got}"
-    assert got["mma_sync"] == 0 and got["spills"] == 0 and got["tma"] > 0, got
-    assert got["shared"] <= 227 * 1024, got
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_mtp_rows_fit_shared_memory_and_keep_wgmma_unserialized(fp8: bool) -> None:
-    """32 rows (H=16, q_len 2): twice the accumulator; a few spilled registers are tolerated."""
-    got = compiled_counts(fp8, 32)
-    assert got["hgmma"] == 36 + 32 and got["waits"] <= 8, got
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_bf16_kernel_uses_unserialized_wgmma_and_no_spills(block_m: int) -> None:
+    """16 rows (H=16, q_len 1) and 32 (q_len 2): QK 576 / 16 k-steps, PV 2 halves x 4 M-blocks of
+    64 x 4 k-steps, all wgmma, a few waits a tile, no spills, within 227 KB of shared memory."""
+    got = compiled_counts(False, block_m)
+    assert got["hgmma"] == 36 + 32 and got["waits"] <= 8, f"wgmma serialized: {got}"
+    assert got["mma_sync"] == 0 and got["tma"] > 0, got
+    assert got["spills"] == 0 or block_m == 32, got  # 32 rows: twice the accumulator, a few tolerated
     assert got["shared"] <= 227 * 1024, got
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_fp8_converter_variant_is_warp_specialized_unserialized_and_fits(block_m: int) -> None:
-    """The fp8 variant with a converter warpgroup (FP8_CONVERTER_PARTITION): the same wgmma, waited
-    once for QK and once for PV, no spills at 16 or 32 rows, two f16 tiles and the fp8 ring within
-    227 KB, and the partitions there: the converter at its register count, the MMA warpgroup
-    taking the rest, a 128-thread barrier each."""
-    got = compiled_counts(True, block_m, converter=True)
+def test_fp8_kernel_is_warp_specialized_unserialized_and_fits(block_m: int) -> None:
+    """The fp8 kernel: the same wgmma, waited once for QK and once for PV, no spills at 16 or 32
+    rows, two f16 tiles and the fp8 ring within 227 KB, and the partitions there: the converter at
+    its register count, the MMA warpgroup taking the rest, a 128-thread barrier each."""
+    got = compiled_counts(True, block_m)
     assert got["hgmma"] == 36 + 32 and got["waits"] <= 4, f"wgmma serialized: {got}"
     assert got["mma_sync"] == 0 and got["spills"] == 0 and got["tma"] > 0, got
     assert got["shared"] <= 227 * 1024, got
@@ -152,14 +143,12 @@ def test_fp8_converter_variant_is_warp_specialized_unserialized_and_fits(block_m
 
 
 def test_ring_plan() -> None:
-    """Value halves: 5 (bf16) and 7 (fp8) at 16 rows; a rope slot for every tile the ring can hold.
-    With two converted f16 tiles (the converter variant): 3 and 2 halves."""
+    """Value halves: 5 (bf16) at 16 and 32 rows; next to the two converted f16 tiles (fp8), 3 at
+    16 rows and 2 at 32; a rope slot for every tile the ring can hold."""
     assert few.ring_slots(16, RANK, ROPE, 2) == (5, 3)
     assert few.ring_slots(32, RANK, ROPE, 2) == (5, 3)
-    assert few.ring_slots(16, RANK, ROPE, 1) == (7, 4)
-    assert few.ring_slots(32, RANK, ROPE, 1) == (6, 3)
-    assert few.ring_slots(16, RANK, ROPE, 1, converted_tiles=2) == (3, 2)
-    assert few.ring_slots(32, RANK, ROPE, 1, converted_tiles=2) == (2, 1)
+    assert few.ring_slots(16, RANK, ROPE, 1) == (3, 2)
+    assert few.ring_slots(32, RANK, ROPE, 1) == (2, 1)
 
 
 def test_shapes_the_gluon_kernel_takes_and_leaves_to_triton() -> None:
@@ -184,31 +173,30 @@ class RecordedLaunch:
     """Stands in for a Gluon kernel: records the grid and the compile-time arguments of a launch."""
 
     def __init__(self) -> None:
-        self.launches: list[tuple[tuple, dict]] = []
+        self.launches: list[tuple[tuple, tuple, dict]] = []
 
     def __getitem__(self, grid: tuple):
         def launch(*args, **kwargs) -> None:
-            self.launches.append((grid, kwargs))
+            self.launches.append((grid, args, kwargs))
 
         return launch
 
 
-@pytest.mark.parametrize("converter", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, few.FP8])
 @pytest.mark.parametrize("heads", [16, 32])
-def test_launcher_picks_the_fp8_converter_variant_only_when_selected(
-    converter: bool, cache_dtype: torch.dtype, heads: int, monkeypatch: pytest.MonkeyPatch
+def test_launcher_picks_the_kernel_and_ring_by_cache_dtype(
+    cache_dtype: torch.dtype, heads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """FP8_CONVERTER_PARTITION sends fp8 caches (only) to the converter variant, with the ring that
-    fits next to its two f16 tiles; otherwise the default kernel with its own ring, unchanged."""
-    default_kernel, converter_kernel = RecordedLaunch(), RecordedLaunch()
-    monkeypatch.setattr(few, "mla_decode_few_rows", default_kernel)
-    monkeypatch.setattr(few, "mla_decode_few_rows_fp8_ws", converter_kernel)
-    monkeypatch.setattr(few, "FP8_CONVERTER_PARTITION", converter)
+    """bf16 caches go to the one-warpgroup kernel, fp8 to the converter kernel (with kv_scale), each
+    with the ring that fits its shared memory."""
+    bf16_kernel, fp8_kernel = RecordedLaunch(), RecordedLaunch()
+    monkeypatch.setattr(few, "mla_decode_few_rows", bf16_kernel)
+    monkeypatch.setattr(few, "mla_decode_few_rows_fp8", fp8_kernel)
     query = torch.randn(3, heads, RANK + ROPE).bfloat16()
     cache = torch.randn(8, PAGE, RANK + ROPE).to(cache_dtype)
     out, lse = torch.empty(3, heads, RANK).bfloat16(), torch.empty(3, heads)
     i32 = torch.zeros(4, dtype=torch.int32)
+    kv_scale = torch.ones(1)
     few.launch_few_rows(
         query,
         cache,
@@ -219,7 +207,7 @@ def test_launcher_picks_the_fp8_converter_variant_only_when_selected(
         lse,
         0,
         0,
-        torch.ones(1),
+        kv_scale,
         0.1,
         heads,
         2,
@@ -227,23 +215,16 @@ def test_launcher_picks_the_fp8_converter_variant_only_when_selected(
         RANK,
     )
     fp8 = cache_dtype == few.FP8
-    used, unused = (
-        (converter_kernel, default_kernel) if converter and fp8 else (default_kernel, converter_kernel)
-    )
+    used, unused = (fp8_kernel, bf16_kernel) if fp8 else (bf16_kernel, fp8_kernel)
     assert unused.launches == [] and len(used.launches) == 1
-    grid, constants = used.launches[0]
+    grid, args, constants = used.launches[0]
     block_m = 16 if heads == 16 else 32
     assert grid == (3, 2) and constants["BLOCK_M"] == block_m and constants["SPLITS"] == 2
-    kv_bytes = 1 if fp8 else 2
-    slots = few.ring_slots(
-        block_m, RANK, ROPE, kv_bytes, converted_tiles=2 if used is converter_kernel else 1
-    )
+    slots = few.ring_slots(block_m, RANK, ROPE, 1 if fp8 else 2)
     assert (constants["NOPE_SLOTS"], constants["ROPE_SLOTS"]) == slots
-    assert ("FP8" in constants) == (used is default_kernel)
-    if used is default_kernel:
-        assert constants["FP8"] == fp8
+    assert (args[-1] is kv_scale) == fp8 and not any(arg is kv_scale for arg in args[:-1])
 
 
 if __name__ == "__main__":
-    fp8_arg, block_m_arg, converter_arg = bool(int(sys.argv[1])), int(sys.argv[2]), bool(int(sys.argv[3]))
-    print(json.dumps(count(*compile_sm90(fp8_arg, block_m_arg, converter_arg), block_m_arg)))
+    fp8_arg, block_m_arg = bool(int(sys.argv[1])), int(sys.argv[2])
+    print(json.dumps(count(*compile_sm90(fp8_arg, block_m_arg), block_m_arg)))

@@ -97,45 +97,25 @@ def gluon_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return launches
 
 
-# Cache kinds: bf16, fp8 on the single-warpgroup kernel, fp8 on the variant with a converter warpgroup
-# (decode_gluon_few.FP8_CONVERTER_PARTITION, the default for fp8).
-CACHES = ["bf16", "fp8", "fp8-converter"]
-
-
-def select_cache(cache: str, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Selects the fp8 kernel the cache kind names; whether the cache is fp8."""
-    monkeypatch.setattr(decode.decode_gluon_few, "FP8_CONVERTER_PARTITION", cache == "fp8-converter")
-    return cache != "bf16"
-
-
 def hopper() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_gluon_few_rows_matches_reference(
-    cache: str,
-    q_len: int,
-    causal: bool,
-    num_splits: int | None,
-    gluon_launches: list[int],
-    monkeypatch: pytest.MonkeyPatch,
+    fp8: bool, q_len: int, causal: bool, num_splits: int | None, gluon_launches: list[int]
 ) -> None:
-    fp8 = select_cache(cache, monkeypatch)
     run_and_check(poisoned_batch(SEQ_LENS, q_len, fp8), causal, num_splits)
     assert len(gluon_launches) == (1 if hopper() else 0)
 
 
-@pytest.mark.parametrize("cache", CACHES)
-def test_single_tile_and_empty_requests(
-    cache: str, gluon_launches: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("fp8", [False, True])
+def test_single_tile_and_empty_requests(fp8: bool, gluon_launches: list[int]) -> None:
     """Splits that get no key (seq_len 0, short requests over many splits) give 0 / -inf partials;
     requests of exactly one tile (64) and of one partial tile (5)."""
-    fp8 = select_cache(cache, monkeypatch)
     run_and_check(poisoned_batch([0, 5, 64, 0], 1, fp8), causal=True, num_splits=4)
     assert len(gluon_launches) == (1 if hopper() else 0)
 

@@ -14,9 +14,9 @@ Shared memory is a ring of half pages (64 keys x 256 value columns) plus a ring 
 not 1-2 as with whole-page stages. The block table is read one scalar per TMA (L1 hits after the
 first).
 
-fp8 cache (float8_e4m3fn, per-tensor scale): the fp8 ring is converted once per tile into one
-f16 tile that both products read (dequantization is exact; the scale is folded into scores and
-output). The conversion of tile t + 1 overlaps the PV product of tile t. The query goes to f16
+fp8 cache (float8_e4m3fn, per-tensor scale): a second warpgroup converts each fp8 tile once into
+one of two f16 tiles that both products read, while the first runs the products of the previous
+tile (dequantization is exact; the scale is folded into scores and output). The query goes to f16
 exactly (scaled by a power of two into f16's range); nothing is quantized.
 
 Rows past seq_len in the last page may hold NaN: they are zeroed in shared memory before any
@@ -123,6 +123,116 @@ def _store_half(out_rows, value, row_ok, col0, HALF: gl.constexpr, layout: gl.co
 
 
 @gluon.jit
+def _stage_query(
+    q,
+    q_lo_buf,
+    q_hi_buf,
+    q_pe_buf,
+    first_tok,
+    q_len,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    score_scale_log2,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    TO_F16: gl.constexpr,
+):
+    """The request's query rows into the wgmma operand buffers; returns the score scale.
+
+    TO_F16 (fp8 caches, whose tiles become f16): the bf16 query in f16, exactly: scaled by a power
+    of two that puts its largest element in [2^13, 2^15) (below f16's 65504; bf16's 8 mantissa
+    bits fit f16's 11). Elements below 2^-28 of that largest one lose bits. The scores undo the
+    scale.
+    """
+    HALF: gl.constexpr = RANK // 2
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    # Register layouts for the global loads: 16-byte vectors.
+    q_half_regs: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
+    q_rope_regs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0])
+    # Row r of the group is (token r // H, head r % H).
+    rows_h = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_half_regs))
+    tok_h = (first_tok + rows_h // num_heads).to(gl.int64)
+    ok_h = rows_h < q_len * num_heads
+    q_lo_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, 0, HALF, stride_qt, stride_qh, q_half_regs)
+    q_hi_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, HALF, HALF, stride_qt, stride_qh, q_half_regs)
+    rows_p = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_rope_regs))
+    tok_p = (first_tok + rows_p // num_heads).to(gl.int64)
+    ok_p = rows_p < q_len * num_heads
+    q_pe_val = _load_query(q, tok_p, rows_p % num_heads, ok_p, RANK, ROPE, stride_qt, stride_qh, q_rope_regs)
+    if TO_F16:
+        q_max = gl.maximum(_max_abs(q_lo_val), gl.maximum(_max_abs(q_hi_val), _max_abs(q_pe_val)))
+        q_exp = gl.where(q_max > 0.0, 13.0 - gl.floor(gl.log2(q_max)), 0.0)
+        q_exp = gl.minimum(gl.maximum(q_exp, -126.0), 127.0).to(gl.int32)
+        q_scale = ((q_exp + 127) << 23).to(gl.float32, bitcast=True)  # 2^q_exp, exactly
+        q_lo_val = (q_lo_val.to(gl.float32) * q_scale).to(gl.float16)
+        q_hi_val = (q_hi_val.to(gl.float32) * q_scale).to(gl.float16)
+        q_pe_val = (q_pe_val.to(gl.float32) * q_scale).to(gl.float16)
+        score_scale_log2 = score_scale_log2 / q_scale
+    q_lo_buf.index(0).store(q_lo_val)
+    q_hi_buf.index(0).store(q_hi_val)
+    q_pe_buf.index(0).store(q_pe_val)
+    return score_scale_log2
+
+
+@gluon.jit
+def _softmax_step(
+    s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
+):
+    """Base-2 online softmax over one score tile S^T [keys, rows]: (probabilities, rescale factor,
+    new max, new sum). Keys at or past `end`, and past a row's causal limit, get probability 0."""
+    pos = n0 + gl.arange(0, BLOCK_N, layout=key_vec)
+    visible = (pos < end)[:, None] & row_ok[None, :]
+    if CAUSAL:
+        visible = visible & (pos[:, None] <= last_visible[None, :])
+    s = gl.where(visible, s * score_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
+    alpha = gl.exp2(m_i - m_safe)
+    prob = gl.exp2(s - m_safe[None, :])
+    return prob, alpha, m_new, l_i * alpha + gl.sum(prob, axis=0)
+
+
+@gluon.jit
+def _write_output(
+    acc_lo,
+    acc_hi,
+    m_i,
+    l_i,
+    value_scale,
+    rows,
+    row_ok,
+    first_tok,
+    num_heads,
+    split,
+    out,
+    lse,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    HALF: gl.constexpr,
+    P_SCALE: gl.constexpr,
+    mma: gl.constexpr,
+):
+    """The normalized output (times value_scale; P was stored times P_SCALE) and the natural-log
+    LSE of every row; rows that saw no key get exactly 0 and -inf."""
+    seen = l_i > 0.0
+    denom = gl.where(seen, l_i, 1.0)
+    norm = gl.where(seen, value_scale / (denom * P_SCALE), 0.0)
+    tok = (first_tok + rows // num_heads).to(gl.int64)
+    head = rows % num_heads
+    out_rows = out + tok * stride_ot + head * stride_oh + split * stride_os
+    _store_half(out_rows, acc_lo * norm[None, :], row_ok, 0, HALF, mma)
+    _store_half(out_rows, acc_hi * norm[None, :], row_ok, HALF, HALF, mma)
+    row_lse = gl.where(seen, (m_i + gl.log2(denom)) * LN2, float("-inf"))
+    gl.store(lse + tok * stride_lt + head * stride_lh + split * stride_ls, row_lse, mask=row_ok)
+
+
+@gluon.jit
 def mla_decode_few_rows(
     q,
     nope_desc,
@@ -132,7 +242,6 @@ def mla_decode_few_rows(
     query_start_loc,
     out,
     lse,
-    kv_scale,
     sm_scale_log2,
     num_heads,
     stride_qt,
@@ -150,10 +259,11 @@ def mla_decode_few_rows(
     PAGE: gl.constexpr,
     SPLITS: gl.constexpr,
     CAUSAL: gl.constexpr,
-    FP8: gl.constexpr,
     NOPE_SLOTS: gl.constexpr,
     ROPE_SLOTS: gl.constexpr,
 ):
+    """bf16 cache: one warpgroup waits for each tile's ring units and runs QK, softmax and PV
+    straight from the TMA buffers."""
     HALF: gl.constexpr = RANK // 2
     NUM_WARPS: gl.constexpr = gl.num_warps()
     # Accumulators S^T [keys, rows] and O^T halves [HALF, rows]: one warpgroup, rows as wgmma's N.
@@ -162,25 +272,13 @@ def mla_decode_few_rows(
     )
     key_vec: gl.constexpr = gl.SliceLayout(1, mma)
     row_vec: gl.constexpr = gl.SliceLayout(0, mma)
-    # Register layouts for global query loads and shared-memory key staging: 16-byte vectors.
-    q_half_regs: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
-    q_rope_regs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0])
     key_half_regs: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NUM_WARPS, 1], [1, 0])
-    key_rope_regs: gl.constexpr = gl.BlockedLayout(
-        [1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0]
-    )
 
     req = gl.program_id(0)
     split = gl.program_id(1)
     first_tok = gl.load(query_start_loc + req)
     q_len = gl.load(query_start_loc + req + 1) - first_tok
     seq_len = gl.load(seq_lens + req)
-    if FP8:
-        value_scale = gl.load(kv_scale)
-    else:
-        value_scale = 1.0
-    score_scale_log2 = sm_scale_log2 * value_scale
-
     chunk = gl.cdiv(gl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = gl.minimum(start + chunk, seq_len)
@@ -188,41 +286,23 @@ def mla_decode_few_rows(
     table = block_table + req.to(gl.int64) * stride_bt
 
     # Shared memory: query halves and rope (wgmma B operands, K-major), P^T, the TMA rings.
-    # Operands are bf16, or f16 over an fp8 cache: e4m3 -> f16 is one conversion a pair, e4m3 ->
-    # bf16 four, two of them (f16 -> f32) on the quarter-rate conversion pipe (H200, B128 S4096:
-    # 258.6 us with bf16 operands, 234.2 us with f16; PERF_NOTES.md round 4).
-    kv_dtype: gl.constexpr = nope_desc.dtype
-    if FP8:
-        op_dtype: gl.constexpr = gl.float16
-        P_SCALE: gl.constexpr = P_SCALE_F16
-    else:
-        op_dtype: gl.constexpr = gl.bfloat16
-        P_SCALE: gl.constexpr = 1.0
-    q_half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], op_dtype)
-    q_rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], op_dtype)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], op_dtype)
+    q_half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.bfloat16)
+    q_rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], gl.bfloat16)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
     # Single buffers with a leading axis of 1: see `here` in the loop.
-    q_lo_buf = gl.allocate_shared_memory(op_dtype, [1, BLOCK_M, HALF], q_half_smem)
-    q_hi_buf = gl.allocate_shared_memory(op_dtype, [1, BLOCK_M, HALF], q_half_smem)
-    q_pe_buf = gl.allocate_shared_memory(op_dtype, [1, BLOCK_M, ROPE], q_rope_smem)
-    p_buf = gl.allocate_shared_memory(op_dtype, [1, BLOCK_N, BLOCK_M], p_smem_layout)
-    nope_ring = gl.allocate_shared_memory(kv_dtype, [NOPE_SLOTS, BLOCK_N, HALF], nope_desc.layout)
-    rope_ring = gl.allocate_shared_memory(kv_dtype, [ROPE_SLOTS, BLOCK_N, ROPE], rope_desc.layout)
+    q_lo_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_M, HALF], q_half_smem)
+    q_hi_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_M, HALF], q_half_smem)
+    q_pe_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_M, ROPE], q_rope_smem)
+    p_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, BLOCK_M], p_smem_layout)
+    nope_ring = gl.allocate_shared_memory(gl.bfloat16, [NOPE_SLOTS, BLOCK_N, HALF], nope_desc.layout)
+    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [ROPE_SLOTS, BLOCK_N, ROPE], rope_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NOPE_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NOPE_SLOTS):
         mbarrier.init(ready.index(i), count=1)
-    if FP8:
-        # The converted tile both products read (single-buffered: the conversion of tile t + 1
-        # waits for the products of tile t, part by part).
-        half_f16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float16)
-        rope_f16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], gl.float16)
-        k_lo_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, HALF], half_f16)
-        k_hi_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, HALF], half_f16)
-        k_pe_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, ROPE], rope_f16)
     fence_async_shared()
 
-    # The ring's first units go out before the query is loaded. Later, once the first `consumed`
-    # units are free, units up to consumed + NOPE_SLOTS are in the ring. (Computed, not carried
+    # The ring's first units go out before the query is loaded. Later, once the first 2t + 2
+    # units are read, units up to 2t + 2 + NOPE_SLOTS are in the ring. (Computed, not carried
     # through the loop: Triton 3.6 dropped such a loop-carried scalar, reissuing units.)
     _issue_units(
         nope_desc,
@@ -241,60 +321,24 @@ def mla_decode_few_rows(
         NOPE_SLOTS,
         ROPE_SLOTS,
     )
-
-    # Row r of the group is (token r // H, head r % H).
-    rows_h = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_half_regs))
-    tok_h = (first_tok + rows_h // num_heads).to(gl.int64)
-    ok_h = rows_h < q_len * num_heads
-    q_lo_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, 0, HALF, stride_qt, stride_qh, q_half_regs)
-    q_hi_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, HALF, HALF, stride_qt, stride_qh, q_half_regs)
-    rows_p = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_rope_regs))
-    tok_p = (first_tok + rows_p // num_heads).to(gl.int64)
-    ok_p = rows_p < q_len * num_heads
-    q_pe_val = _load_query(q, tok_p, rows_p % num_heads, ok_p, RANK, ROPE, stride_qt, stride_qh, q_rope_regs)
-    if FP8:
-        # The bf16 query in f16, exactly: scaled by a power of two that puts its largest element
-        # in [2^13, 2^15) (below f16's 65504; bf16's 8 mantissa bits fit f16's 11). Elements
-        # below 2^-28 of that largest one lose bits. The scores undo the scale.
-        q_max = gl.maximum(_max_abs(q_lo_val), gl.maximum(_max_abs(q_hi_val), _max_abs(q_pe_val)))
-        q_exp = gl.where(q_max > 0.0, 13.0 - gl.floor(gl.log2(q_max)), 0.0)
-        q_exp = gl.minimum(gl.maximum(q_exp, -126.0), 127.0).to(gl.int32)
-        q_scale = ((q_exp + 127) << 23).to(gl.float32, bitcast=True)  # 2^q_exp, exactly
-        q_lo_val = (q_lo_val.to(gl.float32) * q_scale).to(gl.float16)
-        q_hi_val = (q_hi_val.to(gl.float32) * q_scale).to(gl.float16)
-        q_pe_val = (q_pe_val.to(gl.float32) * q_scale).to(gl.float16)
-        score_scale_log2 = score_scale_log2 / q_scale
-    q_lo_buf.index(0).store(q_lo_val)
-    q_hi_buf.index(0).store(q_hi_val)
-    q_pe_buf.index(0).store(q_pe_val)
-    if FP8:
-        if n_tiles > 0:
-            mbarrier.wait(ready.index(0), 0)
-            _stage_keys(rope_ring.index(0), k_pe_buf.index(0), end - start, key_rope_regs)
-            _stage_keys(nope_ring.index(0), k_lo_buf.index(0), end - start, key_half_regs)
-            mbarrier.wait(ready.index(1), 0)
-            _stage_keys(nope_ring.index(1), k_hi_buf.index(0), end - start, key_half_regs)
+    score_scale_log2 = _stage_query(
+        q,
+        q_lo_buf,
+        q_hi_buf,
+        q_pe_buf,
+        first_tok,
+        q_len,
+        num_heads,
+        stride_qt,
+        stride_qh,
+        sm_scale_log2,
+        RANK,
+        ROPE,
+        BLOCK_M,
+        False,
+    )
     fence_async_shared()
     _cta_barrier()
-    if FP8:
-        # Tile 0's fp8 units are converted (all warps are past the barrier): they refill.
-        _issue_units(
-            nope_desc,
-            rope_desc,
-            nope_ring,
-            rope_ring,
-            ready,
-            table,
-            start,
-            gl.minimum(NOPE_SLOTS, 2 * n_tiles),
-            gl.minimum(2 + NOPE_SLOTS, 2 * n_tiles),
-            RANK,
-            ROPE,
-            HALF,
-            PAGE,
-            NOPE_SLOTS,
-            ROPE_SLOTS,
-        )
 
     rows = gl.arange(0, BLOCK_M, layout=row_vec)
     row_ok = rows < q_len * num_heads
@@ -321,69 +365,33 @@ def mla_decode_few_rows(
         p_smem = p_buf.index(here)
         slot_lo = (2 * t) % NOPE_SLOTS
         slot_hi = (2 * t + 1) % NOPE_SLOTS
-        if FP8:
-            k_lo = k_lo_buf.index(here)
-            k_hi = k_hi_buf.index(here)
-            k_pe = k_pe_buf.index(here)
-        else:
-            k_lo = nope_ring.index(slot_lo)
-            k_hi = nope_ring.index(slot_hi)
-            k_pe = rope_ring.index(t % ROPE_SLOTS)
-            mbarrier.wait(ready.index(slot_lo), ((2 * t) // NOPE_SLOTS) & 1)
-            mbarrier.wait(ready.index(slot_hi), ((2 * t + 1) // NOPE_SLOTS) & 1)
-            if valid < BLOCK_N:
-                # Last, partial tile: V rows past the end would turn 0-weights into NaN in PV.
-                _stage_keys(k_lo, k_lo, valid, key_half_regs)
-                _stage_keys(k_hi, k_hi, valid, key_half_regs)
-                fence_async_shared()
-                _cta_barrier()
+        k_lo = nope_ring.index(slot_lo)
+        k_hi = nope_ring.index(slot_hi)
+        k_pe = rope_ring.index(t % ROPE_SLOTS)
+        mbarrier.wait(ready.index(slot_lo), ((2 * t) // NOPE_SLOTS) & 1)
+        mbarrier.wait(ready.index(slot_hi), ((2 * t + 1) // NOPE_SLOTS) & 1)
+        if valid < BLOCK_N:
+            # Last, partial tile: V rows past the end would turn 0-weights into NaN in PV.
+            _stage_keys(k_lo, k_lo, valid, key_half_regs)
+            _stage_keys(k_hi, k_hi, valid, key_half_regs)
+            fence_async_shared()
+            _cta_barrier()
         s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-
-        pos = n0 + gl.arange(0, BLOCK_N, layout=key_vec)
-        visible = (pos < end)[:, None] & row_ok[None, :]
-        if CAUSAL:
-            visible = visible & (pos[:, None] <= last_visible[None, :])
-        s = gl.where(visible, s * score_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
-        alpha = gl.exp2(m_i - m_safe)
-        prob = gl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + gl.sum(prob, axis=0)
-        m_i = m_new
+        prob, alpha, m_i, l_i = _softmax_step(
+            s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
+        )
         acc_lo = acc_lo * alpha[None, :]
         acc_hi = acc_hi * alpha[None, :]
-        p_smem.store((prob * P_SCALE).to(op_dtype))
+        p_smem.store(prob.to(gl.bfloat16))
         fence_async_shared()
         _cta_barrier()
         pv_lo = warpgroup_mma(k_lo.permute((1, 0)), p_smem, acc_lo, is_async=True)
         pv_hi = warpgroup_mma(k_hi.permute((1, 0)), p_smem, acc_hi, is_async=True)
-        if FP8:
-            # Convert tile t + 1 while PV runs: the rope box (QK is done), then each value half
-            # as soon as the PV half reading the f16 tile has completed.
-            has_next = t + 1 < n_tiles
-            next_valid = valid - BLOCK_N
-            next_lo = (2 * t + 2) % NOPE_SLOTS
-            next_hi = (2 * t + 3) % NOPE_SLOTS
-            if has_next:
-                mbarrier.wait(ready.index(next_lo), ((2 * t + 2) // NOPE_SLOTS) & 1)
-                _stage_keys(rope_ring.index((t + 1) % ROPE_SLOTS), k_pe, next_valid, key_rope_regs)
-            pv_lo = warpgroup_mma_wait(1, deps=[pv_lo])
-            if has_next:
-                _stage_keys(nope_ring.index(next_lo), k_lo, next_valid, key_half_regs)
-            acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
-            if has_next:
-                mbarrier.wait(ready.index(next_hi), ((2 * t + 3) // NOPE_SLOTS) & 1)
-                _stage_keys(nope_ring.index(next_hi), k_hi, next_valid, key_half_regs)
-                fence_async_shared()
-                _cta_barrier()
-            consumed = 2 * t + 4  # tile t + 1's fp8 units are converted
-        else:
-            acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
-            consumed = 2 * t + 2  # tile t's halves are read
-        _issue_units(
+        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
+        _issue_units(  # tile t's halves are read: their slots take the next units
             nope_desc,
             rope_desc,
             nope_ring,
@@ -391,8 +399,8 @@ def mla_decode_few_rows(
             ready,
             table,
             start,
-            gl.minimum(consumed - 2 + NOPE_SLOTS, 2 * n_tiles),
-            gl.minimum(consumed + NOPE_SLOTS, 2 * n_tiles),
+            gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles),
+            gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles),
             RANK,
             ROPE,
             HALF,
@@ -403,34 +411,44 @@ def mla_decode_few_rows(
 
     for i in gl.static_range(NOPE_SLOTS):
         mbarrier.invalidate(ready.index(i))
+    _write_output(
+        acc_lo,
+        acc_hi,
+        m_i,
+        l_i,
+        1.0,
+        rows,
+        row_ok,
+        first_tok,
+        num_heads,
+        split,
+        out,
+        lse,
+        stride_ot,
+        stride_oh,
+        stride_os,
+        stride_lt,
+        stride_lh,
+        stride_ls,
+        HALF,
+        1.0,
+        mma,
+    )
 
-    seen = l_i > 0.0
-    denom = gl.where(seen, l_i, 1.0)
-    norm = gl.where(seen, value_scale / (denom * P_SCALE), 0.0)  # rows that saw no key: output exactly 0
-    tok = (first_tok + rows // num_heads).to(gl.int64)
-    head = rows % num_heads
-    out_rows = out + tok * stride_ot + head * stride_oh + split * stride_os
-    _store_half(out_rows, acc_lo * norm[None, :], row_ok, 0, HALF, mma)
-    _store_half(out_rows, acc_hi * norm[None, :], row_ok, HALF, HALF, mma)
-    row_lse = gl.where(seen, (m_i + gl.log2(denom)) * LN2, float("-inf"))
-    gl.store(lse + tok * stride_lt + head * stride_lh + split * stride_ls, row_lse, mask=row_ok)
 
-
-# --- fp8 with a converter warpgroup (selectable: FP8_CONVERTER_PARTITION) -------------------------
+# --- fp8 caches: a converter warpgroup beside the MMA warpgroup -----------------------------------
 #
-# The kernel above runs the whole per-tile chain on one warpgroup (wait for TMA, convert the fp8
-# tile into the one f16 tile, QK, softmax, PV), so QK of tile t + 1 waits for its full conversion.
-# Here a second warpgroup converts (and issues the TMA loads) into two f16 tiles alternately while
-# the first runs the products:
+# Over an fp8 cache the tiles must become f16 before wgmma can read them. One warpgroup doing
+# everything (wait for TMA, convert, QK, softmax, PV) made QK of tile t + 1 wait for its whole
+# conversion; here a second warpgroup converts (and issues the TMA loads) into two f16 tiles
+# alternately while the first runs the products:
 #   TMA -> ready[slot] -> converter -> converted[b] -> MMA warpgroup -> f16_free[b] -> converter
 # Every partition walks the same tiles 0 .. n_tiles - 1; phases and slots are computed from the
 # tile index (no loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
 # Shared memory at 16 rows: Q 18 KB + P^T 2 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB +
-# 2 rope boxes 8 KB = 220 KB (32 rows: 2 half units, 1 rope box, 220 KB).
-# fp8 caches: True (default) selects mla_decode_few_rows_fp8_ws, False the single-warpgroup kernel.
-# H200, B128 H16 S4096, three processes: 150.4 / 169.5 / 210.7 us against 191.2 / 190.9 / 191.1 us
-# (the converter variant's time varies between processes; the single-warpgroup one does not).
-FP8_CONVERTER_PARTITION = True
+# 2 rope boxes 8 KB = 220 KB (32 rows: 2 half units, 1 rope box, 220 KB). Operands are f16, not
+# bf16: e4m3 -> f16 is one conversion a pair, e4m3 -> bf16 four, two of them on the quarter-rate
+# conversion pipe (H200, B128 S4096 on one warpgroup: 258.6 us with bf16 operands, 234.2 with f16).
 CONVERTER_WARPS = gl.constexpr(4)
 CONVERTER_REGS = gl.constexpr(128)  # per converter thread (setmaxnreg); the MMA warpgroup has the rest
 
@@ -578,34 +596,30 @@ def _mma_partition(
     BLOCK_M: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
-    """The query (to f16 exactly, as in mla_decode_few_rows), then per tile: QK, online softmax,
-    PV on f16 tile t % 2, which is handed back to the converter once PV completed; the output."""
+    """The query (to f16 exactly), then per tile: QK, online softmax, PV on f16 tile t % 2, which
+    is handed back to the converter once PV completed; the output."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
     )
     key_vec: gl.constexpr = gl.SliceLayout(1, mma)
     row_vec: gl.constexpr = gl.SliceLayout(0, mma)
-    q_half_regs: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
-    q_rope_regs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0])
-
-    rows_h = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_half_regs))
-    tok_h = (first_tok + rows_h // num_heads).to(gl.int64)
-    ok_h = rows_h < q_len * num_heads
-    q_lo_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, 0, HALF, stride_qt, stride_qh, q_half_regs)
-    q_hi_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, HALF, HALF, stride_qt, stride_qh, q_half_regs)
-    rows_p = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_rope_regs))
-    tok_p = (first_tok + rows_p // num_heads).to(gl.int64)
-    ok_p = rows_p < q_len * num_heads
-    q_pe_val = _load_query(q, tok_p, rows_p % num_heads, ok_p, RANK, ROPE, stride_qt, stride_qh, q_rope_regs)
-    q_max = gl.maximum(_max_abs(q_lo_val), gl.maximum(_max_abs(q_hi_val), _max_abs(q_pe_val)))
-    q_exp = gl.where(q_max > 0.0, 13.0 - gl.floor(gl.log2(q_max)), 0.0)
-    q_exp = gl.minimum(gl.maximum(q_exp, -126.0), 127.0).to(gl.int32)
-    q_scale = ((q_exp + 127) << 23).to(gl.float32, bitcast=True)  # 2^q_exp, exactly
-    q_lo_buf.index(0).store((q_lo_val.to(gl.float32) * q_scale).to(gl.float16))
-    q_hi_buf.index(0).store((q_hi_val.to(gl.float32) * q_scale).to(gl.float16))
-    q_pe_buf.index(0).store((q_pe_val.to(gl.float32) * q_scale).to(gl.float16))
-    score_scale_log2 = score_scale_log2 / q_scale
+    score_scale_log2 = _stage_query(
+        q,
+        q_lo_buf,
+        q_hi_buf,
+        q_pe_buf,
+        first_tok,
+        q_len,
+        num_heads,
+        stride_qt,
+        stride_qh,
+        score_scale_log2,
+        RANK,
+        ROPE,
+        BLOCK_M,
+        True,
+    )
     fence_async_shared()
     _cta_barrier()
 
@@ -636,18 +650,9 @@ def _mma_partition(
         s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-
-        pos = n0 + gl.arange(0, BLOCK_N, layout=key_vec)
-        visible = (pos < end)[:, None] & row_ok[None, :]
-        if CAUSAL:
-            visible = visible & (pos[:, None] <= last_visible[None, :])
-        s = gl.where(visible, s * score_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
-        alpha = gl.exp2(m_i - m_safe)
-        prob = gl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + gl.sum(prob, axis=0)
-        m_i = m_new
+        prob, alpha, m_i, l_i = _softmax_step(
+            s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
+        )
         acc_lo = acc_lo * alpha[None, :]
         acc_hi = acc_hi * alpha[None, :]
         p_smem.store((prob * P_SCALE_F16).to(gl.float16))
@@ -660,20 +665,33 @@ def _mma_partition(
         _cta_barrier()
         mbarrier.arrive(f16_free.index(b), count=1)
 
-    seen = l_i > 0.0
-    denom = gl.where(seen, l_i, 1.0)
-    norm = gl.where(seen, value_scale / (denom * P_SCALE_F16), 0.0)  # no key seen: output exactly 0
-    tok = (first_tok + rows // num_heads).to(gl.int64)
-    head = rows % num_heads
-    out_rows = out + tok * stride_ot + head * stride_oh + split * stride_os
-    _store_half(out_rows, acc_lo * norm[None, :], row_ok, 0, HALF, mma)
-    _store_half(out_rows, acc_hi * norm[None, :], row_ok, HALF, HALF, mma)
-    row_lse = gl.where(seen, (m_i + gl.log2(denom)) * LN2, float("-inf"))
-    gl.store(lse + tok * stride_lt + head * stride_lh + split * stride_ls, row_lse, mask=row_ok)
+    _write_output(
+        acc_lo,
+        acc_hi,
+        m_i,
+        l_i,
+        value_scale,
+        rows,
+        row_ok,
+        first_tok,
+        num_heads,
+        split,
+        out,
+        lse,
+        stride_ot,
+        stride_oh,
+        stride_os,
+        stride_lt,
+        stride_lh,
+        stride_ls,
+        HALF,
+        P_SCALE_F16,
+        mma,
+    )
 
 
 @gluon.jit
-def mla_decode_few_rows_fp8_ws(
+def mla_decode_few_rows_fp8(
     q,
     nope_desc,
     rope_desc,
@@ -682,7 +700,6 @@ def mla_decode_few_rows_fp8_ws(
     query_start_loc,
     out,
     lse,
-    kv_scale,
     sm_scale_log2,
     num_heads,
     stride_qt,
@@ -694,6 +711,7 @@ def mla_decode_few_rows_fp8_ws(
     stride_lt,
     stride_lh,
     stride_ls,
+    kv_scale,
     RANK: gl.constexpr,
     ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -703,7 +721,7 @@ def mla_decode_few_rows_fp8_ws(
     NOPE_SLOTS: gl.constexpr,
     ROPE_SLOTS: gl.constexpr,
 ):
-    """mla_decode_few_rows over an fp8 cache, with the conversion on its own warpgroup."""
+    """fp8 cache: mla_decode_few_rows with the conversion on its own warpgroup."""
     HALF: gl.constexpr = RANK // 2
     req = gl.program_id(0)
     split = gl.program_id(1)
@@ -827,17 +845,15 @@ NUM_WARPS = 4  # one warpgroup
 FEW_ROWS = 32  # most rows a program holds (wgmma N); more rows go to the Triton kernel
 
 
-def ring_slots(
-    block_m: int, rank: int, rope: int, kv_bytes: int, converted_tiles: int = 1
-) -> tuple[int, int]:
-    """(value-half slots, rope slots) that fit next to the query, P^T and (fp8) the converted f16
-    tiles (one; two with the converter warpgroup).
+def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, int]:
+    """(value-half slots, rope slots) that fit next to the query, P^T and (fp8) the two converted
+    f16 tiles.
 
     A rope slot per tile that can be in flight: the half ring holds ceil(slots / 2) tiles.
     """
     fixed = block_m * (rank + rope) * 2 + TILE_KEYS * block_m * 2
     if kv_bytes == 1:
-        fixed += converted_tiles * TILE_KEYS * (rank + rope) * 2
+        fixed += 2 * TILE_KEYS * (rank + rope) * 2
     half, box = TILE_KEYS * rank // 2 * kv_bytes, TILE_KEYS * rope * kv_bytes
     slots = 2
     while fixed + (slots + 1) * half + (slots + 2) // 2 * box <= SMEM_BYTES:
@@ -899,11 +915,9 @@ def launch_few_rows(
     num_blocks, page, width = kv_cache.shape
     rope = width - kv_lora_rank
     block_m = 16 if rows_per_group <= 16 else FEW_ROWS
-    converter = FP8_CONVERTER_PARTITION and kv_cache.dtype == FP8
-    nope_slots, rope_slots = ring_slots(
-        block_m, kv_lora_rank, rope, kv_cache.element_size(), converted_tiles=2 if converter else 1
-    )
-    kv_dtype = gl.float8e4nv if kv_cache.dtype == FP8 else gl.bfloat16
+    fp8 = kv_cache.dtype == FP8
+    nope_slots, rope_slots = ring_slots(block_m, kv_lora_rank, rope, kv_cache.element_size())
+    kv_dtype = gl.float8e4nv if fp8 else gl.bfloat16
     shape, strides = [num_blocks * page, width], [kv_cache.stride(1), 1]
     half_box, rope_box = [TILE_KEYS, kv_lora_rank // 2], [TILE_KEYS, rope]
     nope_desc = TensorDescriptor(
@@ -922,7 +936,6 @@ def launch_few_rows(
         query_start_loc,
         part_out,
         part_lse,
-        kv_scale,
         sm_scale_log2,
         query.shape[1],
         query.stride(0),
@@ -946,7 +959,7 @@ def launch_few_rows(
         ROPE_SLOTS=rope_slots,
         num_warps=NUM_WARPS,
     )
-    if converter:
-        mla_decode_few_rows_fp8_ws[grid](*kernel_args, **tiles)
+    if fp8:
+        mla_decode_few_rows_fp8[grid](*kernel_args, kv_scale, **tiles)
     else:
-        mla_decode_few_rows[grid](*kernel_args, FP8=kv_cache.dtype == FP8, **tiles)
+        mla_decode_few_rows[grid](*kernel_args, **tiles)
