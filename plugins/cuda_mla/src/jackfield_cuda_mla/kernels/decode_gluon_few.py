@@ -94,7 +94,7 @@ def _issue_units(
 
 @gluon.jit
 def _stage_keys(src, dst, valid, layout: gl.constexpr):
-    """Copy a [BLOCK_N, W] key box from src to dst in shared memory (fp8 -> bf16 when the dtypes
+    """Copy a [BLOCK_N, W] key box from src to dst in shared memory (fp8 -> f16 when the dtypes
     differ), with key rows >= valid zeroed (they may hold NaN). src may be dst."""
     x = src.load(layout).to(dst.dtype)
     if valid < BLOCK_N:
