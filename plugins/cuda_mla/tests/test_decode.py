@@ -120,18 +120,6 @@ def test_many_heads_span_several_row_blocks() -> None:
     assert_close(out, lse, *reference(batch, True), TOL[torch.float16])
 
 
-@pytest.mark.parametrize("splits", [None, 2])
-def test_without_gluon_every_call_takes_the_triton_kernel(monkeypatch: pytest.MonkeyPatch, splits) -> None:
-    """A Triton without Gluon's Hopper modules (e.g. 3.2): decode.py imports them as None."""
-    from jackfield_cuda_mla.kernels import decode
-
-    monkeypatch.setattr(decode, "decode_gluon_few", None)
-    monkeypatch.setattr(decode, "decode_gluon_many", None)
-    batch = make_batch([37, 80], [1, 2], torch.float16)
-    out, lse = run_decode(batch, True, num_splits=splits)
-    assert_close(out, lse, *reference(batch, True), TOL[torch.float16])
-
-
 def test_request_without_kv_gives_zero_and_minus_inf_exactly() -> None:
     batch = make_batch([0, 20], [1, 1], torch.float16)
     out, lse = run_decode(batch, causal=False, num_splits=2)

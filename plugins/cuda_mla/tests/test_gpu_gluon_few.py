@@ -11,7 +11,11 @@ import torch
 from jackfield_cuda_mla.kernels import decode, mla_decode
 from mla_reference import decode_reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(decode.decode_gluon_few is None, reason="this Triton has no usable Gluon"),
+]
 RANK, ROPE, PAGE, HEADS = 512, 64, 64, 16
 FP8 = torch.float8_e4m3fn
 SEQ_LENS = [0, 1, 63, 64, 65, 4096 + 17, 700]
@@ -74,12 +78,13 @@ def run_and_check(batch: dict, causal: bool, num_splits: int | None = None) -> N
         kv_scale=1.0 if cpu["kv_scale"] is None else float(cpu["kv_scale"]),
     )
     assert not out.isnan().any() and not lse.isnan().any()
-    err = (out.cpu().double() - ref_out).abs().max().item()
-    assert err < 2e-2 * max(1.0, ref_out.abs().max().item()), err
+    # Per row: a long request's outputs are averages far smaller than a one-key row's
+    row_err = (out.cpu().double() - ref_out).abs().amax(-1)
+    assert (row_err <= 1e-2 * ref_out.abs().amax(-1) + 2e-3).all(), row_err.max().item()
     finite = ref_lse.isfinite()
     assert torch.equal(lse.cpu().isfinite(), finite)
     assert torch.equal(lse.cpu()[~finite], ref_lse[~finite].float())  # exactly -inf
-    assert (lse.cpu().double()[finite] - ref_lse[finite]).abs().max().item() < 2e-2
+    assert (lse.cpu().double()[finite] - ref_lse[finite]).abs().max().item() < 2e-3
     assert torch.equal(out.cpu()[~finite], torch.zeros_like(out.cpu()[~finite]))  # exactly 0
 
 

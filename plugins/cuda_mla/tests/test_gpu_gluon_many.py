@@ -1,6 +1,6 @@
 """The Gluon many-rows decode kernel (Hopper, heads a multiple of 64) at full DeepSeek shapes.
 
-Every case checks that the call really takes the Gluon path (`many_rows_applies`), poisons the
+Every case checks that the call really launches the Gluon kernel (or, for 96 heads, not), poisons the
 outputs and every cache row at or past a request's seq_len (the partial last page and the unused
 pages) with NaN, and compares with the float64 reference.
 """
@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from jackfield_cuda_mla.kernels import mla_decode
+from jackfield_cuda_mla.kernels import decode, mla_decode
 from jackfield_cuda_mla.kernels.decode import DecodeConfig, default_config
 from mla_reference import decode_reference
-
-gluon_many = pytest.importorskip("jackfield_cuda_mla.kernels.decode_gluon_many")
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(decode.decode_gluon_many is None, reason="this Triton has no usable Gluon"),
     pytest.mark.skipif(
         torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
         reason="the Gluon kernel is Hopper-only (compute capability 9.x)",
@@ -49,15 +48,23 @@ def poisoned_batch(seq_lens: list[int], q_lens: list[int], heads: int, dtype: to
     )
 
 
-def assert_matches_reference(
-    batch: dict, causal: bool, config: DecodeConfig, splits: int | None, expect_gluon: bool = True
-) -> None:
+@pytest.fixture
+def gluon_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts launches of the Gluon kernel (so a test knows which kernel it checked)."""
+    launches: list[int] = []
+    launch = decode.decode_gluon_many.launch_many_rows
+
+    def counted(*args, **kwargs) -> None:
+        launches.append(1)
+        launch(*args, **kwargs)
+
+    monkeypatch.setattr(decode.decode_gluon_many, "launch_many_rows", counted)
+    return launches
+
+
+def assert_matches_reference(batch: dict, causal: bool, config: DecodeConfig, splits: int | None) -> None:
     gpu = {k: v.cuda() for k, v in batch.items()}
     tokens, heads, _ = batch["query"].shape
-    applies = gluon_many.many_rows_applies(
-        gpu["query"], gpu["kv_cache"], RANK, config.block_n, config.num_stages
-    )
-    assert applies == expect_gluon
     out = torch.full((tokens, heads, RANK), float("nan"), device="cuda", dtype=batch["query"].dtype)
     lse = torch.full((tokens, heads), float("nan"), device="cuda")
     mla_decode(
@@ -88,41 +95,49 @@ def assert_matches_reference(
     )
     out, lse = out.cpu().double(), lse.cpu().double()
     assert not out.isnan().any()
-    assert (out - ref_out).abs().max().item() < 2e-2 * max(1.0, ref_out.abs().max().item())
+    # Per row: a long request's outputs are averages far smaller than a one-key row's
+    row_err = (out - ref_out).abs().amax(-1)
+    assert (row_err <= 1e-2 * ref_out.abs().amax(-1) + 2e-3).all(), row_err.max().item()
     seen = ref_lse.isfinite()
     assert not seen.all(), "the batch must hold rows that see no key"
     assert torch.equal(lse.isfinite(), seen)
     assert (lse[~seen] == float("-inf")).all()
     assert (out[~seen] == 0).all()
-    assert (lse[seen] - ref_lse[seen]).abs().max().item() < 2e-2
+    assert (lse[seen] - ref_lse[seen]).abs().max().item() < 2e-3
 
 
 @pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("q_case", sorted(Q_LENS))
 @pytest.mark.parametrize("causal", [True, False])
-def test_default_tile_matches_reference(causal: bool, q_case: str, splits: int | None) -> None:
+def test_default_tile_matches_reference(
+    causal: bool, q_case: str, splits: int | None, gluon_launches: list[int]
+) -> None:
     config = default_config(HEADS, on_gpu=True)
     assert config.gluon
     assert_matches_reference(
         poisoned_batch(SEQ_LENS, Q_LENS[q_case], HEADS, torch.bfloat16), causal, config, splits
     )
+    assert len(gluon_launches) == 1
 
 
 @pytest.mark.parametrize("tile", [(32, 4), (32, 3)])
-def test_other_tiles_match_reference(tile: tuple[int, int]) -> None:
+def test_other_tiles_match_reference(tile: tuple[int, int], gluon_launches: list[int]) -> None:
     config = DecodeConfig(64, tile[0], 8, tile[1], tma=True, gluon=True)
     assert_matches_reference(
         poisoned_batch(SEQ_LENS, Q_LENS["mixed up to 8"], HEADS, torch.bfloat16), True, config, None
     )
+    assert len(gluon_launches) == 1
 
 
-def test_fp16_and_64_heads() -> None:
+def test_fp16_and_64_heads(gluon_launches: list[int]) -> None:
     config = default_config(64, on_gpu=True, cache_dtype=torch.float16)
     assert_matches_reference(poisoned_batch(SEQ_LENS, Q_LENS["q2"], 64, torch.float16), True, config, None)
+    assert len(gluon_launches) == 1
 
 
-def test_heads_not_a_multiple_of_64_take_the_triton_kernel() -> None:
+def test_heads_not_a_multiple_of_64_take_the_triton_kernel(gluon_launches: list[int]) -> None:
     """96 heads: a 64-row block would mix tokens, so the call falls back (and still matches)."""
     config = default_config(96, on_gpu=True)
     batch = poisoned_batch([0, 65, 700], [1, 2, 1], 96, torch.bfloat16)
-    assert_matches_reference(batch, True, config, None, expect_gluon=False)
+    assert_matches_reference(batch, True, config, None)
+    assert gluon_launches == []

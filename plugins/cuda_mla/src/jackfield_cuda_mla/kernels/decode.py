@@ -7,6 +7,7 @@ natural-log LSE, so partial results from decode context parallel ranks can be me
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,10 +19,27 @@ from jackfield_cuda_mla.kernels.checks import FP8, check_cache, check_device, ch
 from jackfield_cuda_mla.kernels.decode_kernels import mla_decode_stage1
 from jackfield_cuda_mla.kernels.decode_merge import mla_decode_stage2
 
-try:  # Gluon's Hopper modules (Triton >= 3.6); without them every call takes the Triton kernel
-    from jackfield_cuda_mla.kernels import decode_gluon_few, decode_gluon_many
-except (ImportError, AttributeError):
-    decode_gluon_few = decode_gluon_many = None
+# Gluon's API moves between releases (Triton 3.5 has no gl.num_warps and another warp_specialize
+# signature), and a kernel that fails to compile would fail the call, not fall back: the Gluon
+# kernels run only on the releases they are built and checked with, 3.6 (the H200 image) to 3.9 (CI).
+GLUON_TRITON_RANGE = ((3, 6), (3, 9))
+
+
+def gluon_supported(triton_version: str) -> bool:
+    """Whether this Triton release is one the Hopper Gluon kernels are written against."""
+    release = re.match(r"(\d+)\.(\d+)", triton_version)
+    if release is None:
+        return False
+    low, high = GLUON_TRITON_RANGE
+    return low <= (int(release[1]), int(release[2])) <= high
+
+
+decode_gluon_few = decode_gluon_many = None  # without them every call takes the Triton kernel
+if gluon_supported(triton.__version__):
+    try:
+        from jackfield_cuda_mla.kernels import decode_gluon_few, decode_gluon_many
+    except (ImportError, AttributeError):  # a build without Gluon's Hopper modules
+        decode_gluon_few = decode_gluon_many = None
 
 LOG2E = 1.4426950408889634
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

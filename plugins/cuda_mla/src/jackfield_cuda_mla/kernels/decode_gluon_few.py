@@ -868,6 +868,7 @@ def few_rows_applies(
     stays on the Triton kernel."""
     return (
         kv_cache.device.type == "cuda"
+        and torch.version.hip is None  # ROCm reports gfx9 parts as major 9 too
         and torch.cuda.get_device_capability(kv_cache.device)[0] == 9
         and few_rows_shapes_fit(query, kv_cache, rows_per_group, kv_lora_rank)
     )

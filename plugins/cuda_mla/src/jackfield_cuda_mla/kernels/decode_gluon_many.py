@@ -276,6 +276,7 @@ def many_rows_applies(
     """Whether this kernel serves the (dense) call; anything else goes to the Triton kernel."""
     return (
         query.is_cuda
+        and torch.version.hip is None  # ROCm reports gfx9 parts as major 9 too
         and torch.cuda.get_device_capability(query.device)[0] == 9
         and many_rows_shapes_fit(query, kv_cache, kv_lora_rank, block_n, stages)
     )

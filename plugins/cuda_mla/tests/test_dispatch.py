@@ -1,0 +1,130 @@
+"""Which stage-1 kernel `mla_decode` picks, and what it hands the Gluon launchers (no GPU needed).
+
+The Gluon kernels' own checks (`few_rows_applies`, `many_rows_applies`) need a Hopper GPU; here they
+are narrowed to their shape rules (`*_shapes_fit`) so that the choice itself runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from jackfield_cuda_mla.kernels import decode
+from jackfield_cuda_mla.kernels.decode import DecodeConfig, default_config, gluon_supported
+from test_decode import assert_close, make_batch, reference, run_decode
+
+FP8 = torch.float8_e4m3fn
+RANK, ROPE, PAGE = 512, 64, 64
+needs_gluon = pytest.mark.skipif(decode.decode_gluon_few is None, reason="this Triton has no usable Gluon")
+
+
+def test_gluon_runs_only_on_the_triton_releases_it_is_built_for() -> None:
+    assert [gluon_supported(v) for v in ("3.6.0", "3.7.1", "3.9.0", "3.6.0rc1+git2f3a")] == [True] * 4
+    assert not any(gluon_supported(v) for v in ("3.5.1", "3.2.0", "3.10.0", "4.0.0", "nightly"))
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_without_gluon_every_call_takes_the_triton_kernel(monkeypatch: pytest.MonkeyPatch, splits) -> None:
+    """A Triton without the Gluon kernels (e.g. 3.5): decode.py holds None for both modules, and a
+    config that asks for Gluon still decodes, on the tl kernel."""
+    monkeypatch.setattr(decode, "decode_gluon_few", None)
+    monkeypatch.setattr(decode, "decode_gluon_many", None)
+    batch = make_batch([37, 80], [1, 2], torch.float16)
+    out, lse = run_decode(batch, True, num_splits=splits, config=DecodeConfig(16, 16, 4, 1, gluon=True))
+    assert_close(out, lse, *reference(batch, True), 2e-3)
+
+
+@pytest.fixture
+def shapes_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon kernels' device checks narrowed to their shape rules."""
+    few, many = decode.decode_gluon_few, decode.decode_gluon_many
+    monkeypatch.setattr(few, "few_rows_applies", few.few_rows_shapes_fit)
+    monkeypatch.setattr(many, "many_rows_applies", many.many_rows_shapes_fit)
+
+
+def choice(heads: int, q_len: int, query_dtype: torch.dtype, cache_dtype: torch.dtype, sparse: bool = False):
+    query = torch.randn(q_len, heads, RANK + ROPE).to(query_dtype)
+    cache = torch.randn(4, PAGE, RANK + ROPE).to(cache_dtype)
+    rows = heads if sparse else q_len * heads
+    cfg = default_config(rows, on_gpu=True, cache_dtype=cache_dtype, sparse=sparse)
+    return decode._stage1_kernel(cfg, sparse, query, cache, rows, RANK)
+
+
+@needs_gluon
+def test_default_configs_pick_the_kernel_that_serves_the_call(shapes_only: None) -> None:
+    bf16 = torch.bfloat16
+    assert choice(16, 1, bf16, bf16) == "gluon_few"
+    assert choice(16, 2, bf16, bf16) == "gluon_few"  # MTP: 32 rows
+    assert choice(16, 1, bf16, FP8) == "gluon_few"
+    assert choice(128, 1, bf16, bf16) == "gluon_many"
+    assert choice(64, 2, torch.float16, torch.float16) == "gluon_many"
+    assert choice(16, 1, torch.float16, torch.float16) == "triton"  # few rows need a bf16 query
+    assert choice(16, 1, torch.float16, FP8) == "triton"
+    assert choice(16, 4, bf16, bf16) == "triton"  # 64 rows of 16 heads: a row block mixes tokens
+    assert choice(96, 1, bf16, bf16) == "triton"
+    assert choice(128, 1, bf16, FP8) == "triton"  # fp8 with many rows: the tl kernel
+    assert choice(128, 1, torch.float32, torch.float32) == "triton"
+    assert choice(16, 1, bf16, bf16, sparse=True) == "triton"
+    assert choice(128, 1, bf16, bf16, sparse=True) == "triton"
+
+
+class Recorder:
+    """Stands in for a launcher: records its arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.calls.append((args, kwargs))
+
+
+@needs_gluon
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # stage 2 then merges partials nobody wrote
+def test_few_rows_launch_gets_the_call_and_a_split_plan_of_its_own_tile(
+    shapes_only: None, monkeypatch: pytest.MonkeyPatch, fp8: bool
+) -> None:
+    launch = Recorder()
+    monkeypatch.setattr(decode.decode_gluon_few, "launch_few_rows", launch)
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
+    reqs, seq = 4, 4096
+    query = torch.randn(reqs, 16, RANK + ROPE).bfloat16()
+    cache = torch.randn(reqs * seq // PAGE, PAGE, RANK + ROPE)
+    scale = torch.tensor([0.5]) if fp8 else None
+    cache = cache.to(FP8) if fp8 else cache.bfloat16()
+    table = torch.arange(reqs * seq // PAGE, dtype=torch.int32).reshape(reqs, -1)
+    seq_lens = torch.full((reqs,), seq, dtype=torch.int32)
+    qsl = torch.arange(reqs + 1, dtype=torch.int32)
+    out, lse = decode.mla_decode(
+        query, cache, table, seq_lens, qsl, max_query_len=1, max_seq_len=seq, sm_scale=0.1,
+        kv_lora_rank=RANK, kv_scale=scale, config=default_config(16, True, cache.dtype),
+    )  # fmt: skip
+    ((args, kwargs),) = launch.calls
+    assert args[0] is query and args[1] is cache and args[2] is table and args[3] is seq_lens
+    assert args[4] is qsl and kwargs == {}
+    part_out, part_lse, stride_os, stride_ls, kv_scale, scale_log2, rows, splits, causal, rank = args[5:]
+    # 4 requests on 132 SMs, one program each: 33 splits wanted, 64-key tiles of 4096 keys allow 16
+    assert (
+        splits == 16 and part_out.shape == (reqs, 16, splits, RANK) and part_lse.shape == (reqs, 16, splits)
+    )
+    assert (stride_os, stride_ls) == (part_out.stride(2), part_lse.stride(2))
+    assert rows == 16 and causal and rank == RANK and scale_log2 == pytest.approx(0.1 * decode.LOG2E)
+    assert kv_scale is scale or not fp8  # bf16: a dummy the kernel never reads
+
+
+@needs_gluon
+def test_many_rows_launch_takes_the_configs_tile(shapes_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    launch = Recorder()
+    monkeypatch.setattr(decode.decode_gluon_many, "launch_many_rows", launch)
+    query = torch.randn(3, 128, RANK + ROPE).bfloat16()
+    cache = torch.randn(12, PAGE, RANK + ROPE).bfloat16()
+    table = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    config = DecodeConfig(64, 32, 8, 4, tma=True, gluon=True)
+    decode.mla_decode(
+        query, cache, table, torch.tensor([256, 5, 100], dtype=torch.int32),
+        torch.arange(4, dtype=torch.int32), max_query_len=1, max_seq_len=256, sm_scale=0.1,
+        kv_lora_rank=RANK, causal=False, num_splits=1, config=config,
+    )  # fmt: skip
+    ((args, kwargs),) = launch.calls
+    assert args[0] is query and args[5].shape == (3, 128, RANK)  # one split: the output itself
+    assert kwargs["block_n"] == 32 and kwargs["stages"] == 4 and kwargs["splits"] == 1
+    assert kwargs["max_query_len"] == 1 and kwargs["causal"] is False
