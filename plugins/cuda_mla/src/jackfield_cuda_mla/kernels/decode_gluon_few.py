@@ -8,10 +8,10 @@ Why a hand-scheduled kernel: with 16-32 rows the work is memory-bound (~30 FLOP 
 counts is bytes in flight per SM. Both products are swapped so that the 64 keys of a tile are
 wgmma's M (it needs 64) and the rows are N: S^T[keys, rows] = K . Q^T and
 O^T[values, rows] += V^T . P^T, with K, V^T, Q^T and P^T all read by wgmma from shared memory.
-Shared memory is a ring of half pages (64 keys x 256 value columns) plus a ring of rope boxes
+Shared memory is a ring of half tiles (64 keys x 256 value columns) plus a ring of rope boxes
 (64 keys x 64), filled by TMA. A slot is refilled as soon as the wgmma that reads it has completed
-(V halves after their PV product, rope boxes after QK), so about 1.5-2.5 pages stay in flight,
-not 1-2 as with whole-page stages. The block table is read one scalar per TMA (L1 hits after the
+(V halves after their PV product, rope boxes after QK), so about 1.5-2.5 tiles stay in flight,
+not 1-2 as with whole-tile stages. The block table is read one scalar per TMA (L1 hits after the
 first).
 
 fp8 cache (float8_e4m3fn, per-tensor scale): a second warpgroup converts each fp8 tile once into
@@ -841,7 +841,7 @@ def mla_decode_few_rows_fp8(
 # Shared memory a program may use on sm_90 (227 KB), less a reserve for the compiler's reduction
 # scratch and the barriers.
 SMEM_BYTES = 227 * 1024 - 3 * 1024
-NUM_WARPS = 4  # one warpgroup
+NUM_WARPS = 4  # one warpgroup (the fp8 kernel adds the converter warpgroup: 8 warps in all)
 FEW_ROWS = 32  # most rows a program holds (wgmma N); more rows go to the Triton kernel
 
 
