@@ -195,6 +195,49 @@ def _softmax_step(
 
 
 @gluon.jit
+def _attend_tile(
+    k_lo,
+    k_hi,
+    k_pe,
+    q_lo,
+    q_hi,
+    q_pe,
+    p_smem,
+    s_zero,
+    n0,
+    end,
+    row_ok,
+    last_visible,
+    m_i,
+    l_i,
+    acc_lo,
+    acc_hi,
+    score_scale_log2,
+    CAUSAL: gl.constexpr,
+    key_vec: gl.constexpr,
+    P_SCALE: gl.constexpr,
+):
+    """One tile, swapped: S^T = K . Q^T, the softmax step, P^T (times P_SCALE) through shared
+    memory, O^T += V^T . P^T; both products complete before it returns. -> (max, sum, O^T halves)"""
+    s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+    prob, alpha, m_i, l_i = _softmax_step(
+        s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
+    )
+    acc_lo = acc_lo * alpha[None, :]
+    acc_hi = acc_hi * alpha[None, :]
+    p_smem.store((prob * P_SCALE).to(p_smem.dtype))
+    fence_async_shared()
+    _cta_barrier()
+    pv_lo = warpgroup_mma(k_lo.permute((1, 0)), p_smem, acc_lo, is_async=True)
+    pv_hi = warpgroup_mma(k_hi.permute((1, 0)), p_smem, acc_hi, is_async=True)
+    acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@gluon.jit
 def _write_output(
     acc_lo,
     acc_hi,
@@ -376,21 +419,28 @@ def mla_decode_few_rows(
             _stage_keys(k_hi, k_hi, valid, key_half_regs)
             fence_async_shared()
             _cta_barrier()
-        s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        prob, alpha, m_i, l_i = _softmax_step(
-            s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
+        m_i, l_i, acc_lo, acc_hi = _attend_tile(
+            k_lo,
+            k_hi,
+            k_pe,
+            q_lo,
+            q_hi,
+            q_pe,
+            p_smem,
+            s_zero,
+            n0,
+            end,
+            row_ok,
+            last_visible,
+            m_i,
+            l_i,
+            acc_lo,
+            acc_hi,
+            score_scale_log2,
+            CAUSAL,
+            key_vec,
+            1.0,
         )
-        acc_lo = acc_lo * alpha[None, :]
-        acc_hi = acc_hi * alpha[None, :]
-        p_smem.store(prob.to(gl.bfloat16))
-        fence_async_shared()
-        _cta_barrier()
-        pv_lo = warpgroup_mma(k_lo.permute((1, 0)), p_smem, acc_lo, is_async=True)
-        pv_hi = warpgroup_mma(k_hi.permute((1, 0)), p_smem, acc_hi, is_async=True)
-        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
         _issue_units(  # tile t's halves are read: their slots take the next units
             nope_desc,
             rope_desc,
@@ -646,21 +696,28 @@ def _mma_partition(
         k_hi = k_hi_bufs.index(b)
         k_pe = k_pe_bufs.index(b)
         mbarrier.wait(converted.index(b), (t // 2) & 1)
-        s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        prob, alpha, m_i, l_i = _softmax_step(
-            s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
+        m_i, l_i, acc_lo, acc_hi = _attend_tile(
+            k_lo,
+            k_hi,
+            k_pe,
+            q_lo,
+            q_hi,
+            q_pe,
+            p_smem,
+            s_zero,
+            n0,
+            end,
+            row_ok,
+            last_visible,
+            m_i,
+            l_i,
+            acc_lo,
+            acc_hi,
+            score_scale_log2,
+            CAUSAL,
+            key_vec,
+            P_SCALE_F16,
         )
-        acc_lo = acc_lo * alpha[None, :]
-        acc_hi = acc_hi * alpha[None, :]
-        p_smem.store((prob * P_SCALE_F16).to(gl.float16))
-        fence_async_shared()
-        _cta_barrier()
-        pv_lo = warpgroup_mma(k_lo.permute((1, 0)), p_smem, acc_lo, is_async=True)
-        pv_hi = warpgroup_mma(k_hi.permute((1, 0)), p_smem, acc_hi, is_async=True)
-        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
         # Every warp's products of tile t have completed before the one arriving thread frees it.
         _cta_barrier()
         mbarrier.arrive(f16_free.index(b), count=1)
