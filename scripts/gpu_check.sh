@@ -9,10 +9,13 @@ python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/cuda
     > "$out/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$out/pip.log"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -m jackfield.cli plugins > "$out/plugins.txt" 2>&1; grep -A1 "cuda_mla " "$out/plugins.txt"
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider core plugins tests \
+# The float64 references of the full-shape tests are CPU work: spread them over workers where
+# pytest-xdist is installed (serially the cuda_mla GPU tests alone outlast 200 s on the H200 host).
+workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider $workers core plugins tests \
     > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
 timeout 60 python3 -m jackfield.cli run --max-tokens 32 > "$out/run.txt" 2>&1; tail -4 "$out/run.txt"
-for bench in ${BENCHES:-bench_e2e bench_sampler accuracy_e2e}; do
+for bench in ${BENCHES:-bench_mla bench_e2e bench_sampler accuracy_e2e}; do
     timeout "${BENCH_TIMEOUT:-240}" python3 "benchmarks/$bench.py" > "$out/$bench.txt" 2>&1
     echo "== $bench (rc=$?)"; tail -25 "$out/$bench.txt"
 done
