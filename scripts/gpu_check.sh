@@ -9,10 +9,13 @@ python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/cuda
     > "$out/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$out/pip.log"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -m jackfield.cli plugins > "$out/plugins.txt" 2>&1; grep -A1 "cuda_mla " "$out/plugins.txt"
-# The float64 references of the full-shape tests are CPU work: spread them over workers where
-# pytest-xdist is installed (serially the cuda_mla GPU tests alone outlast 200 s on the H200 host).
+# The float64 references of cuda_mla's full-shape tests are CPU work: spread them over workers
+# where pytest-xdist is installed (serially they outlast 200 s on the H200 host; 8 workers: 124 s).
+# The rest runs serially (engine tests size their memory pools from what the GPU has free).
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider $workers core plugins tests \
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider $workers plugins/cuda_mla \
+    > "$out/gpu_tests_cuda_mla.log" 2>&1; tail -3 "$out/gpu_tests_cuda_mla.log"
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider core plugins/cpu_amx tests \
     > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
 timeout 60 python3 -m jackfield.cli run --max-tokens 32 > "$out/run.txt" 2>&1; tail -4 "$out/run.txt"
 for bench in ${BENCHES:-bench_mla bench_e2e bench_sampler accuracy_e2e}; do
