@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -m jackfield.cli plugins > "$out/plugins.txt" 2>&1; grep -A1 "cuda_mla " "$out/plugins.txt"
 # The float64 references of cuda_mla's full-shape tests are CPU work: spread them over workers
 # where pytest-xdist is installed (serially they outlast 200 s on the H200 host; 8 workers: 124 s).
-# The rest runs serially (engine tests size their memory pools from what the GPU has free).
+# The rest runs serially (engine tests side by side on one GPU have not been tried).
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider $workers plugins/cuda_mla \
     > "$out/gpu_tests_cuda_mla.log" 2>&1; tail -3 "$out/gpu_tests_cuda_mla.log"
