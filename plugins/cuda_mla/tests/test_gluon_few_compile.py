@@ -2,7 +2,8 @@
 
 - wgmma (HGMMA), not mma.sync, and not serialized: ptxas puts a wait after every wgmma when an
   accumulator register may be written while one is in flight (a few waits per tile are expected:
-  QK, then each PV half);
+  QK, then each PV half); the fp8 kernel issues PV of tile t - 1 and QK of tile t back to back and
+  waits for PV alone first;
 - no local-memory spills at 16 rows (the H=16, q_len 1 case), where 40 hoisted wgmma descriptors
   once spilled;
 - TMA loads (UTMALDG), the shared-memory plan within the 227 KB a Hopper program may use.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -101,10 +103,25 @@ def compiled_counts(fp8: bool, block_m: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def wgmma_order(sass: str) -> str:
+    """The wgmma and their waits in program order: a run of QK wgmma (K operand as stored) as
+    `QK<n>`, of PV wgmma (V^T: transposed A) as `PV<n>`, a wait for at most k groups in flight as
+    `wait<k>`; e.g. "QK36 wait0 PV32 wait0"."""
+    events = []
+    for line in sass.splitlines():
+        if re.search(r"\bHGMMA\.", line):
+            events.append("PV" if ".tnspA" in line else "QK")
+        elif wait := re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", line):
+            events.append(f"wait{int(wait.group(1), 16)}")
+    runs = [(event, len(list(group))) for event, group in itertools.groupby(events)]
+    return " ".join(event if event.startswith("wait") else f"{event}{n}" for event, n in runs)
+
+
 def count(sass: str, shared: int, block_m: int) -> dict:
     return dict(
         hgmma=len(re.findall(rf"\bHGMMA\.64x{block_m}x16\.F32(\.BF16)? ", sass)),  # bf16 or f16 operands
         waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
+        wgmma_order=wgmma_order(sass),
         mma_sync=len(re.findall(r"\bHMMA\b", sass)),
         spills=len(re.findall(r"\b(LDL|STL)\b", sass)),
         tma=len(re.findall(r"\bUTMALDG\b", sass)),
@@ -130,11 +147,14 @@ def test_bf16_kernel_uses_unserialized_wgmma_and_no_spills(block_m: int) -> None
 
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_fp8_kernel_is_warp_specialized_unserialized_and_fits(block_m: int) -> None:
-    """The fp8 kernel: the same wgmma, waited once for QK and once for PV, no spills at 16 or 32
-    rows, two f16 tiles and the fp8 ring within 227 KB, and the partitions there: the converter at
-    its register count, the MMA warpgroup taking the rest, a 128-thread barrier each."""
+    """The fp8 kernel: tile 0's QK before the loop; in the loop PV(t - 1) and QK(t) issued back to
+    back, a wait that leaves QK's three groups in flight (PV done: its f16 tile goes back to the
+    converter), a wait for QK; the last PV after the loop. No spills at 16 or 32 rows, two f16
+    tiles and the fp8 ring within 227 KB, and the partitions there: the converter at its register
+    count, the MMA warpgroup taking the rest, a 128-thread barrier each."""
     got = compiled_counts(True, block_m)
-    assert got["hgmma"] == 36 + 32 and got["waits"] <= 4, f"wgmma serialized: {got}"
+    assert got["hgmma"] == 2 * (36 + 32) and got["waits"] == 4, f"wgmma serialized: {got}"
+    assert got["wgmma_order"] == "QK36 wait0 PV32 QK36 wait3 wait0 PV32 wait0", got
     assert got["mma_sync"] == 0 and got["spills"] == 0 and got["tma"] > 0, got
     assert got["shared"] <= 227 * 1024, got
     assert got["regs_given_back"] == [hex(few.CONVERTER_REGS.value)], got

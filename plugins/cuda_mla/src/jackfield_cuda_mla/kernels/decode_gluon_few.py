@@ -493,6 +493,11 @@ def mla_decode_few_rows(
 # conversion; here a second warpgroup converts (and issues the TMA loads) into two f16 tiles
 # alternately while the first runs the products:
 #   TMA -> ready[slot] -> converter -> converted[b] -> MMA warpgroup -> f16_free[b] -> converter
+# The MMA warpgroup issues PV of tile t - 1 and QK of tile t back to back and hands f16 tile t - 1
+# back as soon as PV completed, while QK(t) still runs: the PV drain, the barrier and the hand-back
+# hide behind QK, and the converter fills tile t + 1 during QK(t) and tile t's softmax. (The
+# softmax itself cannot also overlap a product with two f16 tiles: during it the tensor cores could
+# only run QK(t + 1) or PV(t - 1), and either holds both tiles, leaving the converter nothing to fill.)
 # Every partition walks the same tiles 0 .. n_tiles - 1; phases and slots are computed from the
 # tile index (no loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
 # Shared memory at 16 rows: Q 18 KB + P^T 2 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB +
@@ -609,6 +614,43 @@ def _converter_partition(
 
 
 @gluon.jit
+def _scores_async(k_lo, k_hi, k_pe, q_lo, q_hi, q_pe, s_zero):
+    """S^T = K . Q^T of one tile as three asynchronous wgmma groups (rope, low half, high half)."""
+    s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _probabilities_to_smem(
+    s,
+    n0,
+    end,
+    row_ok,
+    last_visible,
+    m_i,
+    l_i,
+    acc_lo,
+    acc_hi,
+    score_scale_log2,
+    p_smem,
+    CAUSAL: gl.constexpr,
+    key_vec: gl.constexpr,
+):
+    """The softmax step of one tile: O^T rescaled, P^T (times 2^15, f16) into shared memory where the
+    next PV reads it (every warp's stores fenced and past the barrier). -> (max, sum, O^T halves)"""
+    prob, alpha, m_i, l_i = _softmax_step(
+        s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
+    )
+    acc_lo = acc_lo * alpha[None, :]
+    acc_hi = acc_hi * alpha[None, :]
+    p_smem.store((prob * P_SCALE_F16).to(p_smem.dtype))
+    fence_async_shared()
+    _cta_barrier()
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@gluon.jit
 def _mma_partition(
     q,
     out,
@@ -646,8 +688,9 @@ def _mma_partition(
     BLOCK_M: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
-    """The query (to f16 exactly), then per tile: QK, online softmax, PV on f16 tile t % 2, which
-    is handed back to the converter once PV completed; the output."""
+    """The query (to f16 exactly); tile 0's scores and probabilities; then per tile t >= 1: PV of
+    tile t - 1 and QK of tile t issued back to back, f16 tile t - 1 handed back to the converter
+    once PV completed, then tile t's softmax; PV of the last tile; the output."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
@@ -682,29 +725,67 @@ def _mma_partition(
     acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
 
-    for t in range(n_tiles):
+    # Every wgmma is waited for before the iteration (or the branch) that issues it ends: ptxas
+    # serializes all wgmma when accumulator registers may be defined while one is in flight, as a
+    # wgmma crossing the loop's back edge or the merge with the zero-trip path would allow.
+    if n_tiles > 0:  # tile 0: scores and probabilities; its PV goes out with QK of tile 1
+        mbarrier.wait(converted.index(0), 0)
+        s = _scores_async(
+            k_lo_bufs.index(0),
+            k_hi_bufs.index(0),
+            k_pe_bufs.index(0),
+            q_lo_buf.index(0),
+            q_hi_buf.index(0),
+            q_pe_buf.index(0),
+            s_zero,
+        )
+        s = warpgroup_mma_wait(0, deps=[s])
+        m_i, l_i, acc_lo, acc_hi = _probabilities_to_smem(
+            s,
+            start,
+            end,
+            row_ok,
+            last_visible,
+            m_i,
+            l_i,
+            acc_lo,
+            acc_hi,
+            score_scale_log2,
+            p_buf.index(0),
+            CAUSAL,
+            key_vec,
+        )
+
+    for t in range(1, n_tiles):
         n0 = start + t * BLOCK_N
+        prev = (t - 1) % 2
         b = t % 2
         # Always 0, not provably so: keeps the single buffers' wgmma descriptors next to their use
         # (see mla_decode_few_rows).
         here = gl.minimum(end - n0 - 1, 0)
-        q_lo = q_lo_buf.index(here)
-        q_hi = q_hi_buf.index(here)
-        q_pe = q_pe_buf.index(here)
         p_smem = p_buf.index(here)
-        k_lo = k_lo_bufs.index(b)
-        k_hi = k_hi_bufs.index(b)
-        k_pe = k_pe_bufs.index(b)
+        # PV(t - 1) first: it frees f16 tile t - 1 (the converter's next target) soonest, and its
+        # completion, the barrier and the hand-back run while QK(t) is on the tensor cores.
+        pv_lo = warpgroup_mma(k_lo_bufs.index(prev).permute((1, 0)), p_smem, acc_lo, is_async=True)
+        pv_hi = warpgroup_mma(k_hi_bufs.index(prev).permute((1, 0)), p_smem, acc_hi, is_async=True)
         mbarrier.wait(converted.index(b), (t // 2) & 1)
-        m_i, l_i, acc_lo, acc_hi = _attend_tile(
-            k_lo,
-            k_hi,
-            k_pe,
-            q_lo,
-            q_hi,
-            q_pe,
-            p_smem,
+        s = _scores_async(
+            k_lo_bufs.index(b),
+            k_hi_bufs.index(b),
+            k_pe_bufs.index(b),
+            q_lo_buf.index(here),
+            q_hi_buf.index(here),
+            q_pe_buf.index(here),
             s_zero,
+        )
+        acc_lo, acc_hi = warpgroup_mma_wait(3, deps=[pv_lo, pv_hi])  # PV(t - 1) done; QK(t)'s 3 groups run on
+        # Every warp's PV(t - 1) has completed before the one arriving thread frees its f16 tile and
+        # before any warp overwrites P^T(t - 1) with P^T(t).
+        _cta_barrier()
+        mbarrier.arrive(f16_free.index(prev), count=1)
+        s = warpgroup_mma_wait(0, deps=[s])
+        m_i, l_i, acc_lo, acc_hi = _probabilities_to_smem(
+            s,
             n0,
             end,
             row_ok,
@@ -714,13 +795,16 @@ def _mma_partition(
             acc_lo,
             acc_hi,
             score_scale_log2,
+            p_smem,
             CAUSAL,
             key_vec,
-            P_SCALE_F16,
         )
-        # Every warp's products of tile t have completed before the one arriving thread frees it.
-        _cta_barrier()
-        mbarrier.arrive(f16_free.index(b), count=1)
+
+    if n_tiles > 0:  # PV of the last tile (its f16 tile is not needed again: no hand-back)
+        last = (n_tiles - 1) % 2
+        pv_lo = warpgroup_mma(k_lo_bufs.index(last).permute((1, 0)), p_buf.index(0), acc_lo, is_async=True)
+        pv_hi = warpgroup_mma(k_hi_bufs.index(last).permute((1, 0)), p_buf.index(0), acc_hi, is_async=True)
+        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
 
     _write_output(
         acc_lo,
