@@ -1,7 +1,7 @@
 """Which stage-1 kernel `mla_decode` picks, and what it hands the Gluon launchers (no GPU needed).
 
-The Gluon kernels' own checks (`few_rows_applies`, `many_rows_applies`) need a Hopper GPU; here they
-are narrowed to their shape rules (`*_shapes_fit`) so that the choice itself runs on the CPU.
+The choice asks for a Hopper GPU (`decode._on_hopper`); here that check says yes, so that the
+shape rules (`*_shapes_fit`) and the choice itself run on the CPU.
 """
 
 from __future__ import annotations
@@ -35,10 +35,20 @@ def test_without_gluon_every_call_takes_the_triton_kernel(monkeypatch: pytest.Mo
 
 @pytest.fixture
 def shapes_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Gluon kernels' device checks narrowed to their shape rules."""
-    few, many = decode.decode_gluon_few, decode.decode_gluon_many
-    monkeypatch.setattr(few, "few_rows_applies", few.few_rows_shapes_fit)
-    monkeypatch.setattr(many, "many_rows_applies", many.many_rows_shapes_fit)
+    """The device check says Hopper: only the shape rules decide."""
+    monkeypatch.setattr(decode, "_on_hopper", lambda device: True)
+
+
+@needs_gluon
+def test_cpu_tensors_take_the_triton_kernel_even_when_the_shapes_fit() -> None:
+    query = torch.randn(2, 16, RANK + ROPE).bfloat16()
+    cache = torch.randn(8, PAGE, RANK + ROPE).bfloat16()
+    assert decode.decode_gluon_few.few_rows_shapes_fit(query, cache, 16, RANK)
+    assert not decode._on_hopper(cache.device)
+    assert decode._stage1_kernel(default_config(16, True), False, query, cache, 16, RANK) == "triton"
+    query = torch.randn(2, 128, RANK + ROPE).bfloat16()
+    assert decode.decode_gluon_many.many_rows_shapes_fit(query, cache, RANK, 64, 2)
+    assert decode._stage1_kernel(default_config(128, True), False, query, cache, 128, RANK) == "triton"
 
 
 def choice(heads: int, q_len: int, query_dtype: torch.dtype, cache_dtype: torch.dtype, sparse: bool = False):

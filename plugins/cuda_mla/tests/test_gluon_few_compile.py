@@ -186,7 +186,6 @@ def test_shapes_the_gluon_kernel_takes_and_leaves_to_triton() -> None:
     assert not fits(query, torch.randn(8, 32, RANK + ROPE).bfloat16(), 16, RANK)  # half-tile pages
     padded = torch.randn(8, PAGE + 1, RANK + ROPE).bfloat16()[:, :PAGE]
     assert not fits(query, padded, 16, RANK)  # pages not back to back
-    assert not few.few_rows_applies(query, cache, 16, RANK)  # not on a GPU
 
 
 class RecordedLaunch:

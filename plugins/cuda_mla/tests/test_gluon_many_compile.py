@@ -96,14 +96,6 @@ def test_default_tile_compiles_to_overlapped_wgmma_without_spills(tmp_path: Path
     assert stack <= 64, f"{stack} bytes of local memory a thread: more than scalars spill"
 
 
-def test_cpu_tensors_take_the_triton_kernel() -> None:
-    query = torch.randn(2, 64, 576, dtype=torch.bfloat16)
-    cache = torch.randn(4, 64, 576, dtype=torch.bfloat16)
-    config = default_config(128, on_gpu=True)
-    block_n, stages = config.block_n, config.num_stages
-    assert not gluon_many.many_rows_applies(query, cache, 512, block_n, stages)
-
-
 def test_shapes_the_kernel_takes_and_leaves_to_triton() -> None:
     """Fail closed: tiles whose Q + ring exceed 227 KB of shared memory, or untested shapes, fall back."""
     query = torch.randn(2, 128, 576, dtype=torch.bfloat16)

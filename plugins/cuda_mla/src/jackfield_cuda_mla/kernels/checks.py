@@ -61,3 +61,15 @@ def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
     require(
         tensor.device == device, f"{name} is on {tensor.device}, expected {device} (where kv_cache lives)"
     )
+
+
+def cache_is_one_matrix(kv_cache: torch.Tensor) -> bool:
+    """Pages back to back with 16-byte-aligned rows: the cache viewed as one [blocks x page, width]
+    matrix, which is how the TMA descriptors of the Gluon kernels address it."""
+    page = kv_cache.shape[1]
+    return (
+        kv_cache.stride(2) == 1
+        and kv_cache.stride(0) == page * kv_cache.stride(1)
+        and kv_cache.stride(1) * kv_cache.element_size() % 16 == 0
+        and kv_cache.data_ptr() % 16 == 0
+    )

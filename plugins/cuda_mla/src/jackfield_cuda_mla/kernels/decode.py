@@ -7,6 +7,7 @@ natural-log LSE, so partial results from decode context parallel ranks can be me
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -314,13 +315,23 @@ def _stage1_kernel(
     kv_lora_rank: int,
 ) -> Literal["gluon_few", "gluon_many", "triton"]:
     """The kernel that serves this call: a Gluon one where asked for and fitting, else Triton's."""
-    if not cfg.gluon or sparse or decode_gluon_few is None:
+    if not cfg.gluon or sparse or decode_gluon_few is None or not _on_hopper(kv_cache.device):
         return "triton"
-    if decode_gluon_few.few_rows_applies(query, kv_cache, rows_per_group, kv_lora_rank):
+    if decode_gluon_few.few_rows_shapes_fit(query, kv_cache, rows_per_group, kv_lora_rank):
         return "gluon_few"
-    if decode_gluon_many.many_rows_applies(query, kv_cache, kv_lora_rank, cfg.block_n, cfg.num_stages):
+    if decode_gluon_many.many_rows_shapes_fit(query, kv_cache, kv_lora_rank, cfg.block_n, cfg.num_stages):
         return "gluon_many"
     return "triton"
+
+
+@functools.cache
+def _on_hopper(device: torch.device) -> bool:
+    """A CUDA (not ROCm: it reports gfx9 parts as major 9 too) device of compute capability 9.x."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device)[0] == 9
+    )
 
 
 def _launch_triton_stage1(

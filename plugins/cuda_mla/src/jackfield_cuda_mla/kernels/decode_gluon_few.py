@@ -31,19 +31,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from jackfield_cuda_mla.kernels.checks import FP8
-
-# Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load (the old
-# name raises there). Same arguments.
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-# Likewise the CTA-wide barrier: thread_barrier in 3.6, barrier later.
-_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+from jackfield_cuda_mla.kernels.checks import FP8, cache_is_one_matrix
+from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, tma_load
 
 TILE_KEYS = 64  # keys per tile: wgmma's M
 BLOCK_N = gl.constexpr(TILE_KEYS)
@@ -85,11 +79,11 @@ def _issue_units(
         bar = ready.index(slot)
         if u % 2 == 0:
             mbarrier.expect(bar, HALF_BYTES + ROPE_BYTES)
-            _tma_load(nope_desc, [row, 0], bar, nope_ring.index(slot))
-            _tma_load(rope_desc, [row, RANK], bar, rope_ring.index(tile % ROPE_SLOTS))
+            tma_load(nope_desc, [row, 0], bar, nope_ring.index(slot))
+            tma_load(rope_desc, [row, RANK], bar, rope_ring.index(tile % ROPE_SLOTS))
         else:
             mbarrier.expect(bar, HALF_BYTES)
-            _tma_load(nope_desc, [row, HALF], bar, nope_ring.index(slot))
+            tma_load(nope_desc, [row, HALF], bar, nope_ring.index(slot))
 
 
 @gluon.jit
@@ -230,7 +224,7 @@ def _attend_tile(
     acc_hi = acc_hi * alpha[None, :]
     p_smem.store((prob * P_SCALE).to(p_smem.dtype))
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
     pv_lo = warpgroup_mma(k_lo.permute((1, 0)), p_smem, acc_lo, is_async=True)
     pv_hi = warpgroup_mma(k_hi.permute((1, 0)), p_smem, acc_hi, is_async=True)
     acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
@@ -381,7 +375,7 @@ def mla_decode_few_rows(
         False,
     )
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
 
     rows = gl.arange(0, BLOCK_M, layout=row_vec)
     row_ok = rows < q_len * num_heads
@@ -418,7 +412,7 @@ def mla_decode_few_rows(
             _stage_keys(k_lo, k_lo, valid, key_half_regs)
             _stage_keys(k_hi, k_hi, valid, key_half_regs)
             fence_async_shared()
-            _cta_barrier()
+            cta_barrier()
         m_i, l_i, acc_lo, acc_hi = _attend_tile(
             k_lo,
             k_hi,
@@ -569,7 +563,7 @@ def _converter_partition(
         # takes unit 2t + NOPE_SLOTS now, not after the whole tile, to keep more bytes in flight
         # (its rope slot, if it brings one, held tile t's box at the latest).
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         _issue_units(
             nope_desc,
             rope_desc,
@@ -592,7 +586,7 @@ def _converter_partition(
         # Every converter warp's f16 stores reach the async proxy before the one arriving thread
         # signals the MMA warpgroup.
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         mbarrier.arrive(converted.index(b), count=1)
         _issue_units(
             nope_desc,
@@ -646,7 +640,7 @@ def _probabilities_to_smem(
     acc_hi = acc_hi * alpha[None, :]
     p_smem.store((prob * P_SCALE_F16).to(p_smem.dtype))
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
     return m_i, l_i, acc_lo, acc_hi
 
 
@@ -714,7 +708,7 @@ def _mma_partition(
         True,
     )
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
 
     rows = gl.arange(0, BLOCK_M, layout=row_vec)
     row_ok = rows < q_len * num_heads
@@ -781,7 +775,7 @@ def _mma_partition(
         acc_lo, acc_hi = warpgroup_mma_wait(3, deps=[pv_lo, pv_hi])  # PV(t - 1) done; QK(t)'s 3 groups run on
         # Every warp's PV(t - 1) has completed before the one arriving thread frees its f16 tile and
         # before any warp overwrites P^T(t - 1) with P^T(t).
-        _cta_barrier()
+        cta_barrier()
         mbarrier.arrive(f16_free.index(prev), count=1)
         s = warpgroup_mma_wait(0, deps=[s])
         m_i, l_i, acc_lo, acc_hi = _probabilities_to_smem(
@@ -1002,19 +996,6 @@ def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, 
     return slots, (slots + 1) // 2
 
 
-def few_rows_applies(
-    query: torch.Tensor, kv_cache: torch.Tensor, rows_per_group: int, kv_lora_rank: int
-) -> bool:
-    """Whether this kernel takes a dense decode launch (Hopper, and the shapes fit); anything else
-    stays on the Triton kernel."""
-    return (
-        kv_cache.device.type == "cuda"
-        and torch.version.hip is None  # ROCm reports gfx9 parts as major 9 too
-        and torch.cuda.get_device_capability(kv_cache.device)[0] == 9
-        and few_rows_shapes_fit(query, kv_cache, rows_per_group, kv_lora_rank)
-    )
-
-
 def few_rows_shapes_fit(
     query: torch.Tensor, kv_cache: torch.Tensor, rows_per_group: int, kv_lora_rank: int
 ) -> bool:
@@ -1029,10 +1010,7 @@ def few_rows_shapes_fit(
         and width - kv_lora_rank == 64
         and rows_per_group <= FEW_ROWS
         and page % TILE_KEYS == 0
-        and kv_cache.stride(2) == 1
-        and kv_cache.stride(0) == page * kv_cache.stride(1)
-        and kv_cache.stride(1) * kv_cache.element_size() % 16 == 0
-        and kv_cache.data_ptr() % 16 == 0
+        and cache_is_one_matrix(kv_cache)
     )
 
 

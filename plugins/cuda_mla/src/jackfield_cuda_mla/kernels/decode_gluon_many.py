@@ -16,7 +16,7 @@ BLOCK_N keys arrive by TMA in a ring of STAGES buffers (Q 73.7 KB + 2 x 64-key t
 rows past seq_len may hold NaN, and 0 * NaN = NaN in an MMA, so the one tile that reaches past
 seq_len has those rows zeroed in shared memory first.
 
-Requires (the launcher's `applies` checks it; anything else goes to the tl kernel): heads a
+Requires (`many_rows_shapes_fit` checks it, decode.py the GPU; anything else goes to the tl kernel): heads a
 multiple of 64 (a row block is one token's 64 heads, so causality is one bound per program),
 16-bit query and cache of the same dtype, PAGE % BLOCK_N == 0, power-of-two 64 <= rope <= rank <= 512,
 contiguous query, pages back to back in the cache.
@@ -31,15 +31,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Triton 3.6 (the device) and 3.9 (CI) name these two differently; the rest of the API is common.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+from jackfield_cuda_mla.kernels.checks import cache_is_one_matrix
+from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, tma_load
 
 BLOCK_M = 64  # rows a program: one warpgroup's wgmma M
 NUM_WARPS = 8  # two warpgroups, each owning half of every product's N
@@ -61,8 +59,8 @@ def _issue_tile(
     mbarrier.expect(
         bar, BLOCK_N * (RANK + pe_desc.block_type.shape[1]) * kv_desc.dtype.primitive_bitwidth // 8, pred
     )
-    _tma_load(kv_desc, [row, 0], bar, kv_smem.index(slot), pred)
-    _tma_load(pe_desc, [row, RANK], bar, pe_smem.index(slot), pred)
+    tma_load(kv_desc, [row, 0], bar, kv_smem.index(slot), pred)
+    tma_load(pe_desc, [row, RANK], bar, pe_smem.index(slot), pred)
 
 
 @gluon.jit
@@ -82,7 +80,7 @@ def _wait_tile(kv_smem, pe_smem, ready, tile, start, seq_len, BLOCK_N, RANK, ROP
         values = pe_smem.index(slot).load(layout)
         pe_smem.index(slot).store(gl.where(key[:, None] < seq_len, values, gl.zeros_like(values)))
         fence_async_shared()  # the generic-proxy stores must be visible to wgmma's async reads
-        _cta_barrier()
+        cta_barrier()
 
 
 @gluon.jit
@@ -169,8 +167,8 @@ def mla_decode_many_rows(
 
     q_row = tok * num_heads + head0
     mbarrier.expect(q_ready, BLOCK_M * (RANK + ROPE) * dtype.primitive_bitwidth // 8, block_valid)
-    _tma_load(q_nope_desc, [q_row, 0], q_ready, q_nope_smem, block_valid)
-    _tma_load(q_pe_desc, [q_row, RANK], q_ready, q_pe_smem, block_valid)
+    tma_load(q_nope_desc, [q_row, 0], q_ready, q_nope_smem, block_valid)
+    tma_load(q_pe_desc, [q_row, RANK], q_ready, q_pe_smem, block_valid)
     table = block_table + req.to(gl.int64) * stride_bt
     for i in gl.static_range(STAGES):
         _issue_tile(
@@ -215,7 +213,7 @@ def mla_decode_many_rows(
         )
         s_tok = warpgroup_mma(q_pe_smem, pe_smem.index(slot).permute((1, 0)), s_tok, is_async=True)
         o, p_op = warpgroup_mma_wait(2, deps=[o_tok, p_op])  # PV(t - 1) done; QK(t)'s two groups run on
-        _cta_barrier()  # both warpgroups are past PV(t - 1): its buffer takes tile t - 1 + STAGES
+        cta_barrier()  # both warpgroups are past PV(t - 1): its buffer takes tile t - 1 + STAGES
         _issue_tile(
             kv_desc,
             pe_desc,
@@ -266,22 +264,6 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def many_rows_applies(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_lora_rank: int,
-    block_n: int,
-    stages: int,
-) -> bool:
-    """Whether this kernel serves the (dense) call; anything else goes to the Triton kernel."""
-    return (
-        query.is_cuda
-        and torch.version.hip is None  # ROCm reports gfx9 parts as major 9 too
-        and torch.cuda.get_device_capability(query.device)[0] == 9
-        and many_rows_shapes_fit(query, kv_cache, kv_lora_rank, block_n, stages)
-    )
-
-
 def many_rows_shapes_fit(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -305,11 +287,7 @@ def many_rows_shapes_fit(
         and page % block_n == 0
         and query.is_contiguous()  # Q as a [tokens x heads, width] matrix for TMA
         and query.data_ptr() % 16 == 0
-        # pages back to back, 16-byte rows: the cache as a [blocks x page, width] matrix for TMA
-        and kv_cache.stride(2) == 1
-        and kv_cache.stride(0) == page * kv_cache.stride(1)
-        and kv_cache.stride(1) * kv_cache.element_size() % 16 == 0
-        and kv_cache.data_ptr() % 16 == 0
+        and cache_is_one_matrix(kv_cache)
         # Q plus the ring in one program's shared memory (more stages or wider rope would not launch)
         and (BLOCK_M + stages * block_n) * width * query.element_size() + SMEM_RESERVE <= SMEM_BYTES
     )
@@ -334,7 +312,7 @@ def launch_many_rows(
     block_n: int,
     stages: int,
 ) -> None:
-    """Stage 1 over every (64-row block, request, split); `many_rows_applies` must hold."""
+    """Stage 1 over every (64-row block, request, split); `many_rows_shapes_fit` must hold, on Hopper."""
     tokens, heads, width = query.shape
     rope = width - kv_lora_rank
     page = kv_cache.shape[1]

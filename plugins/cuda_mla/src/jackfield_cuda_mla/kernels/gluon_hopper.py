@@ -1,0 +1,12 @@
+"""What the Gluon Hopper kernels share: the two API names that differ between Triton releases."""
+
+from __future__ import annotations
+
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+# Triton 3.6 (the H200 image) names the TMA load async_copy_global_to_shared, later releases
+# async_load (the old name raises there), with the same arguments; likewise the CTA-wide barrier:
+# thread_barrier in 3.6, barrier later.
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
