@@ -49,6 +49,44 @@ P_SCALE_F16 = gl.constexpr(32768.0)
 
 
 @gluon.jit
+def _issue_unit(
+    nope_desc,
+    rope_desc,
+    nope_ring,
+    rope_ring,
+    ready,
+    u,
+    row,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    HALF: gl.constexpr,
+    NOPE_SLOTS: gl.constexpr,
+    ROPE_SLOTS: gl.constexpr,
+):
+    """TMA load of ring unit u, value half u % 2 of the tile whose first key is cache row `row`
+    (half 0 brings the tile's rope box along, on the same barrier)."""
+    ELEM_BYTES: gl.constexpr = nope_desc.dtype.primitive_bitwidth // 8
+    HALF_BYTES: gl.constexpr = BLOCK_N * HALF * ELEM_BYTES
+    ROPE_BYTES: gl.constexpr = BLOCK_N * ROPE * ELEM_BYTES
+    slot = u % NOPE_SLOTS
+    bar = ready.index(slot)
+    if u % 2 == 0:
+        mbarrier.expect(bar, HALF_BYTES + ROPE_BYTES)
+        tma_load(nope_desc, [row, 0], bar, nope_ring.index(slot))
+        tma_load(rope_desc, [row, RANK], bar, rope_ring.index((u // 2) % ROPE_SLOTS))
+    else:
+        mbarrier.expect(bar, HALF_BYTES)
+        tma_load(nope_desc, [row, HALF], bar, nope_ring.index(slot))
+
+
+@gluon.jit
+def _tile_row(table, start, tile, PAGE: gl.constexpr):
+    """Cache row of the tile's first key (one block-table read; L1 hits after a page's first)."""
+    n0 = start + tile * BLOCK_N
+    return gl.load(table + n0 // PAGE) * PAGE + n0 % PAGE
+
+
+@gluon.jit
 def _issue_units(
     nope_desc,
     rope_desc,
@@ -66,24 +104,23 @@ def _issue_units(
     NOPE_SLOTS: gl.constexpr,
     ROPE_SLOTS: gl.constexpr,
 ):
-    """TMA loads of ring units first .. limit - 1; unit u is value half u % 2 of tile u // 2 (half 0
-    brings the tile's rope box along, on the same barrier)."""
-    ELEM_BYTES: gl.constexpr = nope_desc.dtype.primitive_bitwidth // 8
-    HALF_BYTES: gl.constexpr = BLOCK_N * HALF * ELEM_BYTES
-    ROPE_BYTES: gl.constexpr = BLOCK_N * ROPE * ELEM_BYTES
+    """TMA loads of ring units first .. limit - 1; unit u is value half u % 2 of tile u // 2."""
     for u in range(first, limit):
-        tile = u // 2
-        n0 = start + tile * BLOCK_N
-        row = gl.load(table + n0 // PAGE) * PAGE + n0 % PAGE
-        slot = u % NOPE_SLOTS
-        bar = ready.index(slot)
-        if u % 2 == 0:
-            mbarrier.expect(bar, HALF_BYTES + ROPE_BYTES)
-            tma_load(nope_desc, [row, 0], bar, nope_ring.index(slot))
-            tma_load(rope_desc, [row, RANK], bar, rope_ring.index(tile % ROPE_SLOTS))
-        else:
-            mbarrier.expect(bar, HALF_BYTES)
-            tma_load(nope_desc, [row, HALF], bar, nope_ring.index(slot))
+        row = _tile_row(table, start, u // 2, PAGE)
+        _issue_unit(
+            nope_desc,
+            rope_desc,
+            nope_ring,
+            rope_ring,
+            ready,
+            u,
+            row,
+            RANK,
+            ROPE,
+            HALF,
+            NOPE_SLOTS,
+            ROPE_SLOTS,
+        )
 
 
 @gluon.jit
@@ -532,26 +569,43 @@ def _converter_partition(
     key_rope_regs: gl.constexpr = gl.BlockedLayout(
         [1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0]
     )
-    _issue_units(
-        nope_desc,
-        rope_desc,
-        nope_ring,
-        rope_ring,
-        ready,
-        table,
-        start,
-        0,
-        gl.minimum(NOPE_SLOTS, 2 * n_tiles),
-        RANK,
-        ROPE,
-        HALF,
-        PAGE,
-        NOPE_SLOTS,
-        ROPE_SLOTS,
-    )
+    n_units = 2 * n_tiles
+    last_tile = n_tiles - 1
+    # Every block-table read comes before the waits that precede its TMA issue, so its latency
+    # overlaps them instead of delaying a refill while the ring is a unit short. Tile indices are
+    # clamped to the request's last tile (the read stays in bounds); the unit count decides what is
+    # issued. The fill: units 0 .. NOPE_SLOTS - 1, at most two tiles (ring_slots gives the fp8 ring
+    # 3 value halves at 16 rows, 2 at 32).
+    gl.static_assert(NOPE_SLOTS <= 4, "the fill reads the rows of two tiles")
+    if n_tiles > 0:
+        row_0 = _tile_row(table, start, 0, PAGE)
+        row_1 = _tile_row(table, start, gl.minimum(1, last_tile), PAGE)
+        for u in gl.static_range(NOPE_SLOTS):
+            if u < n_units:
+                row = row_0 if u < 2 else row_1
+                _issue_unit(
+                    nope_desc,
+                    rope_desc,
+                    nope_ring,
+                    rope_ring,
+                    ready,
+                    u,
+                    row,
+                    RANK,
+                    ROPE,
+                    HALF,
+                    NOPE_SLOTS,
+                    ROPE_SLOTS,
+                )
     for t in range(n_tiles):
         b = t % 2
         valid = end - (start + t * BLOCK_N)
+        # The two units this iteration refills the ring with (recomputed per iteration: no
+        # loop-carried scalars), and their rows read now, ahead of the waits.
+        unit_a = 2 * t + NOPE_SLOTS
+        unit_b = unit_a + 1
+        row_a = _tile_row(table, start, gl.minimum(unit_a // 2, last_tile), PAGE)
+        row_b = _tile_row(table, start, gl.minimum(unit_b // 2, last_tile), PAGE)
         # Tiles 0 and 1: parity 1 of a fresh barrier passes; later, the MMA warpgroup's arrival
         # for tile t - 2 (it cannot arrive for tile t before this partition converted it).
         mbarrier.wait(f16_free.index(b), ((t // 2) & 1) ^ 1)
@@ -564,23 +618,21 @@ def _converter_partition(
         # (its rope slot, if it brings one, held tile t's box at the latest).
         fence_async_shared()
         cta_barrier()
-        _issue_units(
-            nope_desc,
-            rope_desc,
-            nope_ring,
-            rope_ring,
-            ready,
-            table,
-            start,
-            gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles),
-            gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
-            RANK,
-            ROPE,
-            HALF,
-            PAGE,
-            NOPE_SLOTS,
-            ROPE_SLOTS,
-        )
+        if unit_a < n_units:
+            _issue_unit(
+                nope_desc,
+                rope_desc,
+                nope_ring,
+                rope_ring,
+                ready,
+                unit_a,
+                row_a,
+                RANK,
+                ROPE,
+                HALF,
+                NOPE_SLOTS,
+                ROPE_SLOTS,
+            )
         mbarrier.wait(ready.index((2 * t + 1) % NOPE_SLOTS), ((2 * t + 1) // NOPE_SLOTS) & 1)
         _stage_keys(nope_ring.index((2 * t + 1) % NOPE_SLOTS), k_hi_bufs.index(b), valid, key_half_regs)
         # Every converter warp's f16 stores reach the async proxy before the one arriving thread
@@ -588,23 +640,21 @@ def _converter_partition(
         fence_async_shared()
         cta_barrier()
         mbarrier.arrive(converted.index(b), count=1)
-        _issue_units(
-            nope_desc,
-            rope_desc,
-            nope_ring,
-            rope_ring,
-            ready,
-            table,
-            start,
-            gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
-            gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles),
-            RANK,
-            ROPE,
-            HALF,
-            PAGE,
-            NOPE_SLOTS,
-            ROPE_SLOTS,
-        )
+        if unit_b < n_units:
+            _issue_unit(
+                nope_desc,
+                rope_desc,
+                nope_ring,
+                rope_ring,
+                ready,
+                unit_b,
+                row_b,
+                RANK,
+                ROPE,
+                HALF,
+                NOPE_SLOTS,
+                ROPE_SLOTS,
+            )
 
 
 @gluon.jit
