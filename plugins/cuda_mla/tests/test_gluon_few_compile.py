@@ -6,7 +6,9 @@
   waits for PV alone first;
 - no local-memory spills at 16 rows (the H=16, q_len 1 case), where 40 hoisted wgmma descriptors
   once spilled;
-- TMA loads (UTMALDG), the shared-memory plan within the 227 KB a Hopper program may use.
+- TMA loads (UTMALDG), the shared-memory plan within the 227 KB a Hopper program may use;
+- the fp8 converter reads the block table ahead of its mbarrier waits (a read between a wait and
+  the TMA issue it feeds kept the ring a unit short for one L2/DRAM round trip per refill).
 """
 
 from __future__ import annotations
@@ -117,6 +119,23 @@ def wgmma_order(sass: str) -> str:
     return " ".join(event if event.startswith("wait") else f"{event}{n}" for event, n in runs)
 
 
+def converter_table_reads(sass: str) -> list[int]:
+    """Block-table reads (the 32-bit LDG; the query loads are 16-bit) of the converter partition, the
+    code from its register give-back (setmaxnreg.dec) to the end of the partition: [before its first
+    mbarrier wait, after it]. The wait's retry loop lies past the kernel's exit, outside it."""
+    reads, waited, inside = [0, 0], False, False
+    for line in sass.splitlines():
+        if "USETMAXREG.DEALLOC" in line:
+            inside = True
+        elif inside and re.search(r"\b(USETMAXREG\.TRY_ALLOC|EXIT)\b", line):
+            break
+        elif inside and "SYNCS.PHASECHK" in line:
+            waited = True
+        elif inside and re.search(r"\bLDG\.E ", line):
+            reads[waited] += 1
+    return reads
+
+
 def count(sass: str, shared: int, block_m: int) -> dict:
     return dict(
         hgmma=len(re.findall(rf"\bHGMMA\.64x{block_m}x16\.F32(\.BF16)? ", sass)),  # bf16 or f16 operands
@@ -131,6 +150,7 @@ def count(sass: str, shared: int, block_m: int) -> dict:
         regs_given_back=sorted(set(re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", sass))),
         regs_taken=sorted(set(re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, (0x[0-9a-f]+)", sass))),
         warpgroup_barriers=sorted(set(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+), 0x80 ", sass))),
+        converter_table_reads=converter_table_reads(sass),
     )
 
 
@@ -151,7 +171,9 @@ def test_fp8_kernel_is_warp_specialized_unserialized_and_fits(block_m: int) -> N
     back, a wait that leaves QK's three groups in flight (PV done: its f16 tile goes back to the
     converter), a wait for QK; the last PV after the loop. No spills at 16 or 32 rows, two f16
     tiles and the fp8 ring within 227 KB, and the partitions there: the converter at its register
-    count, the MMA warpgroup taking the rest, a 128-thread barrier each."""
+    count, the MMA warpgroup taking the rest, a 128-thread barrier each. The converter's block-table
+    reads (the fill's and each iteration's) all come before its first mbarrier wait in program order,
+    so none sits between a wait and the TMA issue it feeds."""
     got = compiled_counts(True, block_m)
     assert got["hgmma"] == 2 * (36 + 32) and got["waits"] == 4, f"wgmma serialized: {got}"
     assert got["wgmma_order"] == "QK36 wait0 PV32 QK36 wait3 wait0 PV32 wait0", got
@@ -160,6 +182,8 @@ def test_fp8_kernel_is_warp_specialized_unserialized_and_fits(block_m: int) -> N
     assert got["regs_given_back"] == [hex(few.CONVERTER_REGS.value)], got
     assert got["regs_taken"] == ["0x100"], got
     assert len(got["warpgroup_barriers"]) == 2, got
+    before_wait, after_wait = got["converter_table_reads"]
+    assert before_wait > 0 and after_wait == 0, got
 
 
 def test_ring_plan() -> None:
