@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from jackfield_cuda_mla.kernels.checks import FP8, cache_is_one_matrix
-from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, tma_load
+from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_reinterpret, tma_load
 
 TILE_KEYS = 64  # keys per tile: wgmma's M
 BLOCK_N = gl.constexpr(TILE_KEYS)
@@ -517,26 +517,29 @@ def mla_decode_few_rows(
     )
 
 
-# --- fp8 caches: a converter warpgroup beside the MMA warpgroup -----------------------------------
+# --- fp8 caches: a converter warpgroup beside two consumer warpgroups ---------------------------
 #
-# Over an fp8 cache the tiles must become f16 before wgmma can read them. One warpgroup doing
-# everything (wait for TMA, convert, QK, softmax, PV) made QK of tile t + 1 wait for its whole
-# conversion; here a second warpgroup converts (and issues the TMA loads) into two f16 tiles
-# alternately while the first runs the products:
-#   TMA -> ready[slot] -> converter -> converted[b] -> MMA warpgroup -> f16_free[b] -> converter
-# The MMA warpgroup issues PV of tile t - 1 and QK of tile t back to back and hands f16 tile t - 1
-# back as soon as PV completed, while QK(t) still runs: the PV drain, the barrier and the hand-back
-# hide behind QK, and the converter fills tile t + 1 during QK(t) and tile t's softmax. (The
-# softmax itself cannot also overlap a product with two f16 tiles: during it the tensor cores could
-# only run QK(t + 1) or PV(t - 1), and either holds both tiles, leaving the converter nothing to fill.)
-# Every partition walks the same tiles 0 .. n_tiles - 1; phases and slots are computed from the
-# tile index (no loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
-# Shared memory at 16 rows: Q 18 KB + P^T 2 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB +
-# 2 rope boxes 8 KB = 220 KB (32 rows: 2 half units, 1 rope box, 220 KB). Operands are f16, not
-# bf16: e4m3 -> f16 is one conversion a pair, e4m3 -> bf16 four, two of them on the quarter-rate
+# Over an fp8 cache the tiles must become f16 before wgmma can read them. A converter warpgroup
+# issues the TMA loads and converts tile t into f16 tile t % 2; consumer warpgroup t % 2 runs that
+# tile's QK, softmax and PV and hands the f16 tile back:
+#   TMA -> ready[slot] -> converter -> converted[b] -> consumer b -> f16_free[b] -> converter
+# Two consumers, each with its own online-softmax state over every other tile, merged at the end:
+# one consumer's softmax and barriers run while the other's products are on the tensor cores, and
+# the converter fills a tile while the consumer that freed it waits. (H200, B128 H16 S4096 q1, one
+# consumer: 150 us, about the bf16 kernel's time, while the ring alone streams the fp8 cache in
+# 86 us and one consumer's chain without conversion takes 100 us: PERF_NOTES.md round 5.)
+# Every partition walks its tiles by index; phases and slots are computed from the tile index (no
+# loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
+# Shared memory at 16 rows: Q 18 KB + two P^T 4 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB
+# + 2 rope boxes 8 KB = 222 KB (32 rows: 2 half units, 1 rope box). Operands are f16, not bf16:
+# e4m3 -> f16 is one conversion a pair, e4m3 -> bf16 four, two of them on the quarter-rate
 # conversion pipe (H200, B128 S4096 on one warpgroup: 258.6 us with bf16 operands, 234.2 with f16).
 CONVERTER_WARPS = gl.constexpr(4)
-CONVERTER_REGS = gl.constexpr(128)  # per converter thread (setmaxnreg); the MMA warpgroup has the rest
+CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup: wgmma's unit
+# Registers a thread (setmaxnreg) of the worker consumer and of the converter at 16 and 32 rows;
+# the default consumer takes what is left. 32 rows double the O^T accumulator (64 -> 128 a thread).
+CONSUMER_REGS_16, CONSUMER_REGS_32 = gl.constexpr(184), gl.constexpr(224)
+CONVERTER_REGS_16, CONVERTER_REGS_32 = gl.constexpr(96), gl.constexpr(64)
 
 
 @gluon.jit
@@ -658,45 +661,23 @@ def _converter_partition(
 
 
 @gluon.jit
-def _scores_async(k_lo, k_hi, k_pe, q_lo, q_hi, q_pe, s_zero):
-    """S^T = K . Q^T of one tile as three asynchronous wgmma groups (rope, low half, high half)."""
-    s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _probabilities_to_smem(
-    s,
-    n0,
-    end,
-    row_ok,
-    last_visible,
-    m_i,
-    l_i,
-    acc_lo,
-    acc_hi,
-    score_scale_log2,
-    p_smem,
-    CAUSAL: gl.constexpr,
-    key_vec: gl.constexpr,
+def _partial_buffers(
+    k_lo_bufs, k_hi_bufs, k_pe_bufs, HALF: gl.constexpr, BLOCK_M: gl.constexpr, ROPE: gl.constexpr
 ):
-    """The softmax step of one tile: O^T rescaled, P^T (times 2^15, f16) into shared memory where the
-    next PV reads it (every warp's stores fenced and past the barrier). -> (max, sum, O^T halves)"""
-    prob, alpha, m_i, l_i = _softmax_step(
-        s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
-    )
-    acc_lo = acc_lo * alpha[None, :]
-    acc_hi = acc_hi * alpha[None, :]
-    p_smem.store((prob * P_SCALE_F16).to(p_smem.dtype))
-    fence_async_shared()
-    cta_barrier()
-    return m_i, l_i, acc_lo, acc_hi
+    """Consumer 1's partial result (O^T halves in f32, row max, row sum) in f16 tile 1's shared
+    memory, free once consumer 1 is done (the converter fills tile 1 only for consumer 1's tiles)."""
+    acc_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    per_half: gl.constexpr = 2 * BLOCK_N * HALF * 2 // (HALF * BLOCK_M * 4)  # f32 blocks in [2, 64, HALF] f16
+    per_rope: gl.constexpr = 2 * BLOCK_N * ROPE * 2 // (BLOCK_M * 4)
+    lo = smem_reinterpret(k_lo_bufs, gl.float32, [per_half, HALF, BLOCK_M], acc_layout).index(per_half // 2)
+    hi = smem_reinterpret(k_hi_bufs, gl.float32, [per_half, HALF, BLOCK_M], acc_layout).index(per_half // 2)
+    vecs = smem_reinterpret(k_pe_bufs, gl.float32, [per_rope, BLOCK_M], vec_layout)
+    return lo, hi, vecs.index(per_rope // 2), vecs.index(per_rope // 2 + 1)
 
 
 @gluon.jit
-def _mma_partition(
-    q,
+def _consumer_partition(
     out,
     lse,
     q_lo_buf,
@@ -708,6 +689,7 @@ def _mma_partition(
     k_pe_bufs,
     converted,
     f16_free,
+    partial_ready,
     first_tok,
     q_len,
     seq_len,
@@ -718,48 +700,27 @@ def _mma_partition(
     score_scale_log2,
     value_scale,
     num_heads,
-    stride_qt,
-    stride_qh,
     stride_ot,
     stride_oh,
     stride_os,
     stride_lt,
     stride_lh,
     stride_ls,
-    RANK: gl.constexpr,
     ROPE: gl.constexpr,
     HALF: gl.constexpr,
     BLOCK_M: gl.constexpr,
     CAUSAL: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
-    """The query (to f16 exactly); tile 0's scores and probabilities; then per tile t >= 1: PV of
-    tile t - 1 and QK of tile t issued back to back, f16 tile t - 1 handed back to the converter
-    once PV completed, then tile t's softmax; PV of the last tile; the output."""
+    """Tiles CONSUMER, CONSUMER + 2, ... on f16 tile CONSUMER: QK, online softmax, PV, the tile
+    handed back to the converter once PV completed. Consumer 1 then leaves its partial result in
+    shared memory; consumer 0 merges it with its own and writes the output."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
     )
     key_vec: gl.constexpr = gl.SliceLayout(1, mma)
     row_vec: gl.constexpr = gl.SliceLayout(0, mma)
-    score_scale_log2 = _stage_query(
-        q,
-        q_lo_buf,
-        q_hi_buf,
-        q_pe_buf,
-        first_tok,
-        q_len,
-        num_heads,
-        stride_qt,
-        stride_qh,
-        score_scale_log2,
-        RANK,
-        ROPE,
-        BLOCK_M,
-        True,
-    )
-    fence_async_shared()
-    cta_barrier()
-
     rows = gl.arange(0, BLOCK_M, layout=row_vec)
     row_ok = rows < q_len * num_heads
     last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
@@ -769,67 +730,21 @@ def _mma_partition(
     acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
 
-    # Every wgmma is waited for before the iteration (or the branch) that issues it ends: ptxas
-    # serializes all wgmma when accumulator registers may be defined while one is in flight, as a
-    # wgmma crossing the loop's back edge or the merge with the zero-trip path would allow.
-    if n_tiles > 0:  # tile 0: scores and probabilities; its PV goes out with QK of tile 1
-        mbarrier.wait(converted.index(0), 0)
-        s = _scores_async(
-            k_lo_bufs.index(0),
-            k_hi_bufs.index(0),
-            k_pe_bufs.index(0),
-            q_lo_buf.index(0),
-            q_hi_buf.index(0),
-            q_pe_buf.index(0),
-            s_zero,
-        )
-        s = warpgroup_mma_wait(0, deps=[s])
-        m_i, l_i, acc_lo, acc_hi = _probabilities_to_smem(
-            s,
-            start,
-            end,
-            row_ok,
-            last_visible,
-            m_i,
-            l_i,
-            acc_lo,
-            acc_hi,
-            score_scale_log2,
-            p_buf.index(0),
-            CAUSAL,
-            key_vec,
-        )
-
-    for t in range(1, n_tiles):
-        n0 = start + t * BLOCK_N
-        prev = (t - 1) % 2
-        b = t % 2
-        # Always 0, not provably so: keeps the single buffers' wgmma descriptors next to their use
-        # (see mla_decode_few_rows).
+    for i in range((n_tiles + 1 - CONSUMER) // 2):
+        n0 = start + (2 * i + CONSUMER) * BLOCK_N
+        # Always 0, not provably so: keeps the buffers' wgmma descriptors next to their use instead
+        # of hoisted out of the loop, where they spilled (see mla_decode_few_rows).
         here = gl.minimum(end - n0 - 1, 0)
-        p_smem = p_buf.index(here)
-        # PV(t - 1) first: it frees f16 tile t - 1 (the converter's next target) soonest, and its
-        # completion, the barrier and the hand-back run while QK(t) is on the tensor cores.
-        pv_lo = warpgroup_mma(k_lo_bufs.index(prev).permute((1, 0)), p_smem, acc_lo, is_async=True)
-        pv_hi = warpgroup_mma(k_hi_bufs.index(prev).permute((1, 0)), p_smem, acc_hi, is_async=True)
-        mbarrier.wait(converted.index(b), (t // 2) & 1)
-        s = _scores_async(
-            k_lo_bufs.index(b),
-            k_hi_bufs.index(b),
-            k_pe_bufs.index(b),
+        mbarrier.wait(converted.index(CONSUMER), i & 1)
+        m_i, l_i, acc_lo, acc_hi = _attend_tile(
+            k_lo_bufs.index(CONSUMER + here),
+            k_hi_bufs.index(CONSUMER + here),
+            k_pe_bufs.index(CONSUMER + here),
             q_lo_buf.index(here),
             q_hi_buf.index(here),
             q_pe_buf.index(here),
+            p_buf.index(CONSUMER + here),
             s_zero,
-        )
-        acc_lo, acc_hi = warpgroup_mma_wait(3, deps=[pv_lo, pv_hi])  # PV(t - 1) done; QK(t)'s 3 groups run on
-        # Every warp's PV(t - 1) has completed before the one arriving thread frees its f16 tile and
-        # before any warp overwrites P^T(t - 1) with P^T(t).
-        cta_barrier()
-        mbarrier.arrive(f16_free.index(prev), count=1)
-        s = warpgroup_mma_wait(0, deps=[s])
-        m_i, l_i, acc_lo, acc_hi = _probabilities_to_smem(
-            s,
             n0,
             end,
             row_ok,
@@ -839,40 +754,55 @@ def _mma_partition(
             acc_lo,
             acc_hi,
             score_scale_log2,
-            p_smem,
             CAUSAL,
             key_vec,
+            P_SCALE_F16,
         )
+        # Every warp's products of the tile have completed before the one arriving thread frees it.
+        cta_barrier()
+        mbarrier.arrive(f16_free.index(CONSUMER), count=1)
 
-    if n_tiles > 0:  # PV of the last tile (its f16 tile is not needed again: no hand-back)
-        last = (n_tiles - 1) % 2
-        pv_lo = warpgroup_mma(k_lo_bufs.index(last).permute((1, 0)), p_buf.index(0), acc_lo, is_async=True)
-        pv_hi = warpgroup_mma(k_hi_bufs.index(last).permute((1, 0)), p_buf.index(0), acc_hi, is_async=True)
-        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
-
-    _write_output(
-        acc_lo,
-        acc_hi,
-        m_i,
-        l_i,
-        value_scale,
-        rows,
-        row_ok,
-        first_tok,
-        num_heads,
-        split,
-        out,
-        lse,
-        stride_ot,
-        stride_oh,
-        stride_os,
-        stride_lt,
-        stride_lh,
-        stride_ls,
-        HALF,
-        P_SCALE_F16,
-        mma,
-    )
+    lo_smem, hi_smem, m_smem, l_smem = _partial_buffers(k_lo_bufs, k_hi_bufs, k_pe_bufs, HALF, BLOCK_M, ROPE)
+    if CONSUMER == 1:
+        lo_smem.store(acc_lo)
+        hi_smem.store(acc_hi)
+        m_smem.store(m_i)
+        l_smem.store(l_i)
+        cta_barrier()  # every warp's stores before the one arriving thread's release
+        mbarrier.arrive(partial_ready, count=1)
+    else:
+        mbarrier.wait(partial_ready, 0)
+        m_other = m_smem.load(row_vec)
+        m_new = gl.maximum(m_i, m_other)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
+        alpha = gl.exp2(m_i - m_safe)
+        alpha_other = gl.exp2(m_other - m_safe)
+        l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
+        acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma) * alpha_other[None, :]
+        acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma) * alpha_other[None, :]
+        _write_output(
+            acc_lo,
+            acc_hi,
+            m_new,
+            l_i,
+            value_scale,
+            rows,
+            row_ok,
+            first_tok,
+            num_heads,
+            split,
+            out,
+            lse,
+            stride_ot,
+            stride_oh,
+            stride_os,
+            stride_lt,
+            stride_lh,
+            stride_ls,
+            HALF,
+            P_SCALE_F16,
+            mma,
+        )
 
 
 @gluon.jit
@@ -906,7 +836,7 @@ def mla_decode_few_rows_fp8(
     NOPE_SLOTS: gl.constexpr,
     ROPE_SLOTS: gl.constexpr,
 ):
-    """fp8 cache: mla_decode_few_rows with the conversion on its own warpgroup."""
+    """fp8 cache: mla_decode_few_rows with a converter warpgroup and two consumer warpgroups."""
     HALF: gl.constexpr = RANK // 2
     req = gl.program_id(0)
     split = gl.program_id(1)
@@ -928,7 +858,7 @@ def mla_decode_few_rows_fp8(
     q_lo_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
     q_hi_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
     q_pe_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, ROPE], q_rope_smem)
-    p_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_M], p_smem_layout)
+    p_buf = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_M], p_smem_layout)  # one a consumer
     k_lo_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HALF], half_f16)
     k_hi_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HALF], half_f16)
     k_pe_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROPE], rope_f16)
@@ -937,19 +867,40 @@ def mla_decode_few_rows_fp8(
     ready = gl.allocate_shared_memory(gl.int64, [NOPE_SLOTS, 1], mbarrier.MBarrierLayout())
     converted = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     f16_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    partial_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NOPE_SLOTS):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(converted.index(i), count=1)
         mbarrier.init(f16_free.index(i), count=1)
+    mbarrier.init(partial_ready, count=1)
+    consumer_regs: gl.constexpr = CONSUMER_REGS_16 if BLOCK_M == 16 else CONSUMER_REGS_32
+    converter_regs: gl.constexpr = CONVERTER_REGS_16 if BLOCK_M == 16 else CONVERTER_REGS_32
+    # The query once, by the default warps before the partitions fork (both consumers read it).
+    score_scale_log2 = _stage_query(
+        q,
+        q_lo_buf,
+        q_hi_buf,
+        q_pe_buf,
+        first_tok,
+        q_len,
+        num_heads,
+        stride_qt,
+        stride_qh,
+        sm_scale_log2 * value_scale,
+        RANK,
+        ROPE,
+        BLOCK_M,
+        True,
+    )
     fence_async_shared()
+    cta_barrier()
 
     gl.warp_specialize(
         [
             (
-                _mma_partition,
+                _consumer_partition,
                 (
-                    q,
                     out,
                     lse,
                     q_lo_buf,
@@ -961,6 +912,7 @@ def mla_decode_few_rows_fp8(
                     k_pe_bufs,
                     converted,
                     f16_free,
+                    partial_ready,
                     first_tok,
                     q_len,
                     seq_len,
@@ -968,22 +920,58 @@ def mla_decode_few_rows_fp8(
                     end,
                     n_tiles,
                     split,
-                    sm_scale_log2 * value_scale,
+                    score_scale_log2,
                     value_scale,
                     num_heads,
-                    stride_qt,
-                    stride_qh,
                     stride_ot,
                     stride_oh,
                     stride_os,
                     stride_lt,
                     stride_lh,
                     stride_ls,
-                    RANK,
                     ROPE,
                     HALF,
                     BLOCK_M,
                     CAUSAL,
+                    0,
+                ),
+            ),
+            (
+                _consumer_partition,
+                (
+                    out,
+                    lse,
+                    q_lo_buf,
+                    q_hi_buf,
+                    q_pe_buf,
+                    p_buf,
+                    k_lo_bufs,
+                    k_hi_bufs,
+                    k_pe_bufs,
+                    converted,
+                    f16_free,
+                    partial_ready,
+                    first_tok,
+                    q_len,
+                    seq_len,
+                    start,
+                    end,
+                    n_tiles,
+                    split,
+                    score_scale_log2,
+                    value_scale,
+                    num_heads,
+                    stride_ot,
+                    stride_oh,
+                    stride_os,
+                    stride_lt,
+                    stride_lh,
+                    stride_ls,
+                    ROPE,
+                    HALF,
+                    BLOCK_M,
+                    CAUSAL,
+                    1,
                 ),
             ),
             (
@@ -1012,8 +1000,8 @@ def mla_decode_few_rows_fp8(
                 ),
             ),
         ],
-        [CONVERTER_WARPS],
-        [CONVERTER_REGS],
+        [CONSUMER_WARPS, CONVERTER_WARPS],
+        [consumer_regs, converter_regs],
     )
 
     for i in gl.static_range(NOPE_SLOTS):
@@ -1021,6 +1009,7 @@ def mla_decode_few_rows_fp8(
     for i in gl.static_range(2):
         mbarrier.invalidate(converted.index(i))
         mbarrier.invalidate(f16_free.index(i))
+    mbarrier.invalidate(partial_ready)
 
 
 # Shared memory a program may use on sm_90 (227 KB), less a reserve for the compiler's reduction
@@ -1037,8 +1026,8 @@ def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, 
     A rope slot per tile that can be in flight: the half ring holds ceil(slots / 2) tiles.
     """
     fixed = block_m * (rank + rope) * 2 + TILE_KEYS * block_m * 2
-    if kv_bytes == 1:
-        fixed += 2 * TILE_KEYS * (rank + rope) * 2
+    if kv_bytes == 1:  # the two converted f16 tiles and a second P^T (one a consumer)
+        fixed += 2 * TILE_KEYS * (rank + rope) * 2 + TILE_KEYS * block_m * 2
     half, box = TILE_KEYS * rank // 2 * kv_bytes, TILE_KEYS * rope * kv_bytes
     slots = 2
     while fixed + (slots + 1) * half + (slots + 2) // 2 * box <= SMEM_BYTES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
@@ -10,3 +11,18 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 # thread_barrier in 3.6, barrier later.
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@gluon.jit
+def _reinterpret_36(buffer, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return buffer._reinterpret(dtype, shape, layout)
+
+
+@gluon.jit
+def _reinterpret_39(buffer, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return buffer.reinterpret(dtype, shape, layout)
+
+
+# A shared-memory buffer viewed with another dtype, shape and layout: _reinterpret in Triton 3.6,
+# reinterpret later.
+smem_reinterpret = _reinterpret_39 if hasattr(gl.shared_memory_descriptor, "reinterpret") else _reinterpret_36
