@@ -139,6 +139,9 @@ def run_ref(c: dict) -> torch.Tensor:
 
 def gpu_ms(fn) -> float:
     """GPU time of one call: captured in a CUDA graph and replayed (no host time in it)."""
+    # do_bench_cudagraph runs fn on a side stream that does not wait for the default stream's
+    # pending work (the inputs just generated): without this sync it read half-written tensors
+    torch.cuda.synchronize()
     return do_bench_cudagraph(fn, return_mode="median")
 
 
