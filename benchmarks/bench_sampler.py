@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from jackfield.sampling import launch, sample
+from jackfield.ops import launch
+from jackfield.sampling import sample
 from jackfield.sampling.filters_triton import filter_and_sample_triton
 from jackfield.sampling.gumbel_triton import (
     DEFAULT_SHAPE,

@@ -247,7 +247,8 @@ def test_bit_exact_at_benchmark_size_on_gpu() -> None:
 def test_direct_launches_match_triton_s_own_launches_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kept compiled kernels launched directly (launch.py) give the bits of Triton's own path,
     for every kernel of both paths, also for unaligned views (another specialization)."""
-    from jackfield.sampling import filters_triton, gumbel_triton, launch
+    from jackfield.ops import launch
+    from jackfield.sampling import filters_triton, gumbel_triton
 
     launchers = [
         gumbel_triton.launch_approx_maxima,

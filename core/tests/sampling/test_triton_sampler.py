@@ -426,3 +426,13 @@ def test_batches_past_the_grid_limit_run_in_slices(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(gt, "MAX_GRID_Y", 1)
     sliced = gt.gumbel_argmax_triton(logits, temperature, seeds, positions, None)
     assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
+
+
+@pytest.mark.parametrize("major, overlaps", [(7, False), (8, False), (9, True), (10, True)])
+def test_stage_overlap_only_from_compute_capability_9(monkeypatch, major: int, overlaps: bool) -> None:
+    """griddepcontrol is an sm_90 instruction: below it (A100, L4, RTX 30/40) ptxas rejects the
+    kernels, so stage 2 must launch plainly there."""
+    from jackfield.sampling import gumbel_triton
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (major, 0))
+    assert gumbel_triton._has_grid_dependency_control.__wrapped__(torch.device("cuda", 0)) is overlaps

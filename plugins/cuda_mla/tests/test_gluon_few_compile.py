@@ -221,16 +221,13 @@ def test_shapes_the_gluon_kernel_takes_and_leaves_to_triton() -> None:
 
 
 class RecordedLaunch:
-    """Stands in for a Gluon kernel: records the grid and the compile-time arguments of a launch."""
+    """Stands in for a Gluon kernel's launcher: records the grid and the arguments of a launch."""
 
     def __init__(self) -> None:
         self.launches: list[tuple[tuple, tuple, dict]] = []
 
-    def __getitem__(self, grid: tuple):
-        def launch(*args, **kwargs) -> None:
-            self.launches.append((grid, args, kwargs))
-
-        return launch
+    def __call__(self, grid: tuple, *args, **kwargs) -> None:
+        self.launches.append((grid, args, kwargs))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, few.FP8])
@@ -241,8 +238,8 @@ def test_launcher_picks_the_kernel_and_ring_by_cache_dtype(
     """bf16 caches go to the one-warpgroup kernel, fp8 to the converter kernel (with kv_scale), each
     with the ring that fits its shared memory."""
     bf16_kernel, fp8_kernel = RecordedLaunch(), RecordedLaunch()
-    monkeypatch.setattr(few, "mla_decode_few_rows", bf16_kernel)
-    monkeypatch.setattr(few, "mla_decode_few_rows_fp8", fp8_kernel)
+    monkeypatch.setattr(few, "_launch_bf16", bf16_kernel)
+    monkeypatch.setattr(few, "_launch_fp8", fp8_kernel)
     query = torch.randn(3, heads, RANK + ROPE).bfloat16()
     cache = torch.randn(8, PAGE, RANK + ROPE).to(cache_dtype)
     out, lse = torch.empty(3, heads, RANK).bfloat16(), torch.empty(3, heads)

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from jackfield.ops.launch import DirectLauncher
 from jackfield.sampling import filters, noise
 from jackfield.sampling.gumbel_triton import _NO_INDEX, _gumbel_f32, _log_f32, _row_hash, load_temperature
-from jackfield.sampling.launch import DirectLauncher
 
 KMAX = 256  # largest top_k handled here
 CAP = 512  # candidates per row (>= KMAX; typically k + a few)

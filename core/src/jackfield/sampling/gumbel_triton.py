@@ -35,8 +35,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from jackfield.ops.launch import DirectLauncher
 from jackfield.sampling import noise
-from jackfield.sampling.launch import DirectLauncher
 from jackfield.sampling.sanitize import F32_MAX, GREEDY_BELOW
 
 

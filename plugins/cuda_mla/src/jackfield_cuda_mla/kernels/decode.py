@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 import triton
+from jackfield.ops.launch import DirectLauncher
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jackfield_cuda_mla.kernels.checks import FP8, check_cache, check_device, check_scale, require
@@ -43,6 +44,10 @@ if gluon_supported(triton.__version__):
         decode_gluon_few = decode_gluon_many = None
 
 LOG2E = 1.4426950408889634
+# Triton's per-call dispatch costs more host time than a decode step's kernels take on the GPU
+# (jackfield.ops.launch); the Gluon modules keep their own launchers.
+_launch_stage1 = DirectLauncher(mla_decode_stage1)
+_launch_stage2 = DirectLauncher(mla_decode_stage2)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -103,6 +108,7 @@ def plan_splits(programs: int, max_keys: int, block_n: int, num_sms: int, ctas_p
     return max(1, min(wanted, useful, 64))
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -283,7 +289,8 @@ def mla_decode(
             causal,
         )
     if splits > 1:
-        mla_decode_stage2[(tokens, heads)](
+        _launch_stage2(
+            (tokens, heads),
             part_out,
             part_lse,
             out,
@@ -377,7 +384,8 @@ def _launch_triton_stage1(
         rows_2d, row_stride = kv_cache.shape[0] * page, kv_cache.stride(1)
         kv_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, kv_lora_rank])
         pe_desc = TensorDescriptor(kv_cache, [rows_2d, width], [row_stride, 1], [cfg.block_n, rope])
-    mla_decode_stage1[grid](
+    _launch_stage1(
+        grid,
         query,
         kv_cache,
         kv_desc,

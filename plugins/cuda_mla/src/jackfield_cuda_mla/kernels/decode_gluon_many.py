@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from jackfield.ops.launch import DirectLauncher
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from jackfield_cuda_mla.kernels.checks import cache_is_one_matrix
-from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, tma_load
+from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_layout, tma_load
 
 BLOCK_M = 64  # rows a program: one warpgroup's wgmma M
 NUM_WARPS = 8  # two warpgroups, each owning half of every product's N
@@ -319,11 +320,11 @@ def launch_many_rows(
     element = GL_DTYPES[query.dtype]
 
     def descriptor(base: torch.Tensor, rows: int, row_stride: int, box: list[int]) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout.get_default_for(box, element)
-        return TensorDescriptor(base, [rows, width], [row_stride, 1], box, layout)
+        return TensorDescriptor(base, [rows, width], [row_stride, 1], box, smem_layout(tuple(box), element))
 
     cache_rows, cache_stride = kv_cache.shape[0] * page, kv_cache.stride(1)
-    mla_decode_many_rows[(triton.cdiv(max_query_len * heads, BLOCK_M), seq_lens.numel(), splits)](
+    _launch_many_rows(
+        (triton.cdiv(max_query_len * heads, BLOCK_M), seq_lens.numel(), splits),
         descriptor(query, tokens * heads, width, [BLOCK_M, kv_lora_rank]),
         descriptor(query, tokens * heads, width, [BLOCK_M, rope]),
         descriptor(kv_cache, cache_rows, cache_stride, [block_n, kv_lora_rank]),
@@ -351,3 +352,6 @@ def launch_many_rows(
         CAUSAL=causal,
         num_warps=NUM_WARPS,
     )
+
+
+_launch_many_rows = DirectLauncher(mla_decode_many_rows)  # host time: see jackfield.ops.launch

@@ -1,6 +1,9 @@
-"""What the Gluon Hopper kernels share: the two API names that differ between Triton releases."""
+"""What the Gluon Hopper kernels share: the API names that differ between Triton releases, and the
+shared-memory layouts of their TMA boxes."""
 
 from __future__ import annotations
+
+import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -11,6 +14,12 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 # thread_barrier in 3.6, barrier later.
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@functools.cache
+def smem_layout(box: tuple[int, ...], dtype: gl.dtype) -> gl.NVMMASharedLayout:
+    """The swizzled layout a TMA box lands in (kept: computing it costs ~15 us of host time a call)."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), dtype)
 
 
 @gluon.jit

@@ -17,6 +17,7 @@ import weakref
 import torch
 import triton
 import triton.language as tl
+from jackfield.ops.launch import DirectLauncher
 
 from jackfield_cuda_mla.kernels.checks import FP8, FP8_MAX, check_cache, check_device, check_scale, require
 
@@ -69,6 +70,9 @@ class _CheckedSlots:
     tensor: weakref.ref | None = None
     version: int = -1
     capacity: int = -1
+
+
+_launch_kv_insert = DirectLauncher(_kv_insert_kernel)  # Triton's dispatch outlasts a small insert
 
 
 def _check_slot_range(slot_mapping: torch.Tensor, capacity: int, num_blocks: int, block_size: int) -> None:
@@ -146,7 +150,8 @@ def mla_kv_insert(
     capacity = num_blocks * block_size
     if not (kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_slot_range(slot_mapping, capacity, num_blocks, block_size)
-    _kv_insert_kernel[(triton.cdiv(tokens, BLOCK_T),)](
+    _launch_kv_insert(
+        (triton.cdiv(tokens, BLOCK_T),),
         kv_c,
         k_pe,
         kv_cache,

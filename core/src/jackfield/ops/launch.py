@@ -1,16 +1,20 @@
-"""Launching the sampler's Triton kernels without Triton's per-call dispatch.
+"""Launching Triton (and Gluon) kernels without Triton's per-call dispatch.
 
 `kernel[grid](*args, **kwargs)` binds the arguments, computes a specialization key from them,
 looks the compiled kernel up, checks the kernel's globals, builds launch metadata for the launch
 hooks and calls the hooks, every call: ~75 us of host time a launch on the H200's host
-(benchmarks/notes_sampler.md), more than the GPU needs for stage 2. `DirectLauncher` does the
+(benchmarks/notes_sampler.md), more than the GPU needs for the sampler's stage 2 or a decode
+step's attention of one layer. `DirectLauncher` does the
 first launch of each specialization through that path, keeps the CompiledKernel it returns, and
 afterwards calls its launcher directly (`CompiledKernel.run`, the call Triton 3.6 and 3.9 make
 themselves at the end of `JITFunction.run`).
 
 The key under which a compiled kernel is kept is never coarser than Triton's specialization, so
 a kept kernel is only reused for arguments Triton would have compiled the same way: for a tensor,
-its dtype and whether its address is a multiple of 16; for an int, whether it is 1, a multiple of
+its dtype and whether its address is a multiple of 16; for a TMA tensor descriptor (Triton's or
+Gluon's), its base's dtype and every field but the base, shape and strides (block
+shape, shared-memory layout, padding, ...: Triton specializes on block shape, dtype and layout);
+for an int, whether it is 1, a multiple of
 16, and its integer type (i32, i64 or u64); bools, floats and constexpr parameters by value; the
 options (num_warps, ...) and the current device. Anything else, and any launch while a Triton
 launch hook is installed (profilers), takes Triton's own path.
@@ -18,12 +22,15 @@ launch hook is installed (profilers), takes Triton's own path.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import triton
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Off: every launch takes Triton's own path (the benchmark times both; tests compare them).
 direct_launch_enabled = True
@@ -32,11 +39,40 @@ _INT32_RANGE = range(-(2**31), 2**31)
 _UINT64_START = 2**63
 
 
+def _descriptor_types() -> tuple[type, ...]:
+    types: list[type] = [TensorDescriptor]
+    try:  # Gluon's descriptor (with a shared-memory layout) is its own class
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    except ImportError:
+        pass
+    else:
+        types.append(GluonTensorDescriptor)
+    return tuple(types)
+
+
+_DESCRIPTOR_TYPES = _descriptor_types()
+_PER_LAUNCH_FIELDS = {"base", "shape", "strides"}  # encoded into the launch, not the compiled kernel
+
+
+@functools.cache
+def _descriptor_key_fields(descriptor_type: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(descriptor_type) if f.name not in _PER_LAUNCH_FIELDS)
+
+
+def _hashable(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value
+
+
 def _runtime_value_key(value: object) -> object:
     """What Triton's specialization can depend on, for a value passed to a non-constexpr
     parameter (finer than Triton where that is cheaper to compute)."""
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, _DESCRIPTOR_TYPES):
+        fields = _descriptor_key_fields(type(value))
+        base = value.base
+        layout_fields = (_hashable(getattr(value, name)) for name in fields)
+        return (type(value), base.dtype, base.data_ptr() % 16 == 0, *layout_fields)
     if isinstance(value, bool):
         return ("bool", value)
     if isinstance(value, int):

@@ -13,9 +13,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from jackfield.sampling import launch
-from jackfield.sampling.launch import DirectLauncher
+from jackfield.ops import launch
+from jackfield.ops.launch import DirectLauncher
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def _copy_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr):
@@ -147,8 +148,7 @@ def test_installed_launch_hooks_take_triton_s_path(recorded) -> None:
     assert launcher.direct_launches == 1
 
 
-@pytest.mark.parametrize(
-    "setting", ["debug", "instrumentation", "fpsan", "stage inspection", "pre-run hook"])
+@pytest.mark.parametrize("setting", ["debug", "instrumentation", "fpsan", "stage inspection", "pre-run hook"])
 def test_settings_triton_folds_into_each_launch_take_triton_s_path(recorded, monkeypatch, setting) -> None:
     """A kept kernel was compiled without them: turning one on after the first launch must reach
     Triton's dispatch (which recompiles or runs the hook), not the kept kernel."""
@@ -219,11 +219,55 @@ def test_interpreted_kernels_always_take_triton_s_path() -> None:
     assert torch.equal(out, x * 2.0) and launcher.direct_launches == 0
 
 
-@pytest.mark.parametrize("major, overlaps", [(7, False), (8, False), (9, True), (10, True)])
-def test_stage_overlap_only_from_compute_capability_9(monkeypatch, major: int, overlaps: bool) -> None:
-    """griddepcontrol is an sm_90 instruction: below it (A100, L4, RTX 30/40) ptxas rejects the
-    kernels, so stage 2 must launch plainly there."""
-    from jackfield.sampling import gumbel_triton
+def descriptor(base: torch.Tensor, block: list[int], layout_dtype: str = "") -> object:
+    """A TMA descriptor over base viewed as [rows, 64]: Triton's, or Gluon's with an NVMMA layout."""
+    rows = base.numel() // 64
+    if not layout_dtype:
+        return TensorDescriptor(base, [rows, 64], [64, 1], block)
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, layout_dtype))
+    return hopper.TensorDescriptor(base, [rows, 64], [64, 1], block, layout)
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (major, 0))
-    assert gumbel_triton._has_grid_dependency_control.__wrapped__(torch.device("cuda", 0)) is overlaps
+
+@pytest.mark.parametrize("gluon", [False, True])
+def test_descriptors_over_other_memory_reuse_the_kept_kernel(recorded, gluon: bool) -> None:
+    """A descriptor's base, shape and strides are encoded at each launch: a new cache of the same
+    dtype, block shape and layout goes straight to the kept kernel, with the new descriptor."""
+    launcher, dispatch = recorded
+    layout_dtype = "bfloat16" if gluon else ""
+    first = descriptor(fresh(64 * 64).bfloat16(), [16, 64], layout_dtype)
+    launcher((1,), first, torch.empty(8), 8, 1.0, BLOCK=16, FLAG=True)
+    other = descriptor(fresh(64 * 128).bfloat16(), [16, 64], layout_dtype)  # twice the rows
+    launcher((1,), other, torch.empty(8), 8, 1.0, BLOCK=16, FLAG=True)
+    assert len(dispatch.calls) == 1 and launcher.direct_launches == 1
+    assert dispatch.compiled[0].runs[0][9] is other
+
+
+@pytest.mark.parametrize("change", ["block shape", "dtype", "layout", "descriptor type"])
+def test_descriptor_fields_triton_specializes_on_compile_through_triton(recorded, change: str) -> None:
+    launcher, dispatch = recorded
+    gluon = change in ("layout", "descriptor type")
+    base = fresh(64 * 64).bfloat16()
+    out = torch.empty(8)
+    launcher(
+        (1,),
+        descriptor(base, [16, 64], "bfloat16" if gluon else ""),
+        out,
+        8,
+        1.0,
+        BLOCK=16,
+        FLAG=0,
+    )
+    if change == "block shape":
+        changed = descriptor(base, [32, 64])
+    elif change == "dtype":
+        changed = descriptor(base.half(), [16, 64])
+    elif change == "layout":  # the same block shape and dtype, a 64-byte swizzle, not 128
+        kept = descriptor(base, [16, 64], "bfloat16")
+        swizzle64 = type(kept.layout)(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+        changed = type(kept)(kept.base, kept.shape, kept.strides, kept.block_shape, swizzle64)
+    else:
+        changed = descriptor(base, [16, 64])  # Triton's class, not Gluon's
+    launcher((1,), changed, out, 8, 1.0, BLOCK=16, FLAG=0)
+    assert len(dispatch.calls) == 2 and launcher.direct_launches == 0
