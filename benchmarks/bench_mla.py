@@ -266,6 +266,7 @@ def main() -> None:
         ("B128 H16 S8192 q1 bf16", dict(batch=128, heads=16, seq=8192, q_len=1, sweep="h16")),
         ("B128 H16 S4096 q2 bf16 (MTP)", dict(batch=128, heads=16, seq=4096, q_len=2, sweep="h16")),
         ("B128 H16 S4096 q1 fp8", dict(batch=128, heads=16, seq=4096, q_len=1, fp8=True, sweep="fp8")),
+        ("B128 H16 S4096 q2 fp8 (MTP)", dict(batch=128, heads=16, seq=4096, q_len=2, fp8=True, sweep="fp8")),
         ("B128 H128 S4096 q1 bf16", dict(batch=128, heads=128, seq=4096, q_len=1, sweep="h128")),
         ("B128 H128 S4096 q2 bf16 (MTP)", dict(batch=128, heads=128, seq=4096, q_len=2, sweep="h128")),
         ("sparse top2048 B64 H128 q2", dict(batch=64, heads=128, seq=8192, q_len=2, topk=2048)),

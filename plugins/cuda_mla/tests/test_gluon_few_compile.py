@@ -2,14 +2,18 @@
 
 - wgmma (HGMMA), not mma.sync, and not serialized: ptxas puts a wait after every wgmma when an
   accumulator register may be written while one is in flight (a few waits per tile are expected:
-  QK, then each PV half);
+  QK, then each PV half); the fp8 kernel issues PV of tile t - 1 and QK of tile t back to back and
+  waits for PV alone first;
 - no local-memory spills at 16 rows (the H=16, q_len 1 case), where 40 hoisted wgmma descriptors
   once spilled;
-- TMA loads (UTMALDG), the shared-memory plan within the 227 KB a Hopper program may use.
+- TMA loads (UTMALDG), the shared-memory plan within the 227 KB a Hopper program may use;
+- the fp8 converter reads the block table ahead of its mbarrier waits (a read between a wait and
+  the TMA issue it feeds kept the ring a unit short for one L2/DRAM round trip per refill).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -101,10 +105,50 @@ def compiled_counts(fp8: bool, block_m: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def wgmma_order(sass: str) -> str:
+    """The wgmma and their waits in program order: a run of QK wgmma (K operand as stored) as
+    `QK<n>`, of PV wgmma (V^T: transposed A) as `PV<n>`, a wait for at most k groups in flight as
+    `wait<k>`; e.g. "QK36 wait0 PV32 wait0"."""
+    events = []
+    for line in sass.splitlines():
+        if re.search(r"\bHGMMA\.", line):
+            events.append("PV" if ".tnspA" in line else "QK")
+        elif wait := re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", line):
+            events.append(f"wait{int(wait.group(1), 16)}")
+    runs = [(event, len(list(group))) for event, group in itertools.groupby(events)]
+    return " ".join(event if event.startswith("wait") else f"{event}{n}" for event, n in runs)
+
+
+def converter_table_reads(sass: str, converter_regs: int) -> list[int]:
+    """Block-table reads (the 32-bit LDG; the query loads are 16-bit) of the converter partition, the
+    code from its register give-back (setmaxnreg.dec to its count) to the end of the partition:
+    [before its first mbarrier wait, after it]. The wait's retry loop lies past the kernel's exit."""
+    reads, waited, inside = [0, 0], False, False
+    for line in sass.splitlines():
+        if f"USETMAXREG.DEALLOC.CTAPOOL {converter_regs:#x} " in line:
+            inside = True
+        elif inside and re.search(r"\b(USETMAXREG\.TRY_ALLOC|EXIT)\b", line):
+            break
+        elif inside and "SYNCS.PHASECHK" in line:
+            waited = True
+        elif inside and re.search(r"\bLDG\.E ", line):
+            reads[waited] += 1
+    return reads
+
+
+def converter_regs(block_m: int) -> int:
+    return (few.CONVERTER_REGS_16 if block_m == 16 else few.CONVERTER_REGS_32).value
+
+
+def consumer_regs(block_m: int) -> int:
+    return (few.CONSUMER_REGS_16 if block_m == 16 else few.CONSUMER_REGS_32).value
+
+
 def count(sass: str, shared: int, block_m: int) -> dict:
     return dict(
         hgmma=len(re.findall(rf"\bHGMMA\.64x{block_m}x16\.F32(\.BF16)? ", sass)),  # bf16 or f16 operands
         waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
+        wgmma_order=wgmma_order(sass),
         mma_sync=len(re.findall(r"\bHMMA\b", sass)),
         spills=len(re.findall(r"\b(LDL|STL)\b", sass)),
         tma=len(re.findall(r"\bUTMALDG\b", sass)),
@@ -114,6 +158,7 @@ def count(sass: str, shared: int, block_m: int) -> dict:
         regs_given_back=sorted(set(re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", sass))),
         regs_taken=sorted(set(re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, (0x[0-9a-f]+)", sass))),
         warpgroup_barriers=sorted(set(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+), 0x80 ", sass))),
+        converter_table_reads=converter_table_reads(sass, converter_regs(block_m)),
     )
 
 
@@ -130,21 +175,28 @@ def test_bf16_kernel_uses_unserialized_wgmma_and_no_spills(block_m: int) -> None
 
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_fp8_kernel_is_warp_specialized_unserialized_and_fits(block_m: int) -> None:
-    """The fp8 kernel: the same wgmma, waited once for QK and once for PV, no spills at 16 or 32
-    rows, two f16 tiles and the fp8 ring within 227 KB, and the partitions there: the converter at
-    its register count, the MMA warpgroup taking the rest, a 128-thread barrier each."""
+    """The fp8 kernel: two consumer warpgroups, each QK (waited) then PV (waited) per tile; no
+    spills at 16 rows (32: twice the accumulator in each consumer, some tolerated), two f16 tiles,
+    two P^T and the fp8 ring within 227 KB, and the partitions there: the converter and the worker
+    consumer at their register counts, a 128-thread barrier each. The converter's block-table
+    reads (the fill's and each iteration's) all come before its first mbarrier wait in program
+    order, so none sits between a wait and the TMA issue it feeds."""
     got = compiled_counts(True, block_m)
-    assert got["hgmma"] == 36 + 32 and got["waits"] <= 4, f"wgmma serialized: {got}"
-    assert got["mma_sync"] == 0 and got["spills"] == 0 and got["tma"] > 0, got
+    assert got["hgmma"] == 2 * (36 + 32) and got["waits"] == 4, f"wgmma serialized: {got}"
+    assert got["wgmma_order"] == "QK36 wait0 PV32 wait0 QK36 wait0 PV32 wait0", got
+    assert got["mma_sync"] == 0 and got["tma"] > 0, got
+    assert got["spills"] == 0 or block_m == 32, got
     assert got["shared"] <= 227 * 1024, got
-    assert got["regs_given_back"] == [hex(few.CONVERTER_REGS.value)], got
-    assert got["regs_taken"] == ["0x100"], got
-    assert len(got["warpgroup_barriers"]) == 2, got
+    assert hex(converter_regs(block_m)) in got["regs_given_back"], got
+    assert hex(consumer_regs(block_m)) in got["regs_taken"], got
+    assert len(got["warpgroup_barriers"]) == 3, got
+    before_wait, after_wait = got["converter_table_reads"]
+    assert before_wait > 0 and after_wait == 0, got
 
 
 def test_ring_plan() -> None:
-    """Value halves: 5 (bf16) at 16 and 32 rows; next to the two converted f16 tiles (fp8), 3 at
-    16 rows and 2 at 32; a rope slot for every tile the ring can hold."""
+    """Value halves: 5 (bf16) at 16 and 32 rows; next to the two converted f16 tiles and the second
+    P^T (fp8), 3 at 16 rows and 2 at 32; a rope slot for every tile the ring can hold."""
     assert few.ring_slots(16, RANK, ROPE, 2) == (5, 3)
     assert few.ring_slots(32, RANK, ROPE, 2) == (5, 3)
     assert few.ring_slots(16, RANK, ROPE, 1) == (3, 2)

@@ -16,10 +16,25 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
-        vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=3,
-        first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=2, topk_group=1, max_position_embeddings=2048,
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=384,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=2048,
     )
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
@@ -28,12 +43,22 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(directory)
 
 
-def first_token_logprobs(checkpoint: str, backend: str, fraction: float, prompt: list[int]) -> dict[int, float]:
+def first_token_logprobs(
+    checkpoint: str, backend: str, fraction: float, prompt: list[int]
+) -> dict[int, float]:
     from jackfield import LLM, SamplingParams
 
-    llm = LLM(checkpoint, **{"attention.backend": backend, "engine.device": "cuda", "model.dtype": "bfloat16",
-                             "engine.gpu_memory_fraction": fraction, "engine.block_size": 64,
-                             "engine.enable_prefix_caching": False})
+    llm = LLM(
+        checkpoint,
+        **{
+            "attention.backend": backend,
+            "engine.device": "cuda",
+            "model.dtype": "bfloat16",
+            "engine.gpu_memory_fraction": fraction,
+            "engine.block_size": 64,
+            "engine.enable_prefix_caching": False,
+        },
+    )
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))[0]
     del llm
     torch.cuda.empty_cache()
@@ -66,9 +91,16 @@ def test_insert_and_decode_in_a_cache_past_two_billion_elements() -> None:
     query = torch.randn(1, 16, width, device="cuda", dtype=torch.bfloat16)
     table = torch.tensor([[blocks - 2, blocks - 1]], dtype=torch.int32, device="cuda")
     out, lse = mla_decode(
-        query, cache, table, torch.tensor([32], dtype=torch.int32, device="cuda"),
-        torch.tensor([0, 1], dtype=torch.int32, device="cuda"), max_query_len=1, max_seq_len=32,
-        sm_scale=width**-0.5, kv_lora_rank=rank, causal=True,
+        query,
+        cache,
+        table,
+        torch.tensor([32], dtype=torch.int32, device="cuda"),
+        torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+        max_query_len=1,
+        max_seq_len=32,
+        sm_scale=width**-0.5,
+        kv_lora_rank=rank,
+        causal=True,
     )
     keys = cache.view(-1, width)[slots[16:]].double()
     scores = query[0].double() @ keys.T * width**-0.5
@@ -77,12 +109,23 @@ def test_insert_and_decode_in_a_cache_past_two_billion_elements() -> None:
     assert (lse[0].double() - torch.logsumexp(scores, dim=-1)).abs().max() < 1e-2
 
 
-def _generate(checkpoint: str, graphs: bool, prompts: list[list[int]], params: list, step_tokens: int) -> list:
+def _generate(
+    checkpoint: str, graphs: bool, prompts: list[list[int]], params: list, step_tokens: int
+) -> list:
     from jackfield import LLM
 
-    llm = LLM(checkpoint, **{"attention.backend": "cuda_mla", "engine.device": "cuda", "model.dtype": "bfloat16",
-                             "engine.gpu_memory_fraction": 0.05, "engine.cuda_graphs": graphs,
-                             "engine.max_num_seqs": 16, "engine.max_num_batched_tokens": step_tokens})
+    llm = LLM(
+        checkpoint,
+        **{
+            "attention.backend": "cuda_mla",
+            "engine.device": "cuda",
+            "model.dtype": "bfloat16",
+            "engine.gpu_memory_fraction": 0.05,
+            "engine.cuda_graphs": graphs,
+            "engine.max_num_seqs": 16,
+            "engine.max_num_batched_tokens": step_tokens,
+        },
+    )
     assert (llm.cuda_graphs_off is None) == graphs, llm.cuda_graphs_off
     assert (llm.prefill_graphs_off is None) == graphs, llm.prefill_graphs_off
     outs = llm.generate(prompts, params)
@@ -104,8 +147,12 @@ def test_replayed_steps_match_the_eager_steps(checkpoint: str, step_tokens: int)
 
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (7, 64, 130, 301, 33)]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=5, ignore_eos=True) for n in (24, 9, 24, 17, 3)]
-    eager, replayed = (_generate(checkpoint, graphs, prompts, params, step_tokens) for graphs in (False, True))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, logprobs=5, ignore_eos=True) for n in (24, 9, 24, 17, 3)
+    ]
+    eager, replayed = (
+        _generate(checkpoint, graphs, prompts, params, step_tokens) for graphs in (False, True)
+    )
     compared = 0
     for want, got in zip(eager, replayed, strict=True):
         for step, (w_tok, g_tok, w_lp, g_lp) in enumerate(

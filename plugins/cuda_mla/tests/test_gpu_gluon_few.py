@@ -125,6 +125,15 @@ def test_single_tile_and_empty_requests(fp8: bool, gluon_launches: list[int]) ->
     assert len(gluon_launches) == (1 if hopper() else 0)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tile_counts_around_the_f16_tile_alternation(fp8: bool, gluon_launches: list[int]) -> None:
+    """2, 3, 4 and 5 tiles, whole and partial last tiles, in one split: the fp8 kernel peels tile
+    0's QK and the last tile's PV and alternates two f16 tiles, so every parity of the tile
+    count ends the loop on a different tile and handshake phase."""
+    run_and_check(poisoned_batch([128, 130, 192, 255, 256, 257, 320], 2, fp8), causal=True, num_splits=1)
+    assert len(gluon_launches) == (1 if hopper() else 0)
+
+
 def test_more_rows_than_the_kernel_holds_run_on_triton(gluon_launches: list[int]) -> None:
     """q_len 4 x 16 heads = 64 rows: past the Gluon kernel's 32, so the Triton kernel runs."""
     run_and_check(poisoned_batch([300, 4113], 4, fp8=False), causal=True)

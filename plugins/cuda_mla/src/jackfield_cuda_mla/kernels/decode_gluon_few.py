@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from jackfield_cuda_mla.kernels.checks import FP8, cache_is_one_matrix
-from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_layout, tma_load
+from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_layout, smem_reinterpret, tma_load
 
 TILE_KEYS = 64  # keys per tile: wgmma's M
 BLOCK_N = gl.constexpr(TILE_KEYS)
@@ -47,6 +47,44 @@ LN2 = gl.constexpr(0.6931471805599453)
 # them to 0 while the denominator keeps them; scaled, bits are lost only below 2^-29 (the output's
 # normalization takes the factor back out). bf16 has the exponent range and needs no scale.
 P_SCALE_F16 = gl.constexpr(32768.0)
+
+
+@gluon.jit
+def _issue_unit(
+    nope_desc,
+    rope_desc,
+    nope_ring,
+    rope_ring,
+    ready,
+    u,
+    row,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    HALF: gl.constexpr,
+    NOPE_SLOTS: gl.constexpr,
+    ROPE_SLOTS: gl.constexpr,
+):
+    """TMA load of ring unit u, value half u % 2 of the tile whose first key is cache row `row`
+    (half 0 brings the tile's rope box along, on the same barrier)."""
+    ELEM_BYTES: gl.constexpr = nope_desc.dtype.primitive_bitwidth // 8
+    HALF_BYTES: gl.constexpr = BLOCK_N * HALF * ELEM_BYTES
+    ROPE_BYTES: gl.constexpr = BLOCK_N * ROPE * ELEM_BYTES
+    slot = u % NOPE_SLOTS
+    bar = ready.index(slot)
+    if u % 2 == 0:
+        mbarrier.expect(bar, HALF_BYTES + ROPE_BYTES)
+        tma_load(nope_desc, [row, 0], bar, nope_ring.index(slot))
+        tma_load(rope_desc, [row, RANK], bar, rope_ring.index((u // 2) % ROPE_SLOTS))
+    else:
+        mbarrier.expect(bar, HALF_BYTES)
+        tma_load(nope_desc, [row, HALF], bar, nope_ring.index(slot))
+
+
+@gluon.jit
+def _tile_row(table, start, tile, PAGE: gl.constexpr):
+    """Cache row of the tile's first key (one block-table read; L1 hits after a page's first)."""
+    n0 = start + tile * BLOCK_N
+    return gl.load(table + n0 // PAGE) * PAGE + n0 % PAGE
 
 
 @gluon.jit
@@ -67,24 +105,23 @@ def _issue_units(
     NOPE_SLOTS: gl.constexpr,
     ROPE_SLOTS: gl.constexpr,
 ):
-    """TMA loads of ring units first .. limit - 1; unit u is value half u % 2 of tile u // 2 (half 0
-    brings the tile's rope box along, on the same barrier)."""
-    ELEM_BYTES: gl.constexpr = nope_desc.dtype.primitive_bitwidth // 8
-    HALF_BYTES: gl.constexpr = BLOCK_N * HALF * ELEM_BYTES
-    ROPE_BYTES: gl.constexpr = BLOCK_N * ROPE * ELEM_BYTES
+    """TMA loads of ring units first .. limit - 1; unit u is value half u % 2 of tile u // 2."""
     for u in range(first, limit):
-        tile = u // 2
-        n0 = start + tile * BLOCK_N
-        row = gl.load(table + n0 // PAGE) * PAGE + n0 % PAGE
-        slot = u % NOPE_SLOTS
-        bar = ready.index(slot)
-        if u % 2 == 0:
-            mbarrier.expect(bar, HALF_BYTES + ROPE_BYTES)
-            tma_load(nope_desc, [row, 0], bar, nope_ring.index(slot))
-            tma_load(rope_desc, [row, RANK], bar, rope_ring.index(tile % ROPE_SLOTS))
-        else:
-            mbarrier.expect(bar, HALF_BYTES)
-            tma_load(nope_desc, [row, HALF], bar, nope_ring.index(slot))
+        row = _tile_row(table, start, u // 2, PAGE)
+        _issue_unit(
+            nope_desc,
+            rope_desc,
+            nope_ring,
+            rope_ring,
+            ready,
+            u,
+            row,
+            RANK,
+            ROPE,
+            HALF,
+            NOPE_SLOTS,
+            ROPE_SLOTS,
+        )
 
 
 @gluon.jit
@@ -481,21 +518,29 @@ def mla_decode_few_rows(
     )
 
 
-# --- fp8 caches: a converter warpgroup beside the MMA warpgroup -----------------------------------
+# --- fp8 caches: a converter warpgroup beside two consumer warpgroups ---------------------------
 #
-# Over an fp8 cache the tiles must become f16 before wgmma can read them. One warpgroup doing
-# everything (wait for TMA, convert, QK, softmax, PV) made QK of tile t + 1 wait for its whole
-# conversion; here a second warpgroup converts (and issues the TMA loads) into two f16 tiles
-# alternately while the first runs the products:
-#   TMA -> ready[slot] -> converter -> converted[b] -> MMA warpgroup -> f16_free[b] -> converter
-# Every partition walks the same tiles 0 .. n_tiles - 1; phases and slots are computed from the
-# tile index (no loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
-# Shared memory at 16 rows: Q 18 KB + P^T 2 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB +
-# 2 rope boxes 8 KB = 220 KB (32 rows: 2 half units, 1 rope box, 220 KB). Operands are f16, not
-# bf16: e4m3 -> f16 is one conversion a pair, e4m3 -> bf16 four, two of them on the quarter-rate
+# Over an fp8 cache the tiles must become f16 before wgmma can read them. A converter warpgroup
+# issues the TMA loads and converts tile t into f16 tile t % 2; consumer warpgroup t % 2 runs that
+# tile's QK, softmax and PV and hands the f16 tile back:
+#   TMA -> ready[slot] -> converter -> converted[b] -> consumer b -> f16_free[b] -> converter
+# Two consumers, each with its own online-softmax state over every other tile, merged at the end:
+# one consumer's softmax and barriers run while the other's products are on the tensor cores, and
+# the converter fills a tile while the consumer that freed it waits. (H200, B128 H16 S4096 q1, one
+# consumer: 150 us, about the bf16 kernel's time, while the ring alone streams the fp8 cache in
+# 86 us and one consumer's chain without conversion takes 100 us: PERF_NOTES.md round 5.)
+# Every partition walks its tiles by index; phases and slots are computed from the tile index (no
+# loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
+# Shared memory at 16 rows: Q 18 KB + two P^T 4 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB
+# + 2 rope boxes 8 KB = 222 KB (32 rows: 2 half units, 1 rope box). Operands are f16, not bf16:
+# e4m3 -> f16 is one conversion a pair, e4m3 -> bf16 four, two of them on the quarter-rate
 # conversion pipe (H200, B128 S4096 on one warpgroup: 258.6 us with bf16 operands, 234.2 with f16).
 CONVERTER_WARPS = gl.constexpr(4)
-CONVERTER_REGS = gl.constexpr(128)  # per converter thread (setmaxnreg); the MMA warpgroup has the rest
+CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup: wgmma's unit
+# Registers a thread (setmaxnreg) of the worker consumer and of the converter at 16 and 32 rows;
+# the default consumer takes what is left. 32 rows double the O^T accumulator (64 -> 128 a thread).
+CONSUMER_REGS_16, CONSUMER_REGS_32 = gl.constexpr(184), gl.constexpr(224)
+CONVERTER_REGS_16, CONVERTER_REGS_32 = gl.constexpr(96), gl.constexpr(64)
 
 
 @gluon.jit
@@ -528,26 +573,43 @@ def _converter_partition(
     key_rope_regs: gl.constexpr = gl.BlockedLayout(
         [1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0]
     )
-    _issue_units(
-        nope_desc,
-        rope_desc,
-        nope_ring,
-        rope_ring,
-        ready,
-        table,
-        start,
-        0,
-        gl.minimum(NOPE_SLOTS, 2 * n_tiles),
-        RANK,
-        ROPE,
-        HALF,
-        PAGE,
-        NOPE_SLOTS,
-        ROPE_SLOTS,
-    )
+    n_units = 2 * n_tiles
+    last_tile = n_tiles - 1
+    # Every block-table read comes before the waits that precede its TMA issue, so its latency
+    # overlaps them instead of delaying a refill while the ring is a unit short. Tile indices are
+    # clamped to the request's last tile (the read stays in bounds); the unit count decides what is
+    # issued. The fill: units 0 .. NOPE_SLOTS - 1, at most two tiles (ring_slots gives the fp8 ring
+    # 3 value halves at 16 rows, 2 at 32).
+    gl.static_assert(NOPE_SLOTS <= 4, "the fill reads the rows of two tiles")
+    if n_tiles > 0:
+        row_0 = _tile_row(table, start, 0, PAGE)
+        row_1 = _tile_row(table, start, gl.minimum(1, last_tile), PAGE)
+        for u in gl.static_range(NOPE_SLOTS):
+            if u < n_units:
+                row = row_0 if u < 2 else row_1
+                _issue_unit(
+                    nope_desc,
+                    rope_desc,
+                    nope_ring,
+                    rope_ring,
+                    ready,
+                    u,
+                    row,
+                    RANK,
+                    ROPE,
+                    HALF,
+                    NOPE_SLOTS,
+                    ROPE_SLOTS,
+                )
     for t in range(n_tiles):
         b = t % 2
         valid = end - (start + t * BLOCK_N)
+        # The two units this iteration refills the ring with (recomputed per iteration: no
+        # loop-carried scalars), and their rows read now, ahead of the waits.
+        unit_a = 2 * t + NOPE_SLOTS
+        unit_b = unit_a + 1
+        row_a = _tile_row(table, start, gl.minimum(unit_a // 2, last_tile), PAGE)
+        row_b = _tile_row(table, start, gl.minimum(unit_b // 2, last_tile), PAGE)
         # Tiles 0 and 1: parity 1 of a fresh barrier passes; later, the MMA warpgroup's arrival
         # for tile t - 2 (it cannot arrive for tile t before this partition converted it).
         mbarrier.wait(f16_free.index(b), ((t // 2) & 1) ^ 1)
@@ -560,23 +622,21 @@ def _converter_partition(
         # (its rope slot, if it brings one, held tile t's box at the latest).
         fence_async_shared()
         cta_barrier()
-        _issue_units(
-            nope_desc,
-            rope_desc,
-            nope_ring,
-            rope_ring,
-            ready,
-            table,
-            start,
-            gl.minimum(2 * t + NOPE_SLOTS, 2 * n_tiles),
-            gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
-            RANK,
-            ROPE,
-            HALF,
-            PAGE,
-            NOPE_SLOTS,
-            ROPE_SLOTS,
-        )
+        if unit_a < n_units:
+            _issue_unit(
+                nope_desc,
+                rope_desc,
+                nope_ring,
+                rope_ring,
+                ready,
+                unit_a,
+                row_a,
+                RANK,
+                ROPE,
+                HALF,
+                NOPE_SLOTS,
+                ROPE_SLOTS,
+            )
         mbarrier.wait(ready.index((2 * t + 1) % NOPE_SLOTS), ((2 * t + 1) // NOPE_SLOTS) & 1)
         _stage_keys(nope_ring.index((2 * t + 1) % NOPE_SLOTS), k_hi_bufs.index(b), valid, key_half_regs)
         # Every converter warp's f16 stores reach the async proxy before the one arriving thread
@@ -584,28 +644,41 @@ def _converter_partition(
         fence_async_shared()
         cta_barrier()
         mbarrier.arrive(converted.index(b), count=1)
-        _issue_units(
-            nope_desc,
-            rope_desc,
-            nope_ring,
-            rope_ring,
-            ready,
-            table,
-            start,
-            gl.minimum(2 * t + 1 + NOPE_SLOTS, 2 * n_tiles),
-            gl.minimum(2 * t + 2 + NOPE_SLOTS, 2 * n_tiles),
-            RANK,
-            ROPE,
-            HALF,
-            PAGE,
-            NOPE_SLOTS,
-            ROPE_SLOTS,
-        )
+        if unit_b < n_units:
+            _issue_unit(
+                nope_desc,
+                rope_desc,
+                nope_ring,
+                rope_ring,
+                ready,
+                unit_b,
+                row_b,
+                RANK,
+                ROPE,
+                HALF,
+                NOPE_SLOTS,
+                ROPE_SLOTS,
+            )
 
 
 @gluon.jit
-def _mma_partition(
-    q,
+def _partial_buffers(
+    k_lo_bufs, k_hi_bufs, k_pe_bufs, HALF: gl.constexpr, BLOCK_M: gl.constexpr, ROPE: gl.constexpr
+):
+    """Consumer 1's partial result (O^T halves in f32, row max, row sum) in f16 tile 1's shared
+    memory, free once consumer 1 is done (the converter fills tile 1 only for consumer 1's tiles)."""
+    acc_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    per_half: gl.constexpr = 2 * BLOCK_N * HALF * 2 // (HALF * BLOCK_M * 4)  # f32 blocks in [2, 64, HALF] f16
+    per_rope: gl.constexpr = 2 * BLOCK_N * ROPE * 2 // (BLOCK_M * 4)
+    lo = smem_reinterpret(k_lo_bufs, gl.float32, [per_half, HALF, BLOCK_M], acc_layout).index(per_half // 2)
+    hi = smem_reinterpret(k_hi_bufs, gl.float32, [per_half, HALF, BLOCK_M], acc_layout).index(per_half // 2)
+    vecs = smem_reinterpret(k_pe_bufs, gl.float32, [per_rope, BLOCK_M], vec_layout)
+    return lo, hi, vecs.index(per_rope // 2), vecs.index(per_rope // 2 + 1)
+
+
+@gluon.jit
+def _consumer_partition(
     out,
     lse,
     q_lo_buf,
@@ -617,6 +690,7 @@ def _mma_partition(
     k_pe_bufs,
     converted,
     f16_free,
+    partial_ready,
     first_tok,
     q_len,
     seq_len,
@@ -627,47 +701,27 @@ def _mma_partition(
     score_scale_log2,
     value_scale,
     num_heads,
-    stride_qt,
-    stride_qh,
     stride_ot,
     stride_oh,
     stride_os,
     stride_lt,
     stride_lh,
     stride_ls,
-    RANK: gl.constexpr,
     ROPE: gl.constexpr,
     HALF: gl.constexpr,
     BLOCK_M: gl.constexpr,
     CAUSAL: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
-    """The query (to f16 exactly), then per tile: QK, online softmax, PV on f16 tile t % 2, which
-    is handed back to the converter once PV completed; the output."""
+    """Tiles CONSUMER, CONSUMER + 2, ... on f16 tile CONSUMER: QK, online softmax, PV, the tile
+    handed back to the converter once PV completed. Consumer 1 then leaves its partial result in
+    shared memory; consumer 0 merges it with its own and writes the output."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
     )
     key_vec: gl.constexpr = gl.SliceLayout(1, mma)
     row_vec: gl.constexpr = gl.SliceLayout(0, mma)
-    score_scale_log2 = _stage_query(
-        q,
-        q_lo_buf,
-        q_hi_buf,
-        q_pe_buf,
-        first_tok,
-        q_len,
-        num_heads,
-        stride_qt,
-        stride_qh,
-        score_scale_log2,
-        RANK,
-        ROPE,
-        BLOCK_M,
-        True,
-    )
-    fence_async_shared()
-    cta_barrier()
-
     rows = gl.arange(0, BLOCK_M, layout=row_vec)
     row_ok = rows < q_len * num_heads
     last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
@@ -677,28 +731,20 @@ def _mma_partition(
     acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
 
-    for t in range(n_tiles):
-        n0 = start + t * BLOCK_N
-        b = t % 2
-        # Always 0, not provably so: keeps the single buffers' wgmma descriptors next to their use
-        # (see mla_decode_few_rows).
+    for i in range((n_tiles + 1 - CONSUMER) // 2):
+        n0 = start + (2 * i + CONSUMER) * BLOCK_N
+        # Always 0, not provably so: keeps the buffers' wgmma descriptors next to their use instead
+        # of hoisted out of the loop, where they spilled (see mla_decode_few_rows).
         here = gl.minimum(end - n0 - 1, 0)
-        q_lo = q_lo_buf.index(here)
-        q_hi = q_hi_buf.index(here)
-        q_pe = q_pe_buf.index(here)
-        p_smem = p_buf.index(here)
-        k_lo = k_lo_bufs.index(b)
-        k_hi = k_hi_bufs.index(b)
-        k_pe = k_pe_bufs.index(b)
-        mbarrier.wait(converted.index(b), (t // 2) & 1)
+        mbarrier.wait(converted.index(CONSUMER), i & 1)
         m_i, l_i, acc_lo, acc_hi = _attend_tile(
-            k_lo,
-            k_hi,
-            k_pe,
-            q_lo,
-            q_hi,
-            q_pe,
-            p_smem,
+            k_lo_bufs.index(CONSUMER + here),
+            k_hi_bufs.index(CONSUMER + here),
+            k_pe_bufs.index(CONSUMER + here),
+            q_lo_buf.index(here),
+            q_hi_buf.index(here),
+            q_pe_buf.index(here),
+            p_buf.index(CONSUMER + here),
             s_zero,
             n0,
             end,
@@ -713,33 +759,51 @@ def _mma_partition(
             key_vec,
             P_SCALE_F16,
         )
-        # Every warp's products of tile t have completed before the one arriving thread frees it.
+        # Every warp's products of the tile have completed before the one arriving thread frees it.
         cta_barrier()
-        mbarrier.arrive(f16_free.index(b), count=1)
+        mbarrier.arrive(f16_free.index(CONSUMER), count=1)
 
-    _write_output(
-        acc_lo,
-        acc_hi,
-        m_i,
-        l_i,
-        value_scale,
-        rows,
-        row_ok,
-        first_tok,
-        num_heads,
-        split,
-        out,
-        lse,
-        stride_ot,
-        stride_oh,
-        stride_os,
-        stride_lt,
-        stride_lh,
-        stride_ls,
-        HALF,
-        P_SCALE_F16,
-        mma,
-    )
+    lo_smem, hi_smem, m_smem, l_smem = _partial_buffers(k_lo_bufs, k_hi_bufs, k_pe_bufs, HALF, BLOCK_M, ROPE)
+    if CONSUMER == 1:
+        lo_smem.store(acc_lo)
+        hi_smem.store(acc_hi)
+        m_smem.store(m_i)
+        l_smem.store(l_i)
+        cta_barrier()  # every warp's stores before the one arriving thread's release
+        mbarrier.arrive(partial_ready, count=1)
+    else:
+        mbarrier.wait(partial_ready, 0)
+        m_other = m_smem.load(row_vec)
+        m_new = gl.maximum(m_i, m_other)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
+        alpha = gl.exp2(m_i - m_safe)
+        alpha_other = gl.exp2(m_other - m_safe)
+        l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
+        acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma) * alpha_other[None, :]
+        acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma) * alpha_other[None, :]
+        _write_output(
+            acc_lo,
+            acc_hi,
+            m_new,
+            l_i,
+            value_scale,
+            rows,
+            row_ok,
+            first_tok,
+            num_heads,
+            split,
+            out,
+            lse,
+            stride_ot,
+            stride_oh,
+            stride_os,
+            stride_lt,
+            stride_lh,
+            stride_ls,
+            HALF,
+            P_SCALE_F16,
+            mma,
+        )
 
 
 @gluon.jit
@@ -773,7 +837,7 @@ def mla_decode_few_rows_fp8(
     NOPE_SLOTS: gl.constexpr,
     ROPE_SLOTS: gl.constexpr,
 ):
-    """fp8 cache: mla_decode_few_rows with the conversion on its own warpgroup."""
+    """fp8 cache: mla_decode_few_rows with a converter warpgroup and two consumer warpgroups."""
     HALF: gl.constexpr = RANK // 2
     req = gl.program_id(0)
     split = gl.program_id(1)
@@ -795,7 +859,7 @@ def mla_decode_few_rows_fp8(
     q_lo_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
     q_hi_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
     q_pe_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, ROPE], q_rope_smem)
-    p_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_M], p_smem_layout)
+    p_buf = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_M], p_smem_layout)  # one a consumer
     k_lo_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HALF], half_f16)
     k_hi_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HALF], half_f16)
     k_pe_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROPE], rope_f16)
@@ -804,19 +868,40 @@ def mla_decode_few_rows_fp8(
     ready = gl.allocate_shared_memory(gl.int64, [NOPE_SLOTS, 1], mbarrier.MBarrierLayout())
     converted = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     f16_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    partial_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NOPE_SLOTS):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(converted.index(i), count=1)
         mbarrier.init(f16_free.index(i), count=1)
+    mbarrier.init(partial_ready, count=1)
+    consumer_regs: gl.constexpr = CONSUMER_REGS_16 if BLOCK_M == 16 else CONSUMER_REGS_32
+    converter_regs: gl.constexpr = CONVERTER_REGS_16 if BLOCK_M == 16 else CONVERTER_REGS_32
+    # The query once, by the default warps before the partitions fork (both consumers read it).
+    score_scale_log2 = _stage_query(
+        q,
+        q_lo_buf,
+        q_hi_buf,
+        q_pe_buf,
+        first_tok,
+        q_len,
+        num_heads,
+        stride_qt,
+        stride_qh,
+        sm_scale_log2 * value_scale,
+        RANK,
+        ROPE,
+        BLOCK_M,
+        True,
+    )
     fence_async_shared()
+    cta_barrier()
 
     gl.warp_specialize(
         [
             (
-                _mma_partition,
+                _consumer_partition,
                 (
-                    q,
                     out,
                     lse,
                     q_lo_buf,
@@ -828,6 +913,7 @@ def mla_decode_few_rows_fp8(
                     k_pe_bufs,
                     converted,
                     f16_free,
+                    partial_ready,
                     first_tok,
                     q_len,
                     seq_len,
@@ -835,22 +921,58 @@ def mla_decode_few_rows_fp8(
                     end,
                     n_tiles,
                     split,
-                    sm_scale_log2 * value_scale,
+                    score_scale_log2,
                     value_scale,
                     num_heads,
-                    stride_qt,
-                    stride_qh,
                     stride_ot,
                     stride_oh,
                     stride_os,
                     stride_lt,
                     stride_lh,
                     stride_ls,
-                    RANK,
                     ROPE,
                     HALF,
                     BLOCK_M,
                     CAUSAL,
+                    0,
+                ),
+            ),
+            (
+                _consumer_partition,
+                (
+                    out,
+                    lse,
+                    q_lo_buf,
+                    q_hi_buf,
+                    q_pe_buf,
+                    p_buf,
+                    k_lo_bufs,
+                    k_hi_bufs,
+                    k_pe_bufs,
+                    converted,
+                    f16_free,
+                    partial_ready,
+                    first_tok,
+                    q_len,
+                    seq_len,
+                    start,
+                    end,
+                    n_tiles,
+                    split,
+                    score_scale_log2,
+                    value_scale,
+                    num_heads,
+                    stride_ot,
+                    stride_oh,
+                    stride_os,
+                    stride_lt,
+                    stride_lh,
+                    stride_ls,
+                    ROPE,
+                    HALF,
+                    BLOCK_M,
+                    CAUSAL,
+                    1,
                 ),
             ),
             (
@@ -879,8 +1001,8 @@ def mla_decode_few_rows_fp8(
                 ),
             ),
         ],
-        [CONVERTER_WARPS],
-        [CONVERTER_REGS],
+        [CONSUMER_WARPS, CONVERTER_WARPS],
+        [consumer_regs, converter_regs],
     )
 
     for i in gl.static_range(NOPE_SLOTS):
@@ -888,6 +1010,7 @@ def mla_decode_few_rows_fp8(
     for i in gl.static_range(2):
         mbarrier.invalidate(converted.index(i))
         mbarrier.invalidate(f16_free.index(i))
+    mbarrier.invalidate(partial_ready)
 
 
 # Shared memory a program may use on sm_90 (227 KB), less a reserve for the compiler's reduction
@@ -904,8 +1027,8 @@ def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, 
     A rope slot per tile that can be in flight: the half ring holds ceil(slots / 2) tiles.
     """
     fixed = block_m * (rank + rope) * 2 + TILE_KEYS * block_m * 2
-    if kv_bytes == 1:
-        fixed += 2 * TILE_KEYS * (rank + rope) * 2
+    if kv_bytes == 1:  # the two converted f16 tiles and a second P^T (one a consumer)
+        fixed += 2 * TILE_KEYS * (rank + rope) * 2 + TILE_KEYS * block_m * 2
     half, box = TILE_KEYS * rank // 2 * kv_bytes, TILE_KEYS * rope * kv_bytes
     slots = 2
     while fixed + (slots + 1) * half + (slots + 2) // 2 * box <= SMEM_BYTES:
