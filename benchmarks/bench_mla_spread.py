@@ -1,10 +1,10 @@
 """bench_mla.py's default rows over several fresh processes: the median and the spread.
 
-Why: on the H200 the few-rows Gluon kernel's time moved between processes (157.7 to 237.4 us for
-one kernel and shape) but never within one, so a single process's figure can mislead. Each child
-is `bench_mla.py --only CASES --no-insert` (its own ceilings, allocations and Triton launch), and
-this prints, per case, the median, lowest and highest time and the median share of the copy
-bandwidth each child measured itself.
+Why: a single process's figure can mislead (on the H200, eager do_bench figures moved between
+processes by up to 2.5x; they measured the host's launch, PERF_NOTES.md round 5). Each child is
+`bench_mla.py --only CASES --no-insert` (its own ceilings, allocations and Triton launch), and this
+prints, per case, the median, lowest and highest GPU time (CUDA-graph replay) and the median share
+of the copy bandwidth each child measured itself.
 
 Run:  PYTHONPATH=core/src:plugins/cuda_mla/src python benchmarks/bench_mla_spread.py
           --processes 4 --only "H16 S4096 q1"

@@ -69,6 +69,7 @@ class DecodeConfig:
     gluon: bool = False
 
 
+@functools.cache  # a handful of distinct calls; the dataclass is frozen
 def default_config(
     rows_per_group: int, on_gpu: bool, cache_dtype: torch.dtype = torch.bfloat16, sparse: bool = False
 ) -> DecodeConfig:

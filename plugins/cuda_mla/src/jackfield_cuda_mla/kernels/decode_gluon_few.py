@@ -25,6 +25,8 @@ product reads them (bf16: rewritten in place; fp8: masked in the conversion).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from jackfield.ops.launch import DirectLauncher
 from triton.experimental import gluon
@@ -1020,6 +1022,7 @@ NUM_WARPS = 4  # one warpgroup (the fp8 kernel adds the converter warpgroup: 8 w
 FEW_ROWS = 32  # most rows a program holds (wgmma N); more rows go to the Triton kernel
 
 
+@functools.cache  # every call asks for one of a few plans
 def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, int]:
     """(value-half slots, rope slots) that fit next to the query, P^T and (fp8) the two converted
     f16 tiles.
