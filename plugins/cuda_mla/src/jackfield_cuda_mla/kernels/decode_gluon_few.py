@@ -541,8 +541,8 @@ CONVERTER_WARPS = gl.constexpr(4)
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup: wgmma's unit
 # Registers a thread (setmaxnreg) of the worker consumer and of the converter at 16 and 32 rows;
 # the default consumer takes what is left. 32 rows double the O^T accumulator (64 -> 128 a thread).
-CONSUMER_REGS_16, CONSUMER_REGS_32 = gl.constexpr(184), gl.constexpr(224)
-CONVERTER_REGS_16, CONVERTER_REGS_32 = gl.constexpr(96), gl.constexpr(64)
+CONSUMER_REGS_16, CONSUMER_REGS_32 = gl.constexpr(184), gl.constexpr(208)
+CONVERTER_REGS_16, CONVERTER_REGS_32 = gl.constexpr(96), gl.constexpr(96)
 
 
 @gluon.jit
