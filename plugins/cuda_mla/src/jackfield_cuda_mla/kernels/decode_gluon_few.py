@@ -569,7 +569,7 @@ def _converter_partition(
     ROPE_SLOTS: gl.constexpr,
 ):
     """Issues the fp8 ring's TMA loads and converts tile t into f16 tile t % 2 (rows past the end
-    zeroed), once the MMA warpgroup has freed that tile (the products of tile t - 2 completed)."""
+    zeroed), once consumer t % 2 has freed that tile (the products of tile t - 2 completed)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     key_half_regs: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NUM_WARPS, 1], [1, 0])
     key_rope_regs: gl.constexpr = gl.BlockedLayout(
@@ -612,7 +612,7 @@ def _converter_partition(
         unit_b = unit_a + 1
         row_a = _tile_row(table, start, gl.minimum(unit_a // 2, last_tile), PAGE)
         row_b = _tile_row(table, start, gl.minimum(unit_b // 2, last_tile), PAGE)
-        # Tiles 0 and 1: parity 1 of a fresh barrier passes; later, the MMA warpgroup's arrival
+        # Tiles 0 and 1: parity 1 of a fresh barrier passes; later, consumer b's arrival
         # for tile t - 2 (it cannot arrive for tile t before this partition converted it).
         mbarrier.wait(f16_free.index(b), ((t // 2) & 1) ^ 1)
         mbarrier.wait(ready.index((2 * t) % NOPE_SLOTS), ((2 * t) // NOPE_SLOTS) & 1)
@@ -642,7 +642,7 @@ def _converter_partition(
         mbarrier.wait(ready.index((2 * t + 1) % NOPE_SLOTS), ((2 * t + 1) // NOPE_SLOTS) & 1)
         _stage_keys(nope_ring.index((2 * t + 1) % NOPE_SLOTS), k_hi_bufs.index(b), valid, key_half_regs)
         # Every converter warp's f16 stores reach the async proxy before the one arriving thread
-        # signals the MMA warpgroup.
+        # signals the consumer.
         fence_async_shared()
         cta_barrier()
         mbarrier.arrive(converted.index(b), count=1)
