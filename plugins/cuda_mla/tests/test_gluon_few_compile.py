@@ -2,8 +2,7 @@
 
 - wgmma (HGMMA), not mma.sync, and not serialized: ptxas puts a wait after every wgmma when an
   accumulator register may be written while one is in flight (a few waits per tile are expected:
-  QK, then each PV half); the fp8 kernel issues PV of tile t - 1 and QK of tile t back to back and
-  waits for PV alone first;
+  QK, then each PV half); the fp8 kernel's two consumers each wait once for QK and once for PV;
 - no local-memory spills at 16 rows (the H=16, q_len 1 case), where 40 hoisted wgmma descriptors
   once spilled;
 - TMA loads (UTMALDG), the shared-memory plan within the 227 KB a Hopper program may use;

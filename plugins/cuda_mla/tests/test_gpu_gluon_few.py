@@ -127,9 +127,9 @@ def test_single_tile_and_empty_requests(fp8: bool, gluon_launches: list[int]) ->
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_tile_counts_around_the_f16_tile_alternation(fp8: bool, gluon_launches: list[int]) -> None:
-    """2, 3, 4 and 5 tiles, whole and partial last tiles, in one split: the fp8 kernel peels tile
-    0's QK and the last tile's PV and alternates two f16 tiles, so every parity of the tile
-    count ends the loop on a different tile and handshake phase."""
+    """2, 3, 4 and 5 tiles, whole and partial last tiles, in one split: the fp8 kernel alternates
+    two f16 tiles between two consumers, so every parity of the tile count ends each consumer's
+    loop on a different handshake phase and leaves the merge a different share of the tiles."""
     run_and_check(poisoned_batch([128, 130, 192, 255, 256, 257, 320], 2, fp8), causal=True, num_splits=1)
     assert len(gluon_launches) == (1 if hopper() else 0)
 

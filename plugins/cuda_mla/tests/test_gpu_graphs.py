@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from jackfield.ops import launch
-from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
+from jackfield_cuda_mla.kernels import decode, kv_insert, mla_decode, mla_kv_insert
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 RANK, ROPE, PAGE = 512, 64, 64
@@ -20,7 +20,8 @@ FP8 = torch.float8_e4m3fn
 # name -> (heads, q_len, query dtype, fp8 cache, top-k): which stage-1 kernel each reaches on Hopper
 CASES = {
     "few rows bf16": (16, 1, torch.bfloat16, False, 0),
-    "few rows fp8": (16, 2, torch.bfloat16, True, 0),
+    "few rows fp8": (16, 1, torch.bfloat16, True, 0),
+    "few rows fp8 MTP": (16, 2, torch.bfloat16, True, 0),
     "many rows bf16": (128, 1, torch.bfloat16, False, 0),
     "triton kernel fp16": (16, 1, torch.float16, False, 0),
     "sparse top-k": (64, 2, torch.bfloat16, False, 96),
@@ -60,7 +61,7 @@ def make_buffers(case: tuple) -> dict:
     )
 
 
-def decode(buffers: dict, case: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def run_decode(buffers: dict, case: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     return mla_decode(
         buffers["query"],
         buffers["cache"],
@@ -76,6 +77,15 @@ def decode(buffers: dict, case: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def direct_launches() -> int:
+    """Launches every cuda_mla launcher sent straight to a kept compiled kernel so far."""
+    launchers = [decode._launch_stage1, decode._launch_stage2, kv_insert._launch_kv_insert]
+    if decode.decode_gluon_few is not None:
+        few, many = decode.decode_gluon_few, decode.decode_gluon_many
+        launchers += [few._launch_bf16, few._launch_fp8, many._launch_many_rows]
+    return sum(launcher.direct_launches for launcher in launchers)
+
+
 def captured(fn) -> tuple[torch.cuda.CUDAGraph, object]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -83,8 +93,10 @@ def captured(fn) -> tuple[torch.cuda.CUDAGraph, object]:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    before = direct_launches()
     with torch.cuda.graph(graph):
         result = fn()
+    assert direct_launches() > before  # the graph holds the direct launches' kernels
     return graph, result
 
 
@@ -93,13 +105,13 @@ def test_decode_replays_in_a_cuda_graph_on_new_values(name: str) -> None:
     case = CASES[name]
     buffers = make_buffers(case)
     fill(buffers, case, seed=1)
-    graph, (out, lse) = captured(lambda: decode(buffers, case))
-    first = [t.clone() for t in decode(buffers, case)]
+    graph, (out, lse) = captured(lambda: run_decode(buffers, case))
+    first = [t.clone() for t in run_decode(buffers, case)]
     fill(buffers, case, seed=2)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     graph.replay()
-    want = decode(buffers, case)
+    want = run_decode(buffers, case)
     torch.cuda.synchronize()
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     assert not torch.equal(out, first[0])
@@ -110,10 +122,14 @@ def test_direct_launches_equal_triton_dispatch(name: str, monkeypatch: pytest.Mo
     case = CASES[name]
     buffers = make_buffers(case)
     fill(buffers, case, seed=3)
-    decode(buffers, case)  # the first launch of each specialization goes through Triton
-    direct = [t.clone() for t in decode(buffers, case)]
+    run_decode(buffers, case)  # the first launch of each specialization goes through Triton
+    before = direct_launches()
+    direct = [t.clone() for t in run_decode(buffers, case)]
+    assert direct_launches() > before
     monkeypatch.setattr(launch, "direct_launch_enabled", False)
-    dispatched = decode(buffers, case)
+    before = direct_launches()
+    dispatched = run_decode(buffers, case)
+    assert direct_launches() == before
     torch.cuda.synchronize()
     assert torch.equal(direct[0], dispatched[0]) and torch.equal(direct[1], dispatched[1])
     assert not direct[0].isnan().any()

@@ -68,18 +68,23 @@ def _runtime_value_key(value: object) -> object:
     parameter (finer than Triton where that is cheaper to compute)."""
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.data_ptr() % 16 == 0)
-    if isinstance(value, _DESCRIPTOR_TYPES):
+    if isinstance(value, _DESCRIPTOR_TYPES):  # Triton asserts the base 16-byte aligned
         fields = _descriptor_key_fields(type(value))
-        base = value.base
-        layout_fields = (_hashable(getattr(value, name)) for name in fields)
-        return (type(value), base.dtype, base.data_ptr() % 16 == 0, *layout_fields)
+        return (type(value), value.base.dtype, *(_hashable(getattr(value, name)) for name in fields))
     if isinstance(value, bool):
         return ("bool", value)
     if isinstance(value, int):
         return ("int", value == 1, value % 16 == 0, value in _INT32_RANGE, value >= _UINT64_START)
     if isinstance(value, float):
         return ("float",)
-    return ("other", value)  # None and other hashable values: by value
+    if value is None or isinstance(value, str):
+        return ("other", value)
+    return _UNKEYED
+
+
+# A value the key cannot describe (tuples, lists, other descriptor kinds): Triton launches the
+# call and nothing is kept (a kept kernel keyed by such a value could be wrong, or keep it alive).
+_UNKEYED = object()
 
 
 def _triton_path_required(kernel: JITFunction) -> bool:
@@ -128,15 +133,16 @@ class DirectLauncher:
         values = args + tuple(kwargs[name] for name in self._names[len(args) :])
         options = tuple((name, value) for name, value in kwargs.items() if name not in self._params)
         device = torch.cuda.current_device()
-        key = (
-            device,
-            options,
-            tuple(
-                value if constexpr else _runtime_value_key(value)
-                for value, constexpr in zip(values, self._is_constexpr, strict=True)
-            ),
+        value_keys = tuple(
+            value if constexpr else _runtime_value_key(value)
+            for value, constexpr in zip(values, self._is_constexpr, strict=True)
         )
-        compiled = self._compiled.get(key)
+        key = (device, options, value_keys)
+        keyable = not any(k is _UNKEYED for k in value_keys)
+        try:
+            compiled = self._compiled.get(key) if keyable else None
+        except TypeError:  # an unhashable constexpr or option value
+            compiled, keyable = None, False
         if compiled is None:
             compiled = self.kernel[grid](*args, **kwargs)
             # Under Triton's AsyncCompileMode the launch returns a future of the kernel (the
@@ -144,7 +150,7 @@ class DirectLauncher:
             result = getattr(compiled, "result", None)
             if callable(result) and not hasattr(type(compiled), "run"):
                 compiled = result()
-            if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+            if keyable and all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
                 self._compiled[key] = compiled
             return
         if self._stream_of is None:
