@@ -40,14 +40,11 @@ _UINT64_START = 2**63
 
 
 def _descriptor_types() -> tuple[type, ...]:
-    types: list[type] = [TensorDescriptor]
     try:  # Gluon's descriptor (with a shared-memory layout) is its own class
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
     except ImportError:
-        pass
-    else:
-        types.append(GluonTensorDescriptor)
-    return tuple(types)
+        return (TensorDescriptor,)
+    return (TensorDescriptor, GluonTensorDescriptor)
 
 
 _DESCRIPTOR_TYPES = _descriptor_types()
