@@ -54,24 +54,36 @@ def main() -> None:
     grouped, attention_dtype = moe.use_grouped_mm, mla.prefill_attention_dtype
     # (label, SDPA without cuDNN, experts as grouped matmuls, prefill attention dtype)
     variants: list[tuple[str, bool, bool, Callable[[torch.Tensor], torch.dtype]]] = [
-        ("default", False, True, attention_dtype)]
+        ("default", False, True, attention_dtype)
+    ]
     if args.device == "cuda":
-        variants += [("float32 prefill attention", False, True, _float32),
-                     ("looped experts", False, False, _own),
-                     ("no cuDNN SDPA", True, True, _own),
-                     ("no cuDNN SDPA, looped experts", True, False, _own)]
+        variants += [
+            ("float32 prefill attention", False, True, _float32),
+            ("looped experts", False, False, _own),
+            ("no cuDNN SDPA", True, True, _own),
+            ("no cuDNN SDPA, looped experts", True, False, _own),
+        ]
     else:
         variants += [("bf16 prefill attention (before 2026-11-29)", False, True, _own)]
     with tempfile.TemporaryDirectory(prefix="accuracy_e2e.") as directory:
         hf.save_pretrained(directory)
         # No CUDA graphs: the variants swap functions the graphs would have recorded once (the
         # default's figures are the same with and without graphs: notes_accuracy.md, GPU).
-        llm = LLM(directory, **{"engine.device": args.device, "model.dtype": "bfloat16",
-                                "engine.max_num_batched_tokens": args.prompts * args.prompt_len,
-                                "engine.enable_prefix_caching": False, "engine.cpu_kv_cache_gib": 2,
-                                "engine.cuda_graphs": False})
-        print("| variant | Jackfield median | Jackfield max | transformers bf16 median | "
-              "transformers bf16 max |")
+        llm = LLM(
+            directory,
+            **{
+                "engine.device": args.device,
+                "model.dtype": "bfloat16",
+                "engine.max_num_batched_tokens": args.prompts * args.prompt_len,
+                "engine.enable_prefix_caching": False,
+                "engine.cpu_kv_cache_gib": 2,
+                "engine.cuda_graphs": False,
+            },
+        )
+        print(
+            "| variant | Jackfield median | Jackfield max | transformers bf16 median | "
+            "transformers bf16 max |"
+        )
         print("|---|---|---|---|---|")
         for label, no_cudnn, use_grouped, dtype in variants:
             moe.use_grouped_mm = grouped if use_grouped else (lambda rows: False)
@@ -79,8 +91,11 @@ def main() -> None:
             if args.device == "cuda":
                 torch.backends.cuda.enable_cudnn_sdp(not no_cudnn)
             jf, tf = agreement(llm, hf, prompts, args.device)
-            print(f"| {label} | {statistics.median(jf):.4f} | {max(jf):.4f} | {statistics.median(tf):.4f} | "
-                  f"{max(tf):.4f} |", flush=True)
+            print(
+                f"| {label} | {statistics.median(jf):.4f} | {max(jf):.4f} | {statistics.median(tf):.4f} | "
+                f"{max(tf):.4f} |",
+                flush=True,
+            )
     moe.use_grouped_mm, mla.prefill_attention_dtype = grouped, attention_dtype
 
 

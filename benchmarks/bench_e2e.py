@@ -21,14 +21,43 @@ import time
 
 import torch
 
-MID = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1024,
-           num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
-           q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-           n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
-           max_position_embeddings=4096)
-SMALL = dict(MID, vocab_size=8000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
-             kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8)
+MID = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    moe_intermediate_size=1024,
+    num_hidden_layers=8,
+    first_k_dense_replace=1,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=768,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    max_position_embeddings=4096,
+)
+SMALL = dict(
+    MID,
+    vocab_size=8000,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=256,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=8,
+)
 
 
 def sync(device: str) -> None:
@@ -79,8 +108,16 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple
     clock = Clock()
     sync(device)
     start = time.perf_counter()
-    model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
+    model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        streamer=clock,
+    )
     sync(device)
     end = time.perf_counter()
     first = clock.times[1]  # times[0]: the prompt
@@ -100,7 +137,9 @@ def agreement(llm, hf, prompts: torch.Tensor, device: str) -> tuple[list[float],
         hf.float()
         want = torch.log_softmax(hf(prompts.to(device)).logits[:, -1].float(), dim=-1).cpu()
         hf.to(dtype)
-    outs = llm.generate([p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))
+    outs = llm.generate(
+        [p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    )
     jf, tf = [], []  # each engine's own top-5 tokens, against the float32 reference's logprobs
     for i, out in enumerate(outs):
         jf.append(max(abs(v - want[i, t].item()) for t, v in out.logprobs[0].items()))
@@ -116,7 +155,9 @@ def profile_decode(llm, prompts: torch.Tensor, device: str) -> None:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
-        llm.generate([p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        llm.generate(
+            [p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        )
         sync(device)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=40))
 
@@ -133,8 +174,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per batch (medians reported)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="engine.cuda_graphs = false")
     parser.add_argument("--json-out")
-    parser.add_argument("--profile", action="store_true",
-                        help="also print a torch.profiler table of a few decode steps at the largest batch")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print a torch.profiler table of a few decode steps at the largest batch",
+    )
     args = parser.parse_args()
     from jackfield import LLM, SamplingParams
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -149,17 +193,26 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="bench_e2e.")
     hf.save_pretrained(directory)
     flops, bandwidth = ceilings(device, dtype)
-    llm = LLM(directory, **{"attention.backend": args.backend, "engine.device": device,
-                            "model.dtype": str(dtype).removeprefix("torch."),
-                            "engine.max_num_batched_tokens": args.max_batched_tokens,
-                            "engine.enable_prefix_caching": False, "engine.cuda_graphs": not args.no_cuda_graphs})
+    llm = LLM(
+        directory,
+        **{
+            "attention.backend": args.backend,
+            "engine.device": device,
+            "model.dtype": str(dtype).removeprefix("torch."),
+            "engine.max_num_batched_tokens": args.max_batched_tokens,
+            "engine.enable_prefix_caching": False,
+            "engine.cuda_graphs": not args.no_cuda_graphs,
+        },
+    )
     backend = llm.backend_choices["decode"].name
     gen = torch.Generator().manual_seed(1)
     checks = torch.randint(0, config.vocab_size, (8, args.prompt_len), generator=gen)
     jf, tf = agreement(llm, hf, checks, device)
-    print(f"top-5 first-token logprobs vs transformers float32 over {len(jf)} prompts, max |diff| "
-          f"median / max: Jackfield {sorted(jf)[len(jf) // 2]:.4f} / {max(jf):.4f}, "
-          f"transformers {dtype} {sorted(tf)[len(tf) // 2]:.4f} / {max(tf):.4f}")
+    print(
+        f"top-5 first-token logprobs vs transformers float32 over {len(jf)} prompts, max |diff| "
+        f"median / max: Jackfield {sorted(jf)[len(jf) // 2]:.4f} / {max(jf):.4f}, "
+        f"transformers {dtype} {sorted(tf)[len(tf) // 2]:.4f} / {max(tf):.4f}"
+    )
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=gen)
@@ -177,39 +230,70 @@ def main() -> None:
             sync(device)
             total = time.perf_counter() - start
             last_first = max(o.timings.time_to_first_token_s for o in outs)
-            jf_runs.append((sum(o.timings.time_to_first_token_s for o in outs) / batch,
-                            batch * (args.new_tokens - 1) / (total - last_first)))
+            jf_runs.append(
+                (
+                    sum(o.timings.time_to_first_token_s for o in outs) / batch,
+                    batch * (args.new_tokens - 1) / (total - last_first),
+                )
+            )
             hf_ttft_s, hf_decode_s = time_hf(hf, hf_prompts, args.new_tokens, device)
             hf_runs.append((hf_ttft_s, batch * (args.new_tokens - 1) / hf_decode_s))
         jf_ttft, jf_decode = (statistics.median(r[i] for r in jf_runs) for i in (0, 1))
         hf_ttft, hf_decode = (statistics.median(r[i] for r in hf_runs) for i in (0, 1))
         ceiling = batch * bandwidth / weight_bytes
-        rows.append(dict(batch=batch, jf_ttft_ms=jf_ttft * 1e3, hf_ttft_ms=hf_ttft * 1e3,
-                         jf_decode_tok_s=jf_decode, hf_decode_tok_s=hf_decode,
-                         decode_speedup=jf_decode / hf_decode, ttft_speedup=hf_ttft / jf_ttft,
-                         decode_vs_bandwidth_ceiling=jf_decode / ceiling))
+        rows.append(
+            dict(
+                batch=batch,
+                jf_ttft_ms=jf_ttft * 1e3,
+                hf_ttft_ms=hf_ttft * 1e3,
+                jf_decode_tok_s=jf_decode,
+                hf_decode_tok_s=hf_decode,
+                decode_speedup=jf_decode / hf_decode,
+                ttft_speedup=hf_ttft / jf_ttft,
+                decode_vs_bandwidth_ceiling=jf_decode / ceiling,
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"\ndevice {name}, {dtype}, backend {backend}, weights {weight_bytes / 2**20:.0f} MiB, "
-          f"prompt {args.prompt_len}, new tokens {args.new_tokens}, max_num_batched_tokens "
-          f"{args.max_batched_tokens}, decode CUDA graphs: {llm.cuda_graphs_off or 'on'}")
+    print(
+        f"\ndevice {name}, {dtype}, backend {backend}, weights {weight_bytes / 2**20:.0f} MiB, "
+        f"prompt {args.prompt_len}, new tokens {args.new_tokens}, max_num_batched_tokens "
+        f"{args.max_batched_tokens}, decode CUDA graphs: {llm.cuda_graphs_off or 'on'}"
+    )
     print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     if device == "cuda":  # the KV cache, both models and every captured graph's pool
-        print(f"GPU memory: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, peak "
-              f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
-    print("| batch | Jackfield TTFT ms | HF TTFT ms | Jackfield decode tok/s | HF decode tok/s | decode x HF "
-          "| TTFT x HF | decode / bandwidth ceiling |")
+        print(
+            f"GPU memory: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, peak "
+            f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+        )
+    print(
+        "| batch | Jackfield TTFT ms | HF TTFT ms | Jackfield decode tok/s | HF decode tok/s | decode x HF "
+        "| TTFT x HF | decode / bandwidth ceiling |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['jf_ttft_ms']:.1f} | {r['hf_ttft_ms']:.1f} | {r['jf_decode_tok_s']:.1f} | "
-              f"{r['hf_decode_tok_s']:.1f} | {r['decode_speedup']:.2f} | {r['ttft_speedup']:.2f} | "
-              f"{r['decode_vs_bandwidth_ceiling']:.3f} |")
+        print(
+            f"| {r['batch']} | {r['jf_ttft_ms']:.1f} | {r['hf_ttft_ms']:.1f} | {r['jf_decode_tok_s']:.1f} | "
+            f"{r['hf_decode_tok_s']:.1f} | {r['decode_speedup']:.2f} | {r['ttft_speedup']:.2f} | "
+            f"{r['decode_vs_bandwidth_ceiling']:.3f} |"
+        )
     if args.profile:
         profile_decode(llm, prompts, device)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(dict(device=name, dtype=str(dtype), backend=backend, weight_bytes=weight_bytes,
-                           matmul_flops=flops, bandwidth=bandwidth, rows=rows), f, indent=2)
+            json.dump(
+                dict(
+                    device=name,
+                    dtype=str(dtype),
+                    backend=backend,
+                    weight_bytes=weight_bytes,
+                    matmul_flops=flops,
+                    bandwidth=bandwidth,
+                    rows=rows,
+                ),
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

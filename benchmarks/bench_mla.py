@@ -20,6 +20,7 @@ import time
 
 import torch
 import triton
+from gpu_timing import host_us
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
 from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
@@ -144,18 +145,6 @@ def gpu_ms(fn) -> float:
     # pending work (the inputs just generated): without this sync it read half-written tensors
     torch.cuda.synchronize()
     return do_bench_cudagraph(fn, return_mode="median")
-
-
-def host_us(fn, calls: int = 100) -> float:
-    """Host time of one call (the GPU queue stays far from full at 100 calls)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    spent = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return spent / calls * 1e6
 
 
 def wall_ms(fn, reps: int = 3) -> float:

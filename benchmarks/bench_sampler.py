@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from gpu_timing import host_us
 from jackfield.ops import launch
 from jackfield.sampling import sample
 from jackfield.sampling.filters_triton import filter_and_sample_triton
@@ -69,20 +70,6 @@ def graph_ms(fn: Callable[[], object]) -> float:
     with torch.cuda.graph(graph):
         fn()
     return bench_ms(graph.replay)
-
-
-def host_us(fn: Callable[[], object], calls: int = 200) -> float:
-    """Microseconds of host time per call of fn (no sync inside) while the GPU is kept busy, so
-    that launches queue instead of waiting: the launch cost the GPU sees when it is idle."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU cycles: longer than the calls take
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def sync_wall_us(fn: Callable[[], object], calls: int = 200) -> float:
@@ -224,6 +211,7 @@ def main(sweep_shapes: bool) -> None:
             f" {sh.exact_warps} | {sh.overlap_stages} | {stage1 * 1e3:.1f} | {stage2 * 1e3:.1f} |"
             f" {both * 1e3:.1f} | {graphed * 1e3:.1f} | {graphed / read_once_ms:.3f} |"
         )
+
     def filter_kernels() -> object:
         return filter_and_sample_triton(*args, top_k, top_p, None)
 
