@@ -126,11 +126,16 @@ def test_single_tile_and_empty_requests(fp8: bool, gluon_launches: list[int]) ->
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_tile_counts_around_the_f16_tile_alternation(fp8: bool, gluon_launches: list[int]) -> None:
-    """2, 3, 4 and 5 tiles, whole and partial last tiles, in one split: the fp8 kernel alternates
-    two f16 tiles between two consumers, so every parity of the tile count ends each consumer's
-    loop on a different handshake phase and leaves the merge a different share of the tiles."""
-    run_and_check(poisoned_batch([128, 130, 192, 255, 256, 257, 320], 2, fp8), causal=True, num_splits=1)
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_tile_counts_around_the_consumer_alternation(
+    fp8: bool, q_len: int, gluon_launches: list[int]
+) -> None:
+    """0-6 tiles and 11, whole and partial last tiles, in one split: the fp8 kernels alternate tiles
+    between two consumers (16 rows: over a ring of 5 tiles; 32 rows: over two f16 tiles), so every
+    tile count ends each consumer's loop on another handshake phase and ring slot and leaves the
+    merge another share of the tiles."""
+    seq_lens = [0, 1, 64, 128, 130, 192, 255, 256, 257, 320, 384, 700]
+    run_and_check(poisoned_batch(seq_lens, q_len, fp8), causal=True, num_splits=1)
     assert len(gluon_launches) == (1 if hopper() else 0)
 
 

@@ -1057,7 +1057,7 @@ def few_rows_shapes_fit(
     )
 
 
-def launch_few_rows(
+def few_rows_arguments(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -1067,25 +1067,19 @@ def launch_few_rows(
     part_lse: torch.Tensor,
     stride_os: int,
     stride_ls: int,
-    kv_scale: torch.Tensor,
     sm_scale_log2: float,
-    rows_per_group: int,
     splits: int,
-    causal: bool,
     kv_lora_rank: int,
-) -> None:
-    """Stage 1 over (request, split): the final output when splits == 1, else split partials."""
+) -> tuple[tuple[int, int], tuple]:
+    """(grid, runtime arguments) of a few-rows kernel: a program a (request, split); the cache as two
+    TMA views, value halves and rope boxes of 64 keys."""
     num_blocks, page, width = kv_cache.shape
     rope = width - kv_lora_rank
-    block_m = 16 if rows_per_group <= 16 else FEW_ROWS
-    fp8 = kv_cache.dtype == FP8
-    nope_slots, rope_slots = ring_slots(block_m, kv_lora_rank, rope, kv_cache.element_size())
-    kv_dtype = gl.float8e4nv if fp8 else gl.bfloat16
+    kv_dtype = gl.float8e4nv if kv_cache.dtype == FP8 else gl.bfloat16
     shape, strides = [num_blocks * page, width], [kv_cache.stride(1), 1]
     half_box, rope_box = [TILE_KEYS, kv_lora_rank // 2], [TILE_KEYS, rope]
     nope_desc = TensorDescriptor(kv_cache, shape, strides, half_box, smem_layout(tuple(half_box), kv_dtype))
     rope_desc = TensorDescriptor(kv_cache, shape, strides, rope_box, smem_layout(tuple(rope_box), kv_dtype))
-    grid = (seq_lens.numel(), splits)
     kernel_args = (
         query,
         nope_desc,
@@ -1106,6 +1100,46 @@ def launch_few_rows(
         part_lse.stride(0),
         part_lse.stride(1),
         stride_ls,
+    )
+    return (seq_lens.numel(), splits), kernel_args
+
+
+def launch_few_rows(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    stride_os: int,
+    stride_ls: int,
+    kv_scale: torch.Tensor,
+    sm_scale_log2: float,
+    rows_per_group: int,
+    splits: int,
+    causal: bool,
+    kv_lora_rank: int,
+) -> None:
+    """Stage 1 over (request, split): the final output when splits == 1, else split partials."""
+    page, width = kv_cache.shape[1], kv_cache.shape[2]
+    rope = width - kv_lora_rank
+    block_m = 16 if rows_per_group <= 16 else FEW_ROWS
+    fp8 = kv_cache.dtype == FP8
+    nope_slots, rope_slots = ring_slots(block_m, kv_lora_rank, rope, kv_cache.element_size())
+    grid, kernel_args = few_rows_arguments(
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_lse,
+        stride_os,
+        stride_ls,
+        sm_scale_log2,
+        splits,
+        kv_lora_rank,
     )
     tiles = dict(
         RANK=kv_lora_rank,
