@@ -54,6 +54,16 @@ SMEM_BYTES = 227 * 1024 - 3 * 1024
 
 
 @gluon.jit
+def _ready_barrier(ready, t, SLOTS: gl.constexpr):
+    """(barrier, parity) that says tile t landed in its ring slot. A slot's tiles alternate between
+    the consumers when SLOTS is odd, so each slot has a barrier per consumer: a consumer then waits
+    every phase of its own barriers in turn (with one barrier a slot it would skip the other
+    consumer's phases, and a wait could pass on a fill that had not landed yet)."""
+    PERIOD: gl.constexpr = 2 * SLOTS if SLOTS % 2 == 1 else SLOTS  # tiles between uses of a barrier
+    return ready.index(t % SLOTS + SLOTS * (t % 2)), (t // PERIOD) & 1
+
+
+@gluon.jit
 def _producer_partition(
     nope_desc,
     rope_desc,
@@ -78,7 +88,7 @@ def _producer_partition(
         row = _tile_row(table, start, t, PAGE)
         # Rounds 0: parity 1 of a fresh barrier passes; later, the consumer's arrival for t - SLOTS.
         mbarrier.wait(free.index(slot), ((t // SLOTS) & 1) ^ 1)
-        bar = ready.index(slot)
+        bar, _ = _ready_barrier(ready, t, SLOTS)
         mbarrier.expect(bar, TILE_BYTES)
         tma_load(nope_desc, [row, 0], bar, nope_ring.index(2 * slot))
         tma_load(nope_desc, [row, HALF], bar, nope_ring.index(2 * slot + 1))
@@ -171,7 +181,8 @@ def _consumer_partition(
         q_lo = q_lo_buf.index(here)
         q_hi = q_hi_buf.index(here)
         p_smem = p_buf.index(CONSUMER + here)
-        mbarrier.wait(ready.index(slot), (t // SLOTS) & 1)
+        landed, parity = _ready_barrier(ready, t, SLOTS)
+        mbarrier.wait(landed, parity)
 
         # QK, one chunk in flight while the next one is loaded and converted
         s = warpgroup_mma(
@@ -328,11 +339,12 @@ def mla_decode_fp8_register_operands(
     p_buf = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_M], p_smem_layout)  # one a consumer
     nope_ring = gl.allocate_shared_memory(nope_desc.dtype, [2 * SLOTS, BLOCK_N, HALF], nope_desc.layout)
     rope_ring = gl.allocate_shared_memory(rope_desc.dtype, [SLOTS, BLOCK_N, ROPE], rope_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     partial_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(SLOTS):
         mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(SLOTS + i), count=1)
         mbarrier.init(free.index(i), count=1)
     mbarrier.init(partial_ready, count=1)
     # The query once, by the default warps before the partitions fork (both consumers read it).
@@ -459,6 +471,7 @@ def mla_decode_fp8_register_operands(
 
     for i in gl.static_range(SLOTS):
         mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(ready.index(SLOTS + i))
         mbarrier.invalidate(free.index(i))
     mbarrier.invalidate(partial_ready)
 
