@@ -4,8 +4,9 @@ what its design rests on.
 - every wgmma takes its A operand (keys for QK, transposed values for PV) from registers, none
   from shared memory, so no f16 copy of a tile is stored: 2 consumers x (36 + 32) HGMMA whose first
   source is a register;
-- the keys arrive by 16-bit shared loads (two fp8, K-major), the transposed values by byte loads,
-  both converted in registers (F2FP e4m3 -> f16);
+- the keys arrive by 16-byte shared loads (a thread's 16 consecutive dims of a key), the transposed
+  values by 8-byte loads (8 consecutive dims of a key), both converted in registers (F2FP e4m3 ->
+  f16) and relabelled into wgmma's A layout there: no byte or 16-bit loads of a tile;
 - QK keeps one chunk's wgmma in flight while the next chunk is loaded (wait 1, not wait 0);
 - the ring of whole fp8 tiles, the f16 query and two P^T fit 227 KB; three partitions (two
   consumers, the producer warp at its register count).
@@ -89,8 +90,9 @@ def counts(sass: str, shared: int) -> dict:
     got = few_compile.count(sass, shared, regs.ROWS)
     got.update(
         register_a=len(re.findall(r"\bHGMMA\.64x16x16\.F32 R\d+, R\d+, gdesc", sass)),
-        key_loads=len(re.findall(r"\bLDS\.U16\b", sass)),
-        value_loads=len(re.findall(r"\bLDS\.U8\b", sass)),
+        key_loads=len(re.findall(r"\bLDS\.128\b", sass)),
+        value_loads=len(re.findall(r"\bLDS\.64\b", sass)),
+        narrow_loads=len(re.findall(r"\bLDS\.(U8|U16|S8|S16)\b", sass)),
         conversions=len(re.findall(r"\bF2FP\.F16\.E4M3\.UNPACK_B\b", sass)),
     )
     return got
@@ -104,7 +106,10 @@ def test_register_operand_kernel_reads_no_f16_tile_and_fits() -> None:
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["hgmma"] == 2 * (36 + 32) and got["register_a"] == got["hgmma"], got
     assert got["mma_sync"] == 0 and got["tma"] > 0, got
-    assert got["key_loads"] > 0 and got["value_loads"] > 0 and got["conversions"] > 0, got
+    # A consumer's tile: 9 chunks x 2 key rows, 2 value halves x 16 keys; 2 consumers.
+    assert got["key_loads"] >= 2 * 9 * 2 and got["value_loads"] >= 2 * 2 * 16, got
+    assert got["narrow_loads"] <= 1, got  # the one: warp_specialize's own flag, not a tile
+    assert got["conversions"] == 2 * (9 * 16 + 2 * 64), got  # two fp8 a conversion
     assert "wait1" in got["wgmma_order"], got  # QK: a chunk in flight while the next one loads
     assert got["shared"] <= 227 * 1024, got
     assert hex(regs.PRODUCER_REGS.value) in got["regs_given_back"], got

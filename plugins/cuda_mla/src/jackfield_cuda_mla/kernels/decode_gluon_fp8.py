@@ -95,18 +95,67 @@ def _producer_partition(
         tma_load(rope_desc, [row, RANK], bar, rope_ring.index(slot))
 
 
+# The A operands are loaded in an order of the reduction (keys) or output (values) dimensions that
+# gives each thread runs of consecutive bytes, then relabelled in registers into wgmma's A layout.
+# wgmma's A layout gives a thread two elements a 32-bit register, the rest 8 or 16 dimensions
+# apart: read in the tensor's own order that is one 16-bit (keys) or 8-bit (values) load a
+# register. The order of a product's reduction dimensions does not change it (the query is staged
+# in the same order); the order of the output's only where it is written.
+#
+# A K chunk [64 keys, 64 dims] as loaded: warp w, lane 4l + c holds keys 16w + l and 16w + l + 8,
+# dims 16c .. 16c + 15 (one 16-byte load a key). Dim 16c + 4s + 2h + e is the product's
+# 16s + 8h + 2c + e: k-step s, half h of it, lane c, element e of the register.
+KEY_CHUNK_LOAD: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]],
+    block_bases=[],
+    shape=[64, 64],
+)
+# A value half's V^T [256 dims, 64 keys] as loaded: warp w, lane 4l + c holds dims 64w + 8l .. + 7
+# (one 8-byte load a key) of keys 2c + {0, 1} + 8j. Dim 64w + 8l + 2t + h is the product's output
+# row 64t + 16w + 8h + l: M-tile t, warp w, half h, lane l.
+VALUES_T_LOAD: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8], [0, 16], [0, 32]],
+    lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]],
+    warp_bases=[[64, 0], [128, 0]],
+    block_bases=[],
+    shape=[256, 64],
+)
+
+
+@gluon.jit
+def key_dims(k):
+    """The cache dimension that the products' reduction index k (query buffer column k) reads."""
+    i = k % 64
+    return k - i + 16 * ((i // 2) % 4) + 4 * (i // 16) + 2 * ((i // 8) % 2) + i % 2
+
+
+@gluon.jit
+def value_dims(m):
+    """The output column of PV's accumulator row m (within a value half)."""
+    return 64 * ((m // 16) % 4) + 8 * (m % 8) + 2 * (m // 64) + (m // 8) % 2
+
+
 @gluon.jit
 def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
-    """K [64 keys, CHUNK dims] from an fp8 ring box as wgmma's A operand in f16. Keys past the end
-    of the split may hold anything, NaN included: the softmax sets their scores to -inf."""
-    return ring_box.slice(col0, CHUNK, dim=1).load(a_layout).to(gl.float16)
+    """K [64 keys, CHUNK dims] from an fp8 ring box as wgmma's A operand in f16, its dims in
+    key_dims order. Keys past the end of the split may hold anything, NaN included: the softmax
+    sets their scores to -inf."""
+    k = ring_box.slice(col0, CHUNK, dim=1).load(KEY_CHUNK_LOAD).to(gl.float16)
+    k = gl.permute(gl.reshape(k, [BLOCK_N, 4, 4, 2, 2]), (0, 2, 3, 1, 4))  # [keys, c, s, h, e] -> s, h, c, e
+    return gl.convert_layout(gl.reshape(k, [BLOCK_N, CHUNK]), a_layout)
 
 
 @gluon.jit
 def _values_t(ring_box, valid, a_layout: gl.constexpr):
-    """V^T [HALF dims, 64 keys] of one value half from an fp8 ring box as wgmma's A operand in f16;
-    keys >= valid zeroed (their probabilities are 0, but 0 x NaN is NaN)."""
-    v = ring_box.permute((1, 0)).load(a_layout).to(gl.float16)
+    """V^T [HALF dims, 64 keys] of one value half from an fp8 ring box as wgmma's A operand in f16,
+    its dims in value_dims order; keys >= valid zeroed (their probabilities are 0, but 0 x NaN is
+    NaN)."""
+    HALF: gl.constexpr = ring_box.shape[1]
+    v = ring_box.permute((1, 0)).load(VALUES_T_LOAD).to(gl.float16)
+    v = gl.permute(gl.reshape(v, [4, 8, 4, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
+    v = gl.convert_layout(gl.reshape(v, [HALF, BLOCK_N]), a_layout)
     if valid < BLOCK_N:
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, a_layout))
         v = gl.where((keys < valid)[None, :], v, gl.zeros_like(v))
@@ -283,6 +332,7 @@ def _consumer_partition(
             HALF,
             P_SCALE_F16,
             mma,
+            value_dims,
         )
 
 
@@ -363,6 +413,7 @@ def mla_decode_fp8_register_operands(
         ROPE,
         BLOCK_M,
         True,
+        key_dims,
     )
     fence_async_shared()
     cta_barrier()
