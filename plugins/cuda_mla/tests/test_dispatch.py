@@ -88,36 +88,46 @@ class Recorder:
 
 
 @needs_gluon
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8, q_len", [(False, 1), (False, 2), (True, 1), (True, 2)])
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # stage 2 then merges partials nobody wrote
 def test_few_rows_launch_gets_the_call_and_a_split_plan_of_its_own_tile(
-    shapes_only: None, monkeypatch: pytest.MonkeyPatch, fp8: bool
+    shapes_only: None, monkeypatch: pytest.MonkeyPatch, fp8: bool, q_len: int
 ) -> None:
-    launch = Recorder()
+    """bf16 caches and fp8 caches with 32 rows go to launch_few_rows; fp8 caches with 16 rows to the
+    register-operand kernel (decode_gluon_fp8), with the same arguments less the row count."""
+    launch, register_launch = Recorder(), Recorder()
     monkeypatch.setattr(decode.decode_gluon_few, "launch_few_rows", launch)
+    monkeypatch.setattr(decode.decode_gluon_fp8, "launch_register_operands", register_launch)
     monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
     reqs, seq = 4, 4096
-    query = torch.randn(reqs, 16, RANK + ROPE).bfloat16()
+    query = torch.randn(reqs * q_len, 16, RANK + ROPE).bfloat16()
     cache = torch.randn(reqs * seq // PAGE, PAGE, RANK + ROPE)
     scale = torch.tensor([0.5]) if fp8 else None
     cache = cache.to(FP8) if fp8 else cache.bfloat16()
     table = torch.arange(reqs * seq // PAGE, dtype=torch.int32).reshape(reqs, -1)
     seq_lens = torch.full((reqs,), seq, dtype=torch.int32)
-    qsl = torch.arange(reqs + 1, dtype=torch.int32)
+    qsl = torch.arange(0, reqs * q_len + 1, q_len, dtype=torch.int32)
     out, lse = decode.mla_decode(
-        query, cache, table, seq_lens, qsl, max_query_len=1, max_seq_len=seq, sm_scale=0.1,
-        kv_lora_rank=RANK, kv_scale=scale, config=default_config(16, True, cache.dtype),
+        query, cache, table, seq_lens, qsl, max_query_len=q_len, max_seq_len=seq, sm_scale=0.1,
+        kv_lora_rank=RANK, kv_scale=scale, config=default_config(16 * q_len, True, cache.dtype),
     )  # fmt: skip
-    ((args, kwargs),) = launch.calls
+    registers = fp8 and q_len == 1
+    used, unused = (register_launch, launch) if registers else (launch, register_launch)
+    assert unused.calls == []
+    ((args, kwargs),) = used.calls
     assert args[0] is query and args[1] is cache and args[2] is table and args[3] is seq_lens
     assert args[4] is qsl and kwargs == {}
-    part_out, part_lse, stride_os, stride_ls, kv_scale, scale_log2, rows, splits, causal, rank = args[5:]
+    if registers:
+        part_out, part_lse, stride_os, stride_ls, kv_scale, scale_log2, splits, causal, rank = args[5:]
+    else:
+        part_out, part_lse, stride_os, stride_ls, kv_scale, scale_log2, rows, splits, causal, rank = args[5:]
+        assert rows == 16 * q_len
     # 4 requests on 132 SMs, one program each: 33 splits wanted, 64-key tiles of 4096 keys allow 16
-    assert (
-        splits == 16 and part_out.shape == (reqs, 16, splits, RANK) and part_lse.shape == (reqs, 16, splits)
-    )
+    tokens = reqs * q_len
+    assert splits == 16 and part_out.shape == (tokens, 16, splits, RANK)
+    assert part_lse.shape == (tokens, 16, splits)
     assert (stride_os, stride_ls) == (part_out.stride(2), part_lse.stride(2))
-    assert rows == 16 and causal and rank == RANK and scale_log2 == pytest.approx(0.1 * decode.LOG2E)
+    assert causal and rank == RANK and scale_log2 == pytest.approx(0.1 * decode.LOG2E)
     assert kv_scale is scale or not fp8  # bf16: a dummy the kernel never reads
 
 

@@ -89,16 +89,21 @@ def run_and_check(batch: dict, causal: bool, num_splits: int | None = None) -> N
 
 
 @pytest.fixture
-def gluon_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts launches of the Gluon kernel (so a test knows which kernel it checked)."""
-    launches: list[int] = []
-    launch = decode.decode_gluon_few.launch_few_rows
+def gluon_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names the Gluon kernel each launch went to (so a test knows which kernel it checked):
+    "few rows" (bf16, and fp8 with 32 rows) or "fp8 registers" (fp8 with 16 rows)."""
+    launches: list[str] = []
+    targets = [(decode.decode_gluon_few, "launch_few_rows", "few rows")]
+    if decode.decode_gluon_fp8 is not None:
+        targets.append((decode.decode_gluon_fp8, "launch_register_operands", "fp8 registers"))
+    for module, name, label in targets:
+        launch = getattr(module, name)
 
-    def counted(*args, **kwargs) -> None:
-        launches.append(1)
-        launch(*args, **kwargs)
+        def counted(*args, launch=launch, label=label, **kwargs) -> None:
+            launches.append(label)
+            launch(*args, **kwargs)
 
-    monkeypatch.setattr(decode.decode_gluon_few, "launch_few_rows", counted)
+        monkeypatch.setattr(module, name, counted)
     return launches
 
 
@@ -106,35 +111,55 @@ def hopper() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
+def expected_kernel(fp8: bool, rows: int) -> list[str]:
+    """The launches a call must make: none off Hopper; fp8 caches with <= 16 rows on the
+    register-operand kernel, everything else on the few-rows launcher."""
+    if not hopper():
+        return []
+    return ["fp8 registers" if fp8 and rows <= 16 else "few rows"]
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_gluon_few_rows_matches_reference(
-    fp8: bool, q_len: int, causal: bool, num_splits: int | None, gluon_launches: list[int]
+    fp8: bool, q_len: int, causal: bool, num_splits: int | None, gluon_launches: list[str]
 ) -> None:
     run_and_check(poisoned_batch(SEQ_LENS, q_len, fp8), causal, num_splits)
-    assert len(gluon_launches) == (1 if hopper() else 0)
+    assert gluon_launches == expected_kernel(fp8, HEADS * q_len)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_single_tile_and_empty_requests(fp8: bool, gluon_launches: list[int]) -> None:
+def test_single_tile_and_empty_requests(fp8: bool, gluon_launches: list[str]) -> None:
     """Splits that get no key (seq_len 0, short requests over many splits) give 0 / -inf partials;
     requests of exactly one tile (64) and of one partial tile (5)."""
     run_and_check(poisoned_batch([0, 5, 64, 0], 1, fp8), causal=True, num_splits=4)
-    assert len(gluon_launches) == (1 if hopper() else 0)
+    assert gluon_launches == expected_kernel(fp8, HEADS)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_tile_counts_around_the_f16_tile_alternation(fp8: bool, gluon_launches: list[int]) -> None:
-    """2, 3, 4 and 5 tiles, whole and partial last tiles, in one split: the fp8 kernel alternates
-    two f16 tiles between two consumers, so every parity of the tile count ends each consumer's
-    loop on a different handshake phase and leaves the merge a different share of the tiles."""
-    run_and_check(poisoned_batch([128, 130, 192, 255, 256, 257, 320], 2, fp8), causal=True, num_splits=1)
-    assert len(gluon_launches) == (1 if hopper() else 0)
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_tile_counts_around_the_consumer_alternation(
+    fp8: bool, q_len: int, gluon_launches: list[str]
+) -> None:
+    """0-12 tiles, whole and partial last tiles, in one split: the fp8 kernels alternate tiles
+    between two consumers (16 rows: over a ring of 5 tiles, so a slot's tiles alternate consumers;
+    32 rows: over two f16 tiles), so every tile count ends each consumer's loop on another
+    handshake phase and ring slot and leaves the merge another share of the tiles."""
+    seq_lens = [0, 1, 64, 128, 130, 192, 255, 256, 257, 320, 384, 448, 512, 576, 640, 700, 768]
+    run_and_check(poisoned_batch(seq_lens, q_len, fp8), causal=True, num_splits=1)
+    assert gluon_launches == expected_kernel(fp8, HEADS * q_len)
 
 
-def test_more_rows_than_the_kernel_holds_run_on_triton(gluon_launches: list[int]) -> None:
+def test_fp8_sixteen_rows_from_two_tokens(gluon_launches: list[str]) -> None:
+    """8 heads x q_len 2: 16 rows of two tokens on the register-operand kernel, each token's causal
+    limit its own."""
+    run_and_check(poisoned_batch(SEQ_LENS, 2, fp8=True, heads=8), causal=True)
+    assert gluon_launches == expected_kernel(True, 16)
+
+
+def test_more_rows_than_the_kernel_holds_run_on_triton(gluon_launches: list[str]) -> None:
     """q_len 4 x 16 heads = 64 rows: past the Gluon kernel's 32, so the Triton kernel runs."""
     run_and_check(poisoned_batch([300, 4113], 4, fp8=False), causal=True)
     assert gluon_launches == []

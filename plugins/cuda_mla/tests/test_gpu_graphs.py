@@ -83,6 +83,8 @@ def direct_launches() -> int:
     if decode.decode_gluon_few is not None:
         few, many = decode.decode_gluon_few, decode.decode_gluon_many
         launchers += [few._launch_bf16, few._launch_fp8, many._launch_many_rows]
+    if decode.decode_gluon_fp8 is not None:
+        launchers.append(decode.decode_gluon_fp8._launch)
     return sum(launcher.direct_launches for launcher in launchers)
 
 

@@ -37,11 +37,17 @@ def gluon_supported(triton_version: str) -> bool:
 
 
 decode_gluon_few = decode_gluon_many = None  # without them every call takes the Triton kernel
+decode_gluon_fp8 = None  # without it fp8 caches with <= 16 rows take the converter kernel
 if gluon_supported(triton.__version__):
     try:
         from jackfield_cuda_mla.kernels import decode_gluon_few, decode_gluon_many
     except (ImportError, AttributeError):  # a build without Gluon's Hopper modules
         decode_gluon_few = decode_gluon_many = None
+    else:
+        try:
+            from jackfield_cuda_mla.kernels import decode_gluon_fp8
+        except (ImportError, AttributeError):
+            decode_gluon_fp8 = None
 
 LOG2E = 1.4426950408889634
 # Triton's per-call dispatch costs more host time than a decode step's kernels take on the GPU
@@ -242,7 +248,22 @@ def mla_decode(
         part_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
         stride_os, stride_ls = part_out.stride(2), part_lse.stride(2)
     partials = (part_out, part_lse, stride_os, stride_ls)
-    if kernel == "gluon_few":
+    registers = decode_gluon_fp8 is not None and rows_per_group <= decode_gluon_fp8.ROWS
+    if kernel == "gluon_few" and kv_cache.dtype == FP8 and registers:
+        decode_gluon_fp8.launch_register_operands(
+            query,
+            kv_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            *partials,
+            scale,
+            sm_scale * LOG2E,
+            splits,
+            causal,
+            kv_lora_rank,
+        )
+    elif kernel == "gluon_few":
         decode_gluon_few.launch_few_rows(
             query,
             kv_cache,

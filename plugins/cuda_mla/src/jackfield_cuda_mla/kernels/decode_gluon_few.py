@@ -143,16 +143,24 @@ def _max_abs(x):
 
 
 @gluon.jit
-def _load_query(q, tok, head, row_ok, col0, WIDTH: gl.constexpr, stride_qt, stride_qh, layout: gl.constexpr):
+def natural_order(index):
+    """Column order of the query and output as stored: the tensor's own (see DIM_ORDER below)."""
+    return index
+
+
+@gluon.jit
+def _load_query(
+    q, tok, head, row_ok, col0, WIDTH: gl.constexpr, stride_qt, stride_qh, layout: gl.constexpr, DIM_ORDER: gl.constexpr
+):
     rows_ptr = q + tok * stride_qt + head * stride_qh + col0
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    cols = DIM_ORDER(gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout)))
     return gl.load(rows_ptr[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
 
 
 @gluon.jit
-def _store_half(out_rows, value, row_ok, col0, HALF: gl.constexpr, layout: gl.constexpr):
-    """value [HALF, rows] (transposed output) -> out[row, col0 + c]."""
-    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
+def _store_half(out_rows, value, row_ok, col0, HALF: gl.constexpr, layout: gl.constexpr, DIM_ORDER: gl.constexpr):
+    """value [HALF, rows] (transposed output; its row i is column DIM_ORDER(i)) -> out[row, col0 + c]."""
+    cols = col0 + DIM_ORDER(gl.arange(0, HALF, layout=gl.SliceLayout(1, layout)))
     gl.store(out_rows[None, :] + cols[:, None], value.to(out_rows.dtype.element_ty), mask=row_ok[None, :])
 
 
@@ -172,8 +180,10 @@ def _stage_query(
     ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr,
     TO_F16: gl.constexpr,
+    DIM_ORDER: gl.constexpr = natural_order,
 ):
     """The request's query rows into the wgmma operand buffers; returns the score scale.
+    Buffer column i holds query dimension DIM_ORDER(i) (a kernel that reads keys in another order).
 
     TO_F16 (fp8 caches, whose tiles become f16): the bf16 query in f16, exactly: scaled by a power
     of two that puts its largest element in [2^13, 2^15) (below f16's 65504; bf16's 8 mantissa
@@ -189,12 +199,12 @@ def _stage_query(
     rows_h = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_half_regs))
     tok_h = (first_tok + rows_h // num_heads).to(gl.int64)
     ok_h = rows_h < q_len * num_heads
-    q_lo_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, 0, HALF, stride_qt, stride_qh, q_half_regs)
-    q_hi_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, HALF, HALF, stride_qt, stride_qh, q_half_regs)
+    q_lo_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, 0, HALF, stride_qt, stride_qh, q_half_regs, DIM_ORDER)
+    q_hi_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, HALF, HALF, stride_qt, stride_qh, q_half_regs, DIM_ORDER)
     rows_p = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_rope_regs))
     tok_p = (first_tok + rows_p // num_heads).to(gl.int64)
     ok_p = rows_p < q_len * num_heads
-    q_pe_val = _load_query(q, tok_p, rows_p % num_heads, ok_p, RANK, ROPE, stride_qt, stride_qh, q_rope_regs)
+    q_pe_val = _load_query(q, tok_p, rows_p % num_heads, ok_p, RANK, ROPE, stride_qt, stride_qh, q_rope_regs, DIM_ORDER)
     if TO_F16:
         q_max = gl.maximum(_max_abs(q_lo_val), gl.maximum(_max_abs(q_hi_val), _max_abs(q_pe_val)))
         q_exp = gl.where(q_max > 0.0, 13.0 - gl.floor(gl.log2(q_max)), 0.0)
@@ -294,17 +304,19 @@ def _write_output(
     HALF: gl.constexpr,
     P_SCALE: gl.constexpr,
     mma: gl.constexpr,
+    DIM_ORDER: gl.constexpr = natural_order,
 ):
     """The normalized output (times value_scale; P was stored times P_SCALE) and the natural-log
-    LSE of every row; rows that saw no key get exactly 0 and -inf."""
+    LSE of every row; rows that saw no key get exactly 0 and -inf. Accumulator row i is output
+    column DIM_ORDER(i) of each half."""
     seen = l_i > 0.0
     denom = gl.where(seen, l_i, 1.0)
     norm = gl.where(seen, value_scale / (denom * P_SCALE), 0.0)
     tok = (first_tok + rows // num_heads).to(gl.int64)
     head = rows % num_heads
     out_rows = out + tok * stride_ot + head * stride_oh + split * stride_os
-    _store_half(out_rows, acc_lo * norm[None, :], row_ok, 0, HALF, mma)
-    _store_half(out_rows, acc_hi * norm[None, :], row_ok, HALF, HALF, mma)
+    _store_half(out_rows, acc_lo * norm[None, :], row_ok, 0, HALF, mma, DIM_ORDER)
+    _store_half(out_rows, acc_hi * norm[None, :], row_ok, HALF, HALF, mma, DIM_ORDER)
     row_lse = gl.where(seen, (m_i + gl.log2(denom)) * LN2, float("-inf"))
     gl.store(lse + tok * stride_lt + head * stride_lh + split * stride_ls, row_lse, mask=row_ok)
 
@@ -1016,7 +1028,7 @@ def few_rows_shapes_fit(
     )
 
 
-def launch_few_rows(
+def few_rows_arguments(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -1026,25 +1038,19 @@ def launch_few_rows(
     part_lse: torch.Tensor,
     stride_os: int,
     stride_ls: int,
-    kv_scale: torch.Tensor,
     sm_scale_log2: float,
-    rows_per_group: int,
     splits: int,
-    causal: bool,
     kv_lora_rank: int,
-) -> None:
-    """Stage 1 over (request, split): the final output when splits == 1, else split partials."""
+) -> tuple[tuple[int, int], tuple]:
+    """(grid, runtime arguments) of a few-rows kernel: a program a (request, split); the cache as two
+    TMA views, value halves and rope boxes of 64 keys."""
     num_blocks, page, width = kv_cache.shape
     rope = width - kv_lora_rank
-    block_m = 16 if rows_per_group <= 16 else FEW_ROWS
-    fp8 = kv_cache.dtype == FP8
-    nope_slots, rope_slots = ring_slots(block_m, kv_lora_rank, rope, kv_cache.element_size())
-    kv_dtype = gl.float8e4nv if fp8 else gl.bfloat16
+    kv_dtype = gl.float8e4nv if kv_cache.dtype == FP8 else gl.bfloat16
     shape, strides = [num_blocks * page, width], [kv_cache.stride(1), 1]
     half_box, rope_box = [TILE_KEYS, kv_lora_rank // 2], [TILE_KEYS, rope]
     nope_desc = TensorDescriptor(kv_cache, shape, strides, half_box, smem_layout(tuple(half_box), kv_dtype))
     rope_desc = TensorDescriptor(kv_cache, shape, strides, rope_box, smem_layout(tuple(rope_box), kv_dtype))
-    grid = (seq_lens.numel(), splits)
     kernel_args = (
         query,
         nope_desc,
@@ -1065,6 +1071,46 @@ def launch_few_rows(
         part_lse.stride(0),
         part_lse.stride(1),
         stride_ls,
+    )
+    return (seq_lens.numel(), splits), kernel_args
+
+
+def launch_few_rows(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    stride_os: int,
+    stride_ls: int,
+    kv_scale: torch.Tensor,
+    sm_scale_log2: float,
+    rows_per_group: int,
+    splits: int,
+    causal: bool,
+    kv_lora_rank: int,
+) -> None:
+    """Stage 1 over (request, split): the final output when splits == 1, else split partials."""
+    page, width = kv_cache.shape[1], kv_cache.shape[2]
+    rope = width - kv_lora_rank
+    block_m = 16 if rows_per_group <= 16 else FEW_ROWS
+    fp8 = kv_cache.dtype == FP8
+    nope_slots, rope_slots = ring_slots(block_m, kv_lora_rank, rope, kv_cache.element_size())
+    grid, kernel_args = few_rows_arguments(
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_lse,
+        stride_os,
+        stride_ls,
+        sm_scale_log2,
+        splits,
+        kv_lora_rank,
     )
     tiles = dict(
         RANK=kv_lora_rank,

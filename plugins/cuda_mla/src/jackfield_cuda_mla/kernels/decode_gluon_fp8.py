@@ -1,0 +1,584 @@
+"""fp8 cache, <= 16 rows a request, on Hopper: the keys and values reach the tensor cores from
+registers, converted there, so no f16 copy of a tile ever sits in shared memory.
+
+The converter-warpgroup kernel (decode_gluon_few.mla_decode_few_rows_fp8) converts each tile into
+one of two f16 tiles (144 KB of the 227) that its consumers then read: a tile's conversion and its
+products are chained through those two buffers, and the ring keeps only 1.5 fp8 tiles in flight
+(H200, B128 H16 S4096: 138.7 us, bf16's 146.7). Here wgmma takes its A operand from registers:
+- QK: S^T = K . Q^T in 64-dimension chunks, A = the chunk of K [64 keys, 64 dims] loaded from the
+  fp8 ring (K-major: 16-bit loads of two fp8) and converted to f16 in registers;
+- PV: O^T = V^T . P^T a value half at a time, A = V^T [256 dims, 64 keys] loaded from the same
+  ring slot transposed (byte loads) and converted.
+Shared memory holds the f16 query, one P^T per consumer and a ring of whole fp8 tiles (5 at 16
+rows: 180 KB in flight). A one-warp producer issues the TMA loads into the ring (block-table rows
+read ahead of its waits); two consumer warpgroups take alternate tiles with their own online
+softmax and merge at the end, consumer 1's partial left in the ring slot of its last tile (no
+later tile reuses it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from jackfield.ops.launch import DirectLauncher
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from jackfield_cuda_mla.kernels.decode_gluon_few import (
+    BLOCK_N,
+    NUM_WARPS,
+    P_SCALE_F16,
+    _softmax_step,
+    _stage_query,
+    _tile_row,
+    _write_output,
+    few_rows_arguments,
+)
+from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_reinterpret, tma_load
+
+ROWS = 16  # query rows a program holds (wgmma N): H=16 x q_len 1
+CHUNK = gl.constexpr(64)  # dimensions of K per QK wgmma group (A: 16 registers a thread)
+CONSUMER_WARPS = gl.constexpr(4)
+PRODUCER_WARPS = gl.constexpr(1)
+CONSUMER_REGS = gl.constexpr(232)  # the worker consumer's registers a thread (setmaxnreg)
+PRODUCER_REGS = gl.constexpr(40)
+# Shared memory a program may use on sm_90 (227 KB), less the compiler's scratch and barriers.
+SMEM_BYTES = 227 * 1024 - 3 * 1024
+
+
+@gluon.jit
+def _ready_barrier(ready, t, SLOTS: gl.constexpr):
+    """(barrier, parity) that says tile t landed in its ring slot. A slot's tiles alternate between
+    the consumers when SLOTS is odd, so each slot has a barrier per consumer: a consumer then waits
+    every phase of its own barriers in turn (with one barrier a slot it would skip the other
+    consumer's phases, and a wait could pass on a fill that had not landed yet)."""
+    PERIOD: gl.constexpr = 2 * SLOTS if SLOTS % 2 == 1 else SLOTS  # tiles between uses of a barrier
+    return ready.index(t % SLOTS + SLOTS * (t % 2)), (t // PERIOD) & 1
+
+
+@gluon.jit
+def _producer_partition(
+    nope_desc,
+    rope_desc,
+    nope_ring,
+    rope_ring,
+    ready,
+    free,
+    table,
+    start,
+    n_tiles,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    HALF: gl.constexpr,
+    PAGE: gl.constexpr,
+    SLOTS: gl.constexpr,
+):
+    """Tile t into ring slot t % SLOTS (two value halves and the rope box on one barrier), once the
+    consumer of tile t - SLOTS freed the slot; the block-table row read before that wait."""
+    TILE_BYTES: gl.constexpr = BLOCK_N * (2 * HALF + ROPE)  # fp8: a byte an element
+    for t in range(n_tiles):
+        slot = t % SLOTS
+        row = _tile_row(table, start, t, PAGE)
+        # Rounds 0: parity 1 of a fresh barrier passes; later, the consumer's arrival for t - SLOTS.
+        mbarrier.wait(free.index(slot), ((t // SLOTS) & 1) ^ 1)
+        bar, _ = _ready_barrier(ready, t, SLOTS)
+        mbarrier.expect(bar, TILE_BYTES)
+        tma_load(nope_desc, [row, 0], bar, nope_ring.index(2 * slot))
+        tma_load(nope_desc, [row, HALF], bar, nope_ring.index(2 * slot + 1))
+        tma_load(rope_desc, [row, RANK], bar, rope_ring.index(slot))
+
+
+# The A operands are loaded in an order of the reduction (keys) or output (values) dimensions that
+# gives each thread runs of consecutive bytes, then relabelled in registers into wgmma's A layout.
+# wgmma's A layout gives a thread two elements a 32-bit register, the rest 8 or 16 dimensions
+# apart: read in the tensor's own order that is one 16-bit (keys) or 8-bit (values) load a
+# register. The order of a product's reduction dimensions does not change it (the query is staged
+# in the same order); the order of the output's only where it is written.
+#
+# A K chunk [64 keys, 64 dims] as loaded: warp w, lane 4l + c holds keys 16w + l and 16w + l + 8,
+# dims 16c .. 16c + 15 (one 16-byte load a key). Dim 16c + 4s + 2h + e is the product's
+# 16s + 8h + 2c + e: k-step s, half h of it, lane c, element e of the register.
+KEY_CHUNK_LOAD: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]],
+    block_bases=[],
+    shape=[64, 64],
+)
+# A value half's V^T [256 dims, 64 keys] as loaded: warp w, lane 4l + c holds dims 64w + 8l .. + 7
+# (one 8-byte load a key) of keys 2c + {0, 1} + 8j. Dim 64w + 8l + 2t + h is the product's output
+# row 64t + 16w + 8h + l: M-tile t, warp w, half h, lane l.
+VALUES_T_LOAD: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8], [0, 16], [0, 32]],
+    lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]],
+    warp_bases=[[64, 0], [128, 0]],
+    block_bases=[],
+    shape=[256, 64],
+)
+
+
+@gluon.jit
+def key_dims(k):
+    """The cache dimension that the products' reduction index k (query buffer column k) reads."""
+    i = k % 64
+    return k - i + 16 * ((i // 2) % 4) + 4 * (i // 16) + 2 * ((i // 8) % 2) + i % 2
+
+
+@gluon.jit
+def value_dims(m):
+    """The output column of PV's accumulator row m (within a value half)."""
+    return 64 * ((m // 16) % 4) + 8 * (m % 8) + 2 * (m // 64) + (m // 8) % 2
+
+
+@gluon.jit
+def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
+    """K [64 keys, CHUNK dims] from an fp8 ring box as wgmma's A operand in f16, its dims in
+    key_dims order. Keys past the end of the split may hold anything, NaN included: the softmax
+    sets their scores to -inf."""
+    k = ring_box.slice(col0, CHUNK, dim=1).load(KEY_CHUNK_LOAD).to(gl.float16)
+    k = gl.permute(gl.reshape(k, [BLOCK_N, 4, 4, 2, 2]), (0, 2, 3, 1, 4))  # [keys, c, s, h, e] -> s, h, c, e
+    return gl.convert_layout(gl.reshape(k, [BLOCK_N, CHUNK]), a_layout)
+
+
+@gluon.jit
+def _values_t(ring_box, valid, a_layout: gl.constexpr):
+    """V^T [HALF dims, 64 keys] of one value half from an fp8 ring box as wgmma's A operand in f16,
+    its dims in value_dims order; keys >= valid zeroed (their probabilities are 0, but 0 x NaN is
+    NaN)."""
+    HALF: gl.constexpr = ring_box.shape[1]
+    v = ring_box.permute((1, 0)).load(VALUES_T_LOAD).to(gl.float16)
+    v = gl.permute(gl.reshape(v, [4, 8, 4, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
+    v = gl.convert_layout(gl.reshape(v, [HALF, BLOCK_N]), a_layout)
+    if valid < BLOCK_N:
+        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, a_layout))
+        v = gl.where((keys < valid)[None, :], v, gl.zeros_like(v))
+    return v
+
+
+@gluon.jit
+def _consumer_partition(
+    out,
+    lse,
+    q_lo_buf,
+    q_hi_buf,
+    q_pe_buf,
+    p_buf,
+    nope_ring,
+    rope_ring,
+    ready,
+    free,
+    partial_ready,
+    first_tok,
+    q_len,
+    seq_len,
+    start,
+    end,
+    n_tiles,
+    split,
+    score_scale_log2,
+    value_scale,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    HALF: gl.constexpr,
+    ROPE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    SLOTS: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    CONSUMER: gl.constexpr,
+):
+    """Tiles CONSUMER, CONSUMER + 2, ...: QK, online softmax, PV with the keys and values converted
+    in registers, the ring slot freed after PV. Consumer 1 then leaves its partial in the ring slot
+    of its last tile; consumer 0 merges it and writes the output."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    key_vec: gl.constexpr = gl.SliceLayout(1, mma)
+    row_vec: gl.constexpr = gl.SliceLayout(0, mma)
+    rows = gl.arange(0, BLOCK_M, layout=row_vec)
+    row_ok = rows < q_len * num_heads
+    last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_vec)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_vec)
+    acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
+    acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+
+    for i in range((n_tiles + 1 - CONSUMER) // 2):
+        t = 2 * i + CONSUMER
+        n0 = start + t * BLOCK_N
+        valid = end - n0
+        slot = t % SLOTS
+        lo_box = nope_ring.index(2 * slot)
+        hi_box = nope_ring.index(2 * slot + 1)
+        # Always 0, not provably so: keeps the query's and P^T's wgmma descriptors next to their use
+        # instead of hoisted out of the loop, where they spill (see mla_decode_few_rows).
+        here = gl.minimum(valid - 1, 0)
+        q_lo = q_lo_buf.index(here)
+        q_hi = q_hi_buf.index(here)
+        p_smem = p_buf.index(CONSUMER + here)
+        landed, parity = _ready_barrier(ready, t, SLOTS)
+        mbarrier.wait(landed, parity)
+
+        # QK, one chunk in flight while the next one is loaded and converted
+        s = warpgroup_mma(
+            _key_chunk(rope_ring.index(slot), 0, a_operand),
+            q_pe_buf.index(here).permute((1, 0)),
+            s_zero,
+            use_acc=False,
+            is_async=True,
+        )
+        for c in gl.static_range(HALF // CHUNK):
+            s = warpgroup_mma_wait(1, deps=[s])
+            s = warpgroup_mma(
+                _key_chunk(lo_box, c * CHUNK, a_operand),
+                q_lo.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
+                s,
+                is_async=True,
+            )
+        for c in gl.static_range(HALF // CHUNK):
+            s = warpgroup_mma_wait(1, deps=[s])
+            s = warpgroup_mma(
+                _key_chunk(hi_box, c * CHUNK, a_operand),
+                q_hi.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
+                s,
+                is_async=True,
+            )
+        s = warpgroup_mma_wait(0, deps=[s])
+
+        prob, alpha, m_i, l_i = _softmax_step(
+            s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
+        )
+        acc_lo = acc_lo * alpha[None, :]
+        acc_hi = acc_hi * alpha[None, :]
+        p_smem.store((prob * P_SCALE_F16).to(gl.float16))
+        fence_async_shared()
+        cta_barrier()
+        pv_lo = warpgroup_mma(_values_t(lo_box, valid, a_operand), p_smem, acc_lo, is_async=True)
+        pv_hi = warpgroup_mma(_values_t(hi_box, valid, a_operand), p_smem, acc_hi, is_async=True)
+        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
+        # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
+        cta_barrier()
+        mbarrier.arrive(free.index(slot), count=1)
+
+    # Consumer 1's partial goes to the ring slot of its last tile (tile n_tiles - 1 or - 2; a tile
+    # SLOTS later would be the only one to reuse that slot, and there is none).
+    last_odd = n_tiles - 1 - (n_tiles % 2)
+    merge_slot = last_odd % SLOTS
+    acc_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    vec_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    PER_BOX: gl.constexpr = BLOCK_N * HALF // (HALF * BLOCK_M * 4)  # f32 [HALF, BLOCK_M] per fp8 box
+    VEC_PER_BOX: gl.constexpr = BLOCK_N * ROPE // (BLOCK_M * 4)
+    n_boxes: gl.constexpr = nope_ring.shape[0]
+    n_rope: gl.constexpr = rope_ring.shape[0]
+    accs = smem_reinterpret(nope_ring, gl.float32, [n_boxes * PER_BOX, HALF, BLOCK_M], acc_smem_layout)
+    vecs = smem_reinterpret(rope_ring, gl.float32, [n_rope * VEC_PER_BOX, BLOCK_M], vec_smem_layout)
+    lo_smem = accs.index(2 * merge_slot * PER_BOX)
+    hi_smem = accs.index((2 * merge_slot + 1) * PER_BOX)
+    m_smem = vecs.index(merge_slot * VEC_PER_BOX)
+    l_smem = vecs.index(merge_slot * VEC_PER_BOX + 1)
+    if CONSUMER == 1:
+        if n_tiles > 1:
+            lo_smem.store(acc_lo)
+            hi_smem.store(acc_hi)
+            m_smem.store(m_i)
+            l_smem.store(l_i)
+            cta_barrier()  # every warp's stores before the one arriving thread's release
+            mbarrier.arrive(partial_ready, count=1)
+    else:
+        if n_tiles > 1:
+            mbarrier.wait(partial_ready, 0)
+            m_other = m_smem.load(row_vec)
+            m_new = gl.maximum(m_i, m_other)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
+            alpha = gl.exp2(m_i - m_safe)
+            alpha_other = gl.exp2(m_other - m_safe)
+            l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
+            acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma) * alpha_other[None, :]
+            acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma) * alpha_other[None, :]
+            m_i = m_new
+        _write_output(
+            acc_lo,
+            acc_hi,
+            m_i,
+            l_i,
+            value_scale,
+            rows,
+            row_ok,
+            first_tok,
+            num_heads,
+            split,
+            out,
+            lse,
+            stride_ot,
+            stride_oh,
+            stride_os,
+            stride_lt,
+            stride_lh,
+            stride_ls,
+            HALF,
+            P_SCALE_F16,
+            mma,
+            value_dims,
+        )
+
+
+@gluon.jit
+def mla_decode_fp8_register_operands(
+    q,
+    nope_desc,
+    rope_desc,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    out,
+    lse,
+    sm_scale_log2,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    kv_scale,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    PAGE: gl.constexpr,
+    SPLITS: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SLOTS: gl.constexpr,
+):
+    """fp8 cache, <= 16 rows: a producer warp and two consumer warpgroups over a ring of fp8 tiles."""
+    HALF: gl.constexpr = RANK // 2
+    req = gl.program_id(0)
+    split = gl.program_id(1)
+    first_tok = gl.load(query_start_loc + req)
+    q_len = gl.load(query_start_loc + req + 1) - first_tok
+    seq_len = gl.load(seq_lens + req)
+    value_scale = gl.load(kv_scale)
+    chunk = gl.cdiv(gl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    table = block_table + req.to(gl.int64) * stride_bt
+
+    q_half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float16)
+    q_rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], gl.float16)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.float16)
+    q_lo_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
+    q_hi_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
+    q_pe_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, ROPE], q_rope_smem)
+    p_buf = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_M], p_smem_layout)  # one a consumer
+    nope_ring = gl.allocate_shared_memory(nope_desc.dtype, [2 * SLOTS, BLOCK_N, HALF], nope_desc.layout)
+    rope_ring = gl.allocate_shared_memory(rope_desc.dtype, [SLOTS, BLOCK_N, ROPE], rope_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    partial_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(SLOTS + i), count=1)
+        mbarrier.init(free.index(i), count=1)
+    mbarrier.init(partial_ready, count=1)
+    # The query once, by the default warps before the partitions fork (both consumers read it).
+    score_scale_log2 = _stage_query(
+        q,
+        q_lo_buf,
+        q_hi_buf,
+        q_pe_buf,
+        first_tok,
+        q_len,
+        num_heads,
+        stride_qt,
+        stride_qh,
+        sm_scale_log2 * value_scale,
+        RANK,
+        ROPE,
+        BLOCK_M,
+        True,
+        key_dims,
+    )
+    fence_async_shared()
+    cta_barrier()
+
+    gl.warp_specialize(
+        [
+            (
+                _consumer_partition,
+                (
+                    out,
+                    lse,
+                    q_lo_buf,
+                    q_hi_buf,
+                    q_pe_buf,
+                    p_buf,
+                    nope_ring,
+                    rope_ring,
+                    ready,
+                    free,
+                    partial_ready,
+                    first_tok,
+                    q_len,
+                    seq_len,
+                    start,
+                    end,
+                    n_tiles,
+                    split,
+                    score_scale_log2,
+                    value_scale,
+                    num_heads,
+                    stride_ot,
+                    stride_oh,
+                    stride_os,
+                    stride_lt,
+                    stride_lh,
+                    stride_ls,
+                    HALF,
+                    ROPE,
+                    BLOCK_M,
+                    SLOTS,
+                    CAUSAL,
+                    0,
+                ),
+            ),
+            (
+                _consumer_partition,
+                (
+                    out,
+                    lse,
+                    q_lo_buf,
+                    q_hi_buf,
+                    q_pe_buf,
+                    p_buf,
+                    nope_ring,
+                    rope_ring,
+                    ready,
+                    free,
+                    partial_ready,
+                    first_tok,
+                    q_len,
+                    seq_len,
+                    start,
+                    end,
+                    n_tiles,
+                    split,
+                    score_scale_log2,
+                    value_scale,
+                    num_heads,
+                    stride_ot,
+                    stride_oh,
+                    stride_os,
+                    stride_lt,
+                    stride_lh,
+                    stride_ls,
+                    HALF,
+                    ROPE,
+                    BLOCK_M,
+                    SLOTS,
+                    CAUSAL,
+                    1,
+                ),
+            ),
+            (
+                _producer_partition,
+                (
+                    nope_desc,
+                    rope_desc,
+                    nope_ring,
+                    rope_ring,
+                    ready,
+                    free,
+                    table,
+                    start,
+                    n_tiles,
+                    RANK,
+                    ROPE,
+                    HALF,
+                    PAGE,
+                    SLOTS,
+                ),
+            ),
+        ],
+        [CONSUMER_WARPS, PRODUCER_WARPS],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+    for i in gl.static_range(SLOTS):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(ready.index(SLOTS + i))
+        mbarrier.invalidate(free.index(i))
+    mbarrier.invalidate(partial_ready)
+
+
+@functools.cache
+def ring_tiles(rank: int, rope: int) -> int:
+    """Whole fp8 tiles the ring holds next to the f16 query and two P^T (16 rows)."""
+    fixed = ROWS * (rank + rope) * 2 + 2 * BLOCK_N.value * ROWS * 2
+    return (SMEM_BYTES - fixed) // (BLOCK_N.value * (rank + rope))
+
+
+def launch_register_operands(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    stride_os: int,
+    stride_ls: int,
+    kv_scale: torch.Tensor,
+    sm_scale_log2: float,
+    splits: int,
+    causal: bool,
+    kv_lora_rank: int,
+) -> None:
+    """Stage 1 over (request, split) for an fp8 cache and <= ROWS rows a request."""
+    page, width = kv_cache.shape[1], kv_cache.shape[2]
+    grid, kernel_args = few_rows_arguments(
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_lse,
+        stride_os,
+        stride_ls,
+        sm_scale_log2,
+        splits,
+        kv_lora_rank,
+    )
+    _launch(
+        grid,
+        *kernel_args,
+        kv_scale,
+        RANK=kv_lora_rank,
+        ROPE=width - kv_lora_rank,
+        BLOCK_M=ROWS,
+        PAGE=page,
+        SPLITS=splits,
+        CAUSAL=causal,
+        SLOTS=ring_tiles(kv_lora_rank, width - kv_lora_rank),
+        num_warps=NUM_WARPS,
+    )
+
+
+_launch = DirectLauncher(mla_decode_fp8_register_operands)  # host time: see jackfield.ops.launch

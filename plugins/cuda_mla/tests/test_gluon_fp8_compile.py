@@ -1,0 +1,125 @@
+"""The register-operand fp8 kernel (decode_gluon_fp8.py) compiled for sm_90 here (no GPU needed):
+what its design rests on.
+
+- every wgmma takes its A operand (keys for QK, transposed values for PV) from registers, none
+  from shared memory, so no f16 copy of a tile is stored: 2 consumers x (36 + 32) HGMMA whose first
+  source is a register;
+- the keys arrive by 16-byte shared loads (a thread's 16 consecutive dims of a key), the transposed
+  values by 8-byte loads (8 consecutive dims of a key), both converted in registers (F2FP e4m3 ->
+  f16) and relabelled into wgmma's A layout there: no byte or 16-bit loads of a tile;
+- QK keeps one chunk's wgmma in flight while the next chunk is loaded (wait 1, not wait 0);
+- the ring of whole fp8 tiles, the f16 query and two P^T fit 227 KB; three partitions (two
+  consumers, the producer warp at its register count).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+hopper = pytest.importorskip(
+    "triton.experimental.gluon.language.nvidia.hopper", reason="this Triton has no Gluon Hopper module"
+)
+import test_gluon_few_compile as few_compile  # noqa: E402
+from jackfield_cuda_mla.kernels import decode_gluon_fp8 as regs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(few_compile.CUOBJDUMP), reason="this Triton ships no cuobjdump"
+)
+RANK, ROPE, PAGE = 512, 64, 64
+
+
+def compile_sm90() -> tuple[str, int]:
+    """(SASS, shared memory bytes) of the kernel as decode_gluon_fp8.launch_register_operands launches it."""
+    cache = torch.empty(4, PAGE, RANK + ROPE, dtype=torch.float8_e4m3fn)
+
+    def descriptor(box: list[int]) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+        return TensorDescriptor(cache, [4 * PAGE, RANK + ROPE], [RANK + ROPE, 1], box, layout)
+
+    signature = {
+        "q": "*bf16",
+        "nope_desc": mangle_type(descriptor([64, RANK // 2])),
+        "rope_desc": mangle_type(descriptor([64, ROPE])),
+        "block_table": "*i32",
+        "seq_lens": "*i32",
+        "query_start_loc": "*i32",
+        "out": "*bf16",
+        "lse": "*fp32",
+        "sm_scale_log2": "fp32",
+        **{name: "i32" for name in few_compile.SCALARS},
+        "kv_scale": "*fp32",
+    }
+    constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=regs.ROWS, PAGE=PAGE, SPLITS=1, CAUSAL=True)
+    constants["SLOTS"] = regs.ring_tiles(RANK, ROPE)
+    names = list(signature) + list(constants)
+    signature.update({name: "constexpr" for name in constants})
+    aligned = ["q", "block_table", "seq_lens", "query_start_loc", "out", "lse", "kv_scale"]
+    source = GluonASTSource(
+        regs.mla_decode_fp8_register_operands,
+        signature,
+        {(names.index(name),): value for name, value in constants.items()},
+        {(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
+    )
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gluon_fp8_regs_{os.getpid()}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        sass = subprocess.run(
+            [few_compile.CUOBJDUMP, "-sass", cubin], check=True, capture_output=True, text=True
+        ).stdout
+    finally:
+        os.remove(cubin)
+    return sass, kernel.metadata.shared
+
+
+def counts(sass: str, shared: int) -> dict:
+    got = few_compile.count(sass, shared, regs.ROWS)
+    got.update(
+        register_a=len(re.findall(r"\bHGMMA\.64x16x16\.F32 R\d+, R\d+, gdesc", sass)),
+        key_loads=len(re.findall(r"\bLDS\.128\b", sass)),
+        value_loads=len(re.findall(r"\bLDS\.64\b", sass)),
+        narrow_loads=len(re.findall(r"\bLDS\.(U8|U16|S8|S16)\b", sass)),
+        conversions=len(re.findall(r"\bF2FP\.F16\.E4M3\.UNPACK_B\b", sass)),
+    )
+    return got
+
+
+def test_register_operand_kernel_reads_no_f16_tile_and_fits() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["hgmma"] == 2 * (36 + 32) and got["register_a"] == got["hgmma"], got
+    assert got["mma_sync"] == 0 and got["tma"] > 0, got
+    # A consumer's tile: 9 chunks x 2 key rows, 2 value halves x 16 keys; 2 consumers.
+    assert got["key_loads"] >= 2 * 9 * 2 and got["value_loads"] >= 2 * 2 * 16, got
+    assert got["narrow_loads"] <= 1, got  # the one: warp_specialize's own flag, not a tile
+    assert got["conversions"] == 2 * (9 * 16 + 2 * 64), got  # two fp8 a conversion
+    assert "wait1" in got["wgmma_order"], got  # QK: a chunk in flight while the next one loads
+    assert got["shared"] <= 227 * 1024, got
+    assert hex(regs.PRODUCER_REGS.value) in got["regs_given_back"], got
+    assert hex(regs.CONSUMER_REGS.value) in got["regs_taken"], got
+
+
+def test_ring_holds_five_whole_fp8_tiles() -> None:
+    """16 rows: the f16 query (18 KB) and two P^T (4 KB) leave room for five 36 KB tiles."""
+    assert regs.ring_tiles(RANK, ROPE) == 5
+
+
+if __name__ == "__main__":
+    print(json.dumps(counts(*compile_sm90())))
