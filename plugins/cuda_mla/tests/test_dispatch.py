@@ -15,6 +15,9 @@ from test_decode import assert_close, make_batch, reference, run_decode
 FP8 = torch.float8_e4m3fn
 RANK, ROPE, PAGE = 512, 64, 64
 needs_gluon = pytest.mark.skipif(decode.decode_gluon_few is None, reason="this Triton has no usable Gluon")
+needs_gluon_fp8 = pytest.mark.skipif(
+    decode.decode_gluon_fp8 is None, reason="this Triton has no usable Gluon for the register-operand kernel"
+)
 
 
 def test_gluon_runs_only_on_the_triton_releases_it_is_built_for() -> None:
@@ -88,6 +91,7 @@ class Recorder:
 
 
 @needs_gluon
+@needs_gluon_fp8
 @pytest.mark.parametrize("fp8, q_len", [(False, 1), (False, 2), (True, 1), (True, 2)])
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # stage 2 then merges partials nobody wrote
 def test_few_rows_launch_gets_the_call_and_a_split_plan_of_its_own_tile(

@@ -1,4 +1,5 @@
-"""The Gluon few-rows decode kernel (decode_gluon_few.py) at full DeepSeek widths on a Hopper GPU.
+"""The Gluon few-rows decode kernels at full DeepSeek widths on a Hopper GPU: decode_gluon_few.py
+(bf16 caches, and fp8 caches with 17-32 rows a request) and decode_gluon_fp8.py (fp8, <= 16 rows).
 
 Every case checks against the float64 reference with NaN everywhere the kernel must not read or
 leave: the output before the run, cache rows past each seq_len, pages no request uses.

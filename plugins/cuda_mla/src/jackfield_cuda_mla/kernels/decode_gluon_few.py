@@ -14,7 +14,8 @@ Shared memory is a ring of half tiles (64 keys x 256 value columns) plus a ring 
 not 1-2 as with whole-tile stages. The block table is read one scalar per TMA (L1 hits after the
 first).
 
-fp8 cache (float8_e4m3fn, per-tensor scale): a second warpgroup converts each fp8 tile once into
+fp8 cache (float8_e4m3fn, per-tensor scale; with more than 16 rows a request: at most 16 go to
+decode_gluon_fp8's register-operand kernel): a second warpgroup converts each fp8 tile once into
 one of two f16 tiles that both products read, while the first runs the products of the previous
 tile (dequantization is exact; the scale is folded into scores and output). The query goes to f16
 exactly (scaled by a power of two into f16's range); nothing is quantized.

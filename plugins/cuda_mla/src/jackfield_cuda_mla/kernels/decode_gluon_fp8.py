@@ -6,10 +6,11 @@ one of two f16 tiles (144 KB of the 227) that its consumers then read: a tile's 
 products are chained through those two buffers, and the ring keeps only 1.5 fp8 tiles in flight
 (H200, B128 H16 S4096: 138.7 us, bf16's 146.7). Here wgmma takes its A operand from registers:
 - QK: S^T = K . Q^T in 64-dimension chunks, A = the chunk of K [64 keys, 64 dims] loaded from the
-  fp8 ring (K-major: 16-bit loads of two fp8) and converted to f16 in registers;
+  fp8 ring and converted to f16 in registers;
 - PV: O^T = V^T . P^T a value half at a time, A = V^T [256 dims, 64 keys] loaded from the same
-  ring slot transposed (byte loads) and converted.
-Shared memory holds the f16 query, one P^T per consumer and a ring of whole fp8 tiles (5 at 16
+  ring slot and converted.
+Both loads read runs of consecutive bytes (16 a key, 8 a value) and are relabelled in registers
+into wgmma's layout (see KEY_CHUNK_LOAD). Shared memory holds the f16 query, one P^T per consumer and a ring of whole fp8 tiles (5 at 16
 rows: 180 KB in flight). A one-warp producer issues the TMA loads into the ring (block-table rows
 read ahead of its waits); two consumer warpgroups take alternate tiles with their own online
 softmax and merge at the end, consumer 1's partial left in the ring slot of its last tile (no
@@ -368,6 +369,7 @@ def mla_decode_fp8_register_operands(
 ):
     """fp8 cache, <= 16 rows: a producer warp and two consumer warpgroups over a ring of fp8 tiles."""
     HALF: gl.constexpr = RANK // 2
+    gl.static_assert(HALF == 256 and ROPE == CHUNK, "the operand loads are laid out for DeepSeek's 512 + 64")
     req = gl.program_id(0)
     split = gl.program_id(1)
     first_tok = gl.load(query_start_loc + req)
