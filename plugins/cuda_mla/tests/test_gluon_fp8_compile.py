@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -126,7 +127,11 @@ def compiled() -> dict:
     leaked objects at exit)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as cache:
+        # A fresh cache: Triton's key for a compile does not cover the layouts' values, and a kernel
+        # compiled before a layout changed would be reported as this one.
+        env["TRITON_CACHE_DIR"] = cache
+        done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
