@@ -117,7 +117,8 @@ def wgmma_a_layouts() -> dict[str, dict[str, list[list[int]]]]:
     layouts = {}
     for shape in ([64, 64], [256, 64]):
         linear = builder.to_linear_layout(a_operand._to_ir(builder), shape)
-        layouts[f"{shape[0]}x{shape[1]}"] = dict(reg=linear.reg_bases, lane=linear.lane_bases, warp=linear.warp_bases)
+        bases = dict(reg=linear.reg_bases, lane=linear.lane_bases, warp=linear.warp_bases)
+        layouts[f"{shape[0]}x{shape[1]}"] = bases
     return layouts
 
 
@@ -153,7 +154,8 @@ def test_register_operand_kernel_reads_no_f16_tile_and_fits() -> None:
     assert got["conversions"] == 2 * (9 * 16 + 2 * 64), got  # two fp8 a conversion
     assert "wait1" in got["wgmma_order"], got  # QK: a chunk in flight while the next one loads
     slots = regs.ring_tiles(RANK, ROPE)
-    buffers = regs.ROWS * (RANK + ROPE) * 2 + 2 * 64 * regs.ROWS * 2 + slots * 64 * (RANK + ROPE) + (3 * slots + 1) * 8
+    query, p_t, ring = regs.ROWS * (RANK + ROPE) * 2, 2 * 64 * regs.ROWS * 2, slots * 64 * (RANK + ROPE)
+    buffers = query + p_t + ring + (3 * slots + 1) * 8  # + the mbarriers
     assert got["shared"] - buffers < 1024, got  # no scratch for a layout conversion
     assert got["shared"] <= 227 * 1024, got
     assert hex(regs.PRODUCER_REGS.value) in got["regs_given_back"], got

@@ -151,7 +151,16 @@ def natural_order(index):
 
 @gluon.jit
 def _load_query(
-    q, tok, head, row_ok, col0, WIDTH: gl.constexpr, stride_qt, stride_qh, layout: gl.constexpr, DIM_ORDER: gl.constexpr
+    q,
+    tok,
+    head,
+    row_ok,
+    col0,
+    WIDTH: gl.constexpr,
+    stride_qt,
+    stride_qh,
+    layout: gl.constexpr,
+    DIM_ORDER: gl.constexpr,
 ):
     rows_ptr = q + tok * stride_qt + head * stride_qh + col0
     cols = DIM_ORDER(gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout)))
@@ -159,7 +168,9 @@ def _load_query(
 
 
 @gluon.jit
-def _store_half(out_rows, value, row_ok, col0, HALF: gl.constexpr, layout: gl.constexpr, DIM_ORDER: gl.constexpr):
+def _store_half(
+    out_rows, value, row_ok, col0, HALF: gl.constexpr, layout: gl.constexpr, DIM_ORDER: gl.constexpr
+):
     """value [HALF, rows] (transposed output; its row i is column DIM_ORDER(i)) -> out[row, col0 + c]."""
     cols = col0 + DIM_ORDER(gl.arange(0, HALF, layout=gl.SliceLayout(1, layout)))
     gl.store(out_rows[None, :] + cols[:, None], value.to(out_rows.dtype.element_ty), mask=row_ok[None, :])
@@ -200,12 +211,14 @@ def _stage_query(
     rows_h = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_half_regs))
     tok_h = (first_tok + rows_h // num_heads).to(gl.int64)
     ok_h = rows_h < q_len * num_heads
-    q_lo_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, 0, HALF, stride_qt, stride_qh, q_half_regs, DIM_ORDER)
-    q_hi_val = _load_query(q, tok_h, rows_h % num_heads, ok_h, HALF, HALF, stride_qt, stride_qh, q_half_regs, DIM_ORDER)
+    head_h = rows_h % num_heads
+    q_lo_val = _load_query(q, tok_h, head_h, ok_h, 0, HALF, stride_qt, stride_qh, q_half_regs, DIM_ORDER)
+    q_hi_val = _load_query(q, tok_h, head_h, ok_h, HALF, HALF, stride_qt, stride_qh, q_half_regs, DIM_ORDER)
     rows_p = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_rope_regs))
     tok_p = (first_tok + rows_p // num_heads).to(gl.int64)
     ok_p = rows_p < q_len * num_heads
-    q_pe_val = _load_query(q, tok_p, rows_p % num_heads, ok_p, RANK, ROPE, stride_qt, stride_qh, q_rope_regs, DIM_ORDER)
+    head_p = rows_p % num_heads
+    q_pe_val = _load_query(q, tok_p, head_p, ok_p, RANK, ROPE, stride_qt, stride_qh, q_rope_regs, DIM_ORDER)
     if TO_F16:
         q_max = gl.maximum(_max_abs(q_lo_val), gl.maximum(_max_abs(q_hi_val), _max_abs(q_pe_val)))
         q_exp = gl.where(q_max > 0.0, 13.0 - gl.floor(gl.log2(q_max)), 0.0)

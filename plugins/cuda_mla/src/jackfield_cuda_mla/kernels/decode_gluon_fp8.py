@@ -10,11 +10,11 @@ products are chained through those two buffers, and the ring keeps only 1.5 fp8 
 - PV: O^T = V^T . P^T a value half at a time, A = V^T [256 dims, 64 keys] loaded from the same
   ring slot and converted.
 Both loads read runs of consecutive bytes (16 a key, 8 a value) and are relabelled in registers
-into wgmma's layout (see KEY_CHUNK_LOAD). Shared memory holds the f16 query, one P^T per consumer and a ring of whole fp8 tiles (5 at 16
-rows: 180 KB in flight). A one-warp producer issues the TMA loads into the ring (block-table rows
-read ahead of its waits); two consumer warpgroups take alternate tiles with their own online
-softmax and merge at the end, consumer 1's partial left in the ring slot of its last tile (no
-later tile reuses it).
+into wgmma's layout (see KEY_CHUNK_LOAD). Shared memory holds the f16 query, one P^T per consumer
+and a ring of whole fp8 tiles (5 at 16 rows: 180 KB in flight). A one-warp producer issues the
+TMA loads into the ring (block-table rows read ahead of its waits); two consumer warpgroups take
+alternate tiles with their own online softmax and merge at the end, consumer 1's partial left in
+the ring slot of its last tile (no later tile reuses it).
 """
 
 from __future__ import annotations
