@@ -40,9 +40,9 @@ SCALARS = ["num_heads", "stride_qt", "stride_qh", "stride_bt", "stride_ot", "str
 SCALARS += ["stride_lt", "stride_lh", "stride_ls"]
 
 
-def compile_sm90(fp8: bool, block_m: int) -> tuple[str, int]:
-    """(SASS, shared memory bytes) of the kernel as decode.py launches it (fp8: the kernel with a
-    converter warpgroup)."""
+def sm90_sass(kernel, fp8: bool, constants: dict, tag: str) -> tuple[str, int]:
+    """(SASS, shared memory bytes) of a few-rows decode kernel (the launch arguments
+    few_rows_arguments makes; fp8: a kv_scale after them) compiled for sm_90 with these constants."""
     dtype = gl.float8e4nv if fp8 else gl.bfloat16
     cache = torch.empty(4, PAGE, RANK + ROPE, dtype=few.FP8 if fp8 else torch.bfloat16)
 
@@ -63,30 +63,34 @@ def compile_sm90(fp8: bool, block_m: int) -> tuple[str, int]:
         **{name: "i32" for name in SCALARS},
         **({"kv_scale": "*fp32"} if fp8 else {}),
     }
-    nope_slots, rope_slots = few.ring_slots(block_m, RANK, ROPE, 1 if fp8 else 2)
-    constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, SPLITS=1, CAUSAL=True)
-    constants.update(NOPE_SLOTS=nope_slots, ROPE_SLOTS=rope_slots)
     names = list(signature) + list(constants)
     signature.update({name: "constexpr" for name in constants})
     aligned = [name for name in ("q", "block_table", "seq_lens", "query_start_loc", "out", "lse", "kv_scale")]
     source = GluonASTSource(
-        few.mla_decode_few_rows_fp8 if fp8 else few.mla_decode_few_rows,
+        kernel,
         signature,
         {(names.index(name),): value for name, value in constants.items()},
         {(names.index(name),): [["tt.divisibility", 16]] for name in aligned if name in names},
     )
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=few.NUM_WARPS))
-    cubin = os.path.join(
-        os.environ.get("TMPDIR", "/tmp"),
-        f"gluon_few_{os.getpid()}_{int(fp8)}_{block_m}.cubin",
-    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=few.NUM_WARPS))
+    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gluon_{tag}_{os.getpid()}.cubin")
     with open(cubin, "wb") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(compiled.asm["cubin"])
     try:
         sass = subprocess.run([CUOBJDUMP, "-sass", cubin], check=True, capture_output=True, text=True).stdout
     finally:
         os.remove(cubin)
-    return sass, kernel.metadata.shared
+    return sass, compiled.metadata.shared
+
+
+def compile_sm90(fp8: bool, block_m: int) -> tuple[str, int]:
+    """(SASS, shared memory bytes) of the kernel as decode.py launches it (fp8: the kernel with a
+    converter warpgroup)."""
+    nope_slots, rope_slots = few.ring_slots(block_m, RANK, ROPE, 1 if fp8 else 2)
+    constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, SPLITS=1, CAUSAL=True)
+    constants.update(NOPE_SLOTS=nope_slots, ROPE_SLOTS=rope_slots)
+    kernel = few.mla_decode_few_rows_fp8 if fp8 else few.mla_decode_few_rows
+    return sm90_sass(kernel, fp8, constants, f"few_{int(fp8)}_{block_m}")
 
 
 def compiled_counts(fp8: bool, block_m: int) -> dict:

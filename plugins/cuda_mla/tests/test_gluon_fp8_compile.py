@@ -35,11 +35,7 @@ hopper = pytest.importorskip(
 import test_gluon_few_compile as few_compile  # noqa: E402
 from jackfield_cuda_mla.kernels import decode_gluon_fp8 as regs  # noqa: E402
 from triton._C.libtriton import ir  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
-from triton.runtime.jit import mangle_type  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(few_compile.CUOBJDUMP), reason="this Triton ships no cuobjdump"
@@ -49,47 +45,9 @@ RANK, ROPE, PAGE = 512, 64, 64
 
 def compile_sm90() -> tuple[str, int]:
     """(SASS, shared memory bytes) of the kernel as decode_gluon_fp8.launch_register_operands launches it."""
-    cache = torch.empty(4, PAGE, RANK + ROPE, dtype=torch.float8_e4m3fn)
-
-    def descriptor(box: list[int]) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
-        return TensorDescriptor(cache, [4 * PAGE, RANK + ROPE], [RANK + ROPE, 1], box, layout)
-
-    signature = {
-        "q": "*bf16",
-        "nope_desc": mangle_type(descriptor([64, RANK // 2])),
-        "rope_desc": mangle_type(descriptor([64, ROPE])),
-        "block_table": "*i32",
-        "seq_lens": "*i32",
-        "query_start_loc": "*i32",
-        "out": "*bf16",
-        "lse": "*fp32",
-        "sm_scale_log2": "fp32",
-        **{name: "i32" for name in few_compile.SCALARS},
-        "kv_scale": "*fp32",
-    }
     constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=regs.ROWS, PAGE=PAGE, SPLITS=1, CAUSAL=True)
     constants["SLOTS"] = regs.ring_tiles(RANK, ROPE)
-    names = list(signature) + list(constants)
-    signature.update({name: "constexpr" for name in constants})
-    aligned = ["q", "block_table", "seq_lens", "query_start_loc", "out", "lse", "kv_scale"]
-    source = GluonASTSource(
-        regs.mla_decode_fp8_register_operands,
-        signature,
-        {(names.index(name),): value for name, value in constants.items()},
-        {(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
-    )
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gluon_fp8_regs_{os.getpid()}.cubin")
-    with open(cubin, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        sass = subprocess.run(
-            [few_compile.CUOBJDUMP, "-sass", cubin], check=True, capture_output=True, text=True
-        ).stdout
-    finally:
-        os.remove(cubin)
-    return sass, kernel.metadata.shared
+    return few_compile.sm90_sass(regs.mla_decode_fp8_register_operands, True, constants, "fp8_regs")
 
 
 def counts(sass: str, shared: int) -> dict:

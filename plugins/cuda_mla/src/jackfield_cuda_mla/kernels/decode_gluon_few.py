@@ -706,6 +706,36 @@ def _partial_buffers(
 
 
 @gluon.jit
+def _leave_partial(lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready):
+    """Consumer 1's online-softmax state (O^T halves, row max, row sum) left in shared memory for
+    consumer 0."""
+    lo_smem.store(acc_lo)
+    hi_smem.store(acc_hi)
+    m_smem.store(m_i)
+    l_smem.store(l_i)
+    cta_barrier()  # every warp's stores before the one arriving thread's release
+    mbarrier.arrive(partial_ready, count=1)
+
+
+@gluon.jit
+def _merge_partial(
+    lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma: gl.constexpr
+):
+    """Consumer 0's state merged with the one consumer 1 left: (O^T halves, row max, row sum)."""
+    row_vec: gl.constexpr = gl.SliceLayout(0, mma)
+    mbarrier.wait(partial_ready, 0)
+    m_other = m_smem.load(row_vec)
+    m_new = gl.maximum(m_i, m_other)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
+    alpha = gl.exp2(m_i - m_safe)
+    alpha_other = gl.exp2(m_other - m_safe)
+    l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
+    acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma) * alpha_other[None, :]
+    acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma) * alpha_other[None, :]
+    return acc_lo, acc_hi, m_new, l_i
+
+
+@gluon.jit
 def _consumer_partition(
     state,
     ROPE: gl.constexpr,
@@ -796,26 +826,15 @@ def _consumer_partition(
 
     lo_smem, hi_smem, m_smem, l_smem = _partial_buffers(k_lo_bufs, k_hi_bufs, k_pe_bufs, HALF, BLOCK_M, ROPE)
     if CONSUMER == 1:
-        lo_smem.store(acc_lo)
-        hi_smem.store(acc_hi)
-        m_smem.store(m_i)
-        l_smem.store(l_i)
-        cta_barrier()  # every warp's stores before the one arriving thread's release
-        mbarrier.arrive(partial_ready, count=1)
+        _leave_partial(lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready)
     else:
-        mbarrier.wait(partial_ready, 0)
-        m_other = m_smem.load(row_vec)
-        m_new = gl.maximum(m_i, m_other)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
-        alpha = gl.exp2(m_i - m_safe)
-        alpha_other = gl.exp2(m_other - m_safe)
-        l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
-        acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma) * alpha_other[None, :]
-        acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma) * alpha_other[None, :]
+        acc_lo, acc_hi, m_i, l_i = _merge_partial(
+            lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma
+        )
         _write_output(
             acc_lo,
             acc_hi,
-            m_new,
+            m_i,
             l_i,
             value_scale,
             rows,

@@ -36,6 +36,8 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
     BLOCK_N,
     NUM_WARPS,
     P_SCALE_F16,
+    _leave_partial,
+    _merge_partial,
     _softmax_step,
     _stage_query,
     _tile_row,
@@ -165,33 +167,7 @@ def _values_t(ring_box, valid, a_layout: gl.constexpr):
 
 @gluon.jit
 def _consumer_partition(
-    out,
-    lse,
-    q_lo_buf,
-    q_hi_buf,
-    q_pe_buf,
-    p_buf,
-    nope_ring,
-    rope_ring,
-    ready,
-    free,
-    partial_ready,
-    first_tok,
-    q_len,
-    seq_len,
-    start,
-    end,
-    n_tiles,
-    split,
-    score_scale_log2,
-    value_scale,
-    num_heads,
-    stride_ot,
-    stride_oh,
-    stride_os,
-    stride_lt,
-    stride_lh,
-    stride_ls,
+    state,
     HALF: gl.constexpr,
     ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -202,6 +178,35 @@ def _consumer_partition(
     """Tiles CONSUMER, CONSUMER + 2, ...: QK, online softmax, PV with the keys and values converted
     in registers, the ring slot freed after PV. Consumer 1 then leaves its partial in the ring slot
     of its last tile; consumer 0 merges it and writes the output."""
+    (
+        out,
+        lse,
+        q_lo_buf,
+        q_hi_buf,
+        q_pe_buf,
+        p_buf,
+        nope_ring,
+        rope_ring,
+        ready,
+        free,
+        partial_ready,
+        first_tok,
+        q_len,
+        seq_len,
+        start,
+        end,
+        n_tiles,
+        split,
+        score_scale_log2,
+        value_scale,
+        num_heads,
+        stride_ot,
+        stride_oh,
+        stride_os,
+        stride_lt,
+        stride_lh,
+        stride_ls,
+    ) = state
     NUM_WARPS: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
@@ -293,24 +298,12 @@ def _consumer_partition(
     l_smem = vecs.index(merge_slot * VEC_PER_BOX + 1)
     if CONSUMER == 1:
         if n_tiles > 1:
-            lo_smem.store(acc_lo)
-            hi_smem.store(acc_hi)
-            m_smem.store(m_i)
-            l_smem.store(l_i)
-            cta_barrier()  # every warp's stores before the one arriving thread's release
-            mbarrier.arrive(partial_ready, count=1)
+            _leave_partial(lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready)
     else:
         if n_tiles > 1:
-            mbarrier.wait(partial_ready, 0)
-            m_other = m_smem.load(row_vec)
-            m_new = gl.maximum(m_i, m_other)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
-            alpha = gl.exp2(m_i - m_safe)
-            alpha_other = gl.exp2(m_other - m_safe)
-            l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
-            acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma) * alpha_other[None, :]
-            acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma) * alpha_other[None, :]
-            m_i = m_new
+            acc_lo, acc_hi, m_i, l_i = _merge_partial(
+                lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma
+            )
         _write_output(
             acc_lo,
             acc_hi,
@@ -420,84 +413,39 @@ def mla_decode_fp8_register_operands(
     fence_async_shared()
     cta_barrier()
 
+    consumer_state = (
+        out,
+        lse,
+        q_lo_buf,
+        q_hi_buf,
+        q_pe_buf,
+        p_buf,
+        nope_ring,
+        rope_ring,
+        ready,
+        free,
+        partial_ready,
+        first_tok,
+        q_len,
+        seq_len,
+        start,
+        end,
+        n_tiles,
+        split,
+        score_scale_log2,
+        value_scale,
+        num_heads,
+        stride_ot,
+        stride_oh,
+        stride_os,
+        stride_lt,
+        stride_lh,
+        stride_ls,
+    )
     gl.warp_specialize(
         [
-            (
-                _consumer_partition,
-                (
-                    out,
-                    lse,
-                    q_lo_buf,
-                    q_hi_buf,
-                    q_pe_buf,
-                    p_buf,
-                    nope_ring,
-                    rope_ring,
-                    ready,
-                    free,
-                    partial_ready,
-                    first_tok,
-                    q_len,
-                    seq_len,
-                    start,
-                    end,
-                    n_tiles,
-                    split,
-                    score_scale_log2,
-                    value_scale,
-                    num_heads,
-                    stride_ot,
-                    stride_oh,
-                    stride_os,
-                    stride_lt,
-                    stride_lh,
-                    stride_ls,
-                    HALF,
-                    ROPE,
-                    BLOCK_M,
-                    SLOTS,
-                    CAUSAL,
-                    0,
-                ),
-            ),
-            (
-                _consumer_partition,
-                (
-                    out,
-                    lse,
-                    q_lo_buf,
-                    q_hi_buf,
-                    q_pe_buf,
-                    p_buf,
-                    nope_ring,
-                    rope_ring,
-                    ready,
-                    free,
-                    partial_ready,
-                    first_tok,
-                    q_len,
-                    seq_len,
-                    start,
-                    end,
-                    n_tiles,
-                    split,
-                    score_scale_log2,
-                    value_scale,
-                    num_heads,
-                    stride_ot,
-                    stride_oh,
-                    stride_os,
-                    stride_lt,
-                    stride_lh,
-                    stride_ls,
-                    HALF,
-                    ROPE,
-                    BLOCK_M,
-                    SLOTS,
-                    CAUSAL,
-                    1,
-                ),
-            ),
+            (_consumer_partition, (consumer_state, HALF, ROPE, BLOCK_M, SLOTS, CAUSAL, 0)),
+            (_consumer_partition, (consumer_state, HALF, ROPE, BLOCK_M, SLOTS, CAUSAL, 1)),
             (
                 _producer_partition,
                 (
