@@ -44,7 +44,7 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
 )
 from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_reinterpret, tma_load
 
-ROWS = 16  # query rows a program holds (wgmma N): H=16 x q_len 1
+ROWS = 32  # query rows a program holds at most (wgmma N: 16, or 32 for H=16 x q_len 2)
 CHUNK = gl.constexpr(64)  # dimensions of K per QK wgmma group (A: 16 registers a thread)
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
@@ -283,11 +283,19 @@ def _consumer_partition(
     merge_slot = last_odd % SLOTS
     acc_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     vec_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    PER_BOX: gl.constexpr = BLOCK_N * HALF // (HALF * BLOCK_M * 4)  # f32 [HALF, BLOCK_M] per fp8 box
+    # A value half's partial [HALF, BLOCK_M] in one fp8 box (BLOCK_N x HALF bytes): f32 where it
+    # fits (16 rows), else bf16 (32 rows; the output is bf16 too, and bf16 has f32's range)
+    if BLOCK_M * 4 <= BLOCK_N:
+        PARTIAL: gl.constexpr = gl.float32
+        PARTIAL_BYTES: gl.constexpr = 4
+    else:
+        PARTIAL: gl.constexpr = gl.bfloat16
+        PARTIAL_BYTES: gl.constexpr = 2
+    PER_BOX: gl.constexpr = BLOCK_N * HALF // (HALF * BLOCK_M * PARTIAL_BYTES)
     VEC_PER_BOX: gl.constexpr = BLOCK_N * ROPE // (BLOCK_M * 4)
     n_boxes: gl.constexpr = nope_ring.shape[0]
     n_rope: gl.constexpr = rope_ring.shape[0]
-    accs = smem_reinterpret(nope_ring, gl.float32, [n_boxes * PER_BOX, HALF, BLOCK_M], acc_smem_layout)
+    accs = smem_reinterpret(nope_ring, PARTIAL, [n_boxes * PER_BOX, HALF, BLOCK_M], acc_smem_layout)
     vecs = smem_reinterpret(rope_ring, gl.float32, [n_rope * VEC_PER_BOX, BLOCK_M], vec_smem_layout)
     lo_smem = accs.index(2 * merge_slot * PER_BOX)
     hi_smem = accs.index((2 * merge_slot + 1) * PER_BOX)
@@ -295,8 +303,8 @@ def _consumer_partition(
     l_smem = vecs.index(merge_slot * VEC_PER_BOX + 1)
     if CONSUMER == 1:
         if n_tiles > 1:
-            lo_smem.store(acc_lo)
-            hi_smem.store(acc_hi)
+            lo_smem.store(acc_lo.to(PARTIAL))
+            hi_smem.store(acc_hi.to(PARTIAL))
             m_smem.store(m_i)
             l_smem.store(l_i)
             cta_barrier()  # every warp's stores before the one arriving thread's release
@@ -310,8 +318,8 @@ def _consumer_partition(
             alpha = gl.exp2(m_i - m_safe)
             alpha_other = gl.exp2(m_other - m_safe)
             l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
-            acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma) * alpha_other[None, :]
-            acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma) * alpha_other[None, :]
+            acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma).to(gl.float32) * alpha_other[None, :]
+            acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma).to(gl.float32) * alpha_other[None, :]
             m_i = m_new
         _write_output(
             acc_lo,
@@ -531,10 +539,15 @@ def mla_decode_fp8_register_operands(
     mbarrier.invalidate(partial_ready)
 
 
+def block_rows(rows_per_group: int) -> int:
+    """wgmma's N for this many query rows a request: 16, else 32."""
+    return 16 if rows_per_group <= 16 else ROWS
+
+
 @functools.cache
-def ring_tiles(rank: int, rope: int) -> int:
-    """Whole fp8 tiles the ring holds next to the f16 query and two P^T (16 rows)."""
-    fixed = ROWS * (rank + rope) * 2 + 2 * BLOCK_N.value * ROWS * 2
+def ring_tiles(rank: int, rope: int, block_m: int) -> int:
+    """Whole fp8 tiles the ring holds next to the f16 query and two P^T of block_m rows."""
+    fixed = block_m * (rank + rope) * 2 + 2 * BLOCK_N.value * block_m * 2
     return (SMEM_BYTES - fixed) // (BLOCK_N.value * (rank + rope))
 
 
@@ -550,12 +563,14 @@ def launch_register_operands(
     stride_ls: int,
     kv_scale: torch.Tensor,
     sm_scale_log2: float,
+    rows_per_group: int,
     splits: int,
     causal: bool,
     kv_lora_rank: int,
 ) -> None:
     """Stage 1 over (request, split) for an fp8 cache and <= ROWS rows a request."""
     page, width = kv_cache.shape[1], kv_cache.shape[2]
+    block_m = block_rows(rows_per_group)
     grid, kernel_args = few_rows_arguments(
         query,
         kv_cache,
@@ -576,11 +591,11 @@ def launch_register_operands(
         kv_scale,
         RANK=kv_lora_rank,
         ROPE=width - kv_lora_rank,
-        BLOCK_M=ROWS,
+        BLOCK_M=block_m,
         PAGE=page,
         SPLITS=splits,
         CAUSAL=causal,
-        SLOTS=ring_tiles(kv_lora_rank, width - kv_lora_rank),
+        SLOTS=ring_tiles(kv_lora_rank, width - kv_lora_rank, block_m),
         num_warps=NUM_WARPS,
     )
 
