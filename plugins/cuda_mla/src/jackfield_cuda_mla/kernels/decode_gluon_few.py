@@ -709,8 +709,8 @@ def _partial_buffers(
 def _leave_partial(lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready):
     """Consumer 1's online-softmax state (O^T halves, row max, row sum) left in shared memory for
     consumer 0."""
-    lo_smem.store(acc_lo)
-    hi_smem.store(acc_hi)
+    lo_smem.store(acc_lo.to(lo_smem.dtype))  # f32, or bf16 where f32 does not fit
+    hi_smem.store(acc_hi.to(hi_smem.dtype))
     m_smem.store(m_i)
     l_smem.store(l_i)
     cta_barrier()  # every warp's stores before the one arriving thread's release
@@ -730,8 +730,8 @@ def _merge_partial(
     alpha = gl.exp2(m_i - m_safe)
     alpha_other = gl.exp2(m_other - m_safe)
     l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
-    acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma) * alpha_other[None, :]
-    acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma) * alpha_other[None, :]
+    acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma).to(gl.float32) * alpha_other[None, :]
+    acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma).to(gl.float32) * alpha_other[None, :]
     return acc_lo, acc_hi, m_new, l_i
 
 

@@ -1,4 +1,4 @@
-"""fp8 cache, <= 16 rows a request, on Hopper: the keys and values reach the tensor cores from
+"""fp8 cache, <= 32 rows a request, on Hopper: the keys and values reach the tensor cores from
 registers, converted there, so no f16 copy of a tile ever sits in shared memory.
 
 The converter-warpgroup kernel (decode_gluon_few.mla_decode_few_rows_fp8) converts each tile into
@@ -7,14 +7,14 @@ products are chained through those two buffers, and the ring keeps only 1.5 fp8 
 (H200, B128 H16 S4096: 138.7 us, bf16's 146.7). Here wgmma takes its A operand from registers:
 - QK: S^T = K . Q^T in 64-dimension chunks, A = the chunk of K [64 keys, 64 dims] loaded from the
   fp8 ring and converted to f16 in registers;
-- PV: O^T = V^T . P^T a value half at a time, A = V^T [256 dims, 64 keys] loaded from the same
-  ring slot and converted.
-Both loads read runs of consecutive bytes (16 a key, 8 a value) and are relabelled in registers
-into wgmma's layout (see KEY_CHUNK_LOAD). Shared memory holds the f16 query, one P^T per consumer
-and a ring of whole fp8 tiles (5 at 16 rows: 180 KB in flight). A one-warp producer issues the
-TMA loads into the ring (block-table rows read ahead of its waits); two consumer warpgroups take
-alternate tiles with their own online softmax and merge at the end, consumer 1's partial left in
-the ring slot of its last tile (no later tile reuses it).
+- PV: O^T = V^T . P^T a quarter of the values at a time (one quarter's products in flight while
+  the next is loaded), A = V^T [128 dims, 64 keys] loaded from the same ring slot and converted.
+Both loads read runs of consecutive bytes (16 a key, 4 a value) and are relabelled in registers
+into wgmma's layout (see KEY_CHUNK_LOAD). Shared memory holds the f16 query, one P^T per consumer and a ring of whole fp8 tiles (5 at 16
+rows: 180 KB in flight). A one-warp producer issues the TMA loads into the ring (block-table rows
+read ahead of its waits); two consumer warpgroups take alternate tiles with their own online
+softmax and merge at the end, consumer 1's partial left in the ring slot of its last tile (no
+later tile reuses it).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
 )
 from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_reinterpret, tma_load
 
-ROWS = 16  # query rows a program holds (wgmma N): H=16 x q_len 1
+ROWS = 32  # query rows a program holds at most (wgmma N: 16, or 32 for H=16 x q_len 2)
 CHUNK = gl.constexpr(64)  # dimensions of K per QK wgmma group (A: 16 registers a thread)
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
@@ -115,15 +115,16 @@ KEY_CHUNK_LOAD: gl.constexpr = gl.DistributedLinearLayout(
     block_bases=[],
     shape=[64, 64],
 )
-# A value half's V^T [256 dims, 64 keys] as loaded: warp w, lane 4l + c holds dims 64w + 8l .. + 7
-# (one 8-byte load a key) of keys 2c + {0, 1} + 8j. Dim 64w + 8l + 2t + h is the product's output
-# row 64t + 16w + 8h + l: M-tile t, warp w, half h, lane l.
+# A quarter of the values' V^T [128 dims, 64 keys] as loaded: warp w, lane 4l + c holds dims
+# 32w + 4l .. + 3 (one 4-byte load a key) of keys 2c + {0, 1} + 8j. Dim 32w + 4l + 2t + h is the
+# product's output row 64t + 16w + 8h + l: M-tile t, warp w, half h, lane l.
+QUARTER = gl.constexpr(128)
 VALUES_T_LOAD: gl.constexpr = gl.DistributedLinearLayout(
-    reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8], [0, 16], [0, 32]],
-    lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]],
-    warp_bases=[[64, 0], [128, 0]],
+    reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8], [0, 16], [0, 32]],
+    lane_bases=[[0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
+    warp_bases=[[32, 0], [64, 0]],
     block_bases=[],
-    shape=[256, 64],
+    shape=[128, 64],
 )
 
 
@@ -136,8 +137,9 @@ def key_dims(k):
 
 @gluon.jit
 def value_dims(m):
-    """The output column of PV's accumulator row m (within a value half)."""
-    return 64 * ((m // 16) % 4) + 8 * (m % 8) + 2 * (m // 64) + (m // 8) % 2
+    """The output column of PV's accumulator row m (within a value half: two quarters)."""
+    i = m % 128
+    return m - i + 32 * ((i // 16) % 4) + 4 * (i % 8) + 2 * (i // 64) + (i // 8) % 2
 
 
 @gluon.jit
@@ -151,18 +153,23 @@ def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _values_t(ring_box, valid, a_layout: gl.constexpr):
-    """V^T [HALF dims, 64 keys] of one value half from an fp8 ring box as wgmma's A operand in f16,
-    its dims in value_dims order; keys >= valid zeroed (their probabilities are 0, but 0 x NaN is
-    NaN)."""
-    HALF: gl.constexpr = ring_box.shape[1]
-    v = ring_box.permute((1, 0)).load(VALUES_T_LOAD).to(gl.float16)
-    v = gl.permute(gl.reshape(v, [4, 8, 4, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
-    v = gl.convert_layout(gl.reshape(v, [HALF, BLOCK_N]), a_layout)
+def _values_t(ring_box, d0, valid, a_layout: gl.constexpr):
+    """V^T [QUARTER dims from d0, 64 keys] of an fp8 ring box as wgmma's A operand in f16, its dims
+    in value_dims order; keys >= valid zeroed (their probabilities are 0, but 0 x NaN is NaN)."""
+    v = ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD).to(gl.float16)
+    v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
+    v = gl.convert_layout(gl.reshape(v, [QUARTER, BLOCK_N]), a_layout)
     if valid < BLOCK_N:
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, a_layout))
         v = gl.where((keys < valid)[None, :], v, gl.zeros_like(v))
     return v
+
+
+@gluon.jit
+def _join_quarters(first, second, mma: gl.constexpr):
+    """Two [QUARTER, rows] accumulators as one [2 QUARTER, rows] (second's rows after first's)."""
+    both = gl.permute(gl.join(first, second), (2, 0, 1))  # [2, QUARTER, rows]
+    return gl.convert_layout(gl.reshape(both, [2 * QUARTER, first.shape[1]]), mma)
 
 
 @gluon.jit
@@ -219,8 +226,11 @@ def _consumer_partition(
     last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_vec)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_vec)
-    acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
-    acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
+    # O^T in quarters of QUARTER dims (a quarter's operand is 32 registers: two fit beside them)
+    acc_0 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
+    acc_1 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
+    acc_2 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
+    acc_3 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
 
     for i in range((n_tiles + 1 - CONSUMER) // 2):
@@ -268,29 +278,46 @@ def _consumer_partition(
         prob, alpha, m_i, l_i = _softmax_step(
             s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
         )
-        acc_lo = acc_lo * alpha[None, :]
-        acc_hi = acc_hi * alpha[None, :]
+        acc_0 = acc_0 * alpha[None, :]
+        acc_1 = acc_1 * alpha[None, :]
+        acc_2 = acc_2 * alpha[None, :]
+        acc_3 = acc_3 * alpha[None, :]
         p_smem.store((prob * P_SCALE_F16).to(gl.float16))
         fence_async_shared()
         cta_barrier()
-        pv_lo = warpgroup_mma(_values_t(lo_box, valid, a_operand), p_smem, acc_lo, is_async=True)
-        pv_hi = warpgroup_mma(_values_t(hi_box, valid, a_operand), p_smem, acc_hi, is_async=True)
-        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
+        # A quarter's products in flight while the next quarter is loaded and converted
+        acc_0 = warpgroup_mma(_values_t(lo_box, 0, valid, a_operand), p_smem, acc_0, is_async=True)
+        acc_1 = warpgroup_mma(_values_t(lo_box, QUARTER, valid, a_operand), p_smem, acc_1, is_async=True)
+        acc_0 = warpgroup_mma_wait(1, deps=[acc_0])
+        acc_2 = warpgroup_mma(_values_t(hi_box, 0, valid, a_operand), p_smem, acc_2, is_async=True)
+        acc_1 = warpgroup_mma_wait(1, deps=[acc_1])
+        acc_3 = warpgroup_mma(_values_t(hi_box, QUARTER, valid, a_operand), p_smem, acc_3, is_async=True)
+        acc_2, acc_3 = warpgroup_mma_wait(0, deps=[acc_2, acc_3])
         # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
         cta_barrier()
         mbarrier.arrive(free.index(slot), count=1)
 
+    acc_lo = _join_quarters(acc_0, acc_1, mma)
+    acc_hi = _join_quarters(acc_2, acc_3, mma)
     # Consumer 1's partial goes to the ring slot of its last tile (tile n_tiles - 1 or - 2; a tile
     # SLOTS later would be the only one to reuse that slot, and there is none).
     last_odd = n_tiles - 1 - (n_tiles % 2)
     merge_slot = last_odd % SLOTS
     acc_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     vec_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    PER_BOX: gl.constexpr = BLOCK_N * HALF // (HALF * BLOCK_M * 4)  # f32 [HALF, BLOCK_M] per fp8 box
+    # A value half's partial [HALF, BLOCK_M] in one fp8 box (BLOCK_N x HALF bytes): f32 where it
+    # fits (16 rows), else bf16 (32 rows; the output is bf16 too, and bf16 has f32's range)
+    if BLOCK_M * 4 <= BLOCK_N:
+        PARTIAL: gl.constexpr = gl.float32
+        PARTIAL_BYTES: gl.constexpr = 4
+    else:
+        PARTIAL: gl.constexpr = gl.bfloat16
+        PARTIAL_BYTES: gl.constexpr = 2
+    PER_BOX: gl.constexpr = BLOCK_N * HALF // (HALF * BLOCK_M * PARTIAL_BYTES)
     VEC_PER_BOX: gl.constexpr = BLOCK_N * ROPE // (BLOCK_M * 4)
     n_boxes: gl.constexpr = nope_ring.shape[0]
     n_rope: gl.constexpr = rope_ring.shape[0]
-    accs = smem_reinterpret(nope_ring, gl.float32, [n_boxes * PER_BOX, HALF, BLOCK_M], acc_smem_layout)
+    accs = smem_reinterpret(nope_ring, PARTIAL, [n_boxes * PER_BOX, HALF, BLOCK_M], acc_smem_layout)
     vecs = smem_reinterpret(rope_ring, gl.float32, [n_rope * VEC_PER_BOX, BLOCK_M], vec_smem_layout)
     lo_smem = accs.index(2 * merge_slot * PER_BOX)
     hi_smem = accs.index((2 * merge_slot + 1) * PER_BOX)
@@ -304,6 +331,24 @@ def _consumer_partition(
             acc_lo, acc_hi, m_i, l_i = _merge_partial(
                 lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma
             )
+            lo_smem.store(acc_lo.to(PARTIAL))
+            hi_smem.store(acc_hi.to(PARTIAL))
+            m_smem.store(m_i)
+            l_smem.store(l_i)
+            cta_barrier()  # every warp's stores before the one arriving thread's release
+            mbarrier.arrive(partial_ready, count=1)
+    else:
+        if n_tiles > 1:
+            mbarrier.wait(partial_ready, 0)
+            m_other = m_smem.load(row_vec)
+            m_new = gl.maximum(m_i, m_other)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
+            alpha = gl.exp2(m_i - m_safe)
+            alpha_other = gl.exp2(m_other - m_safe)
+            l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
+            acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma).to(gl.float32) * alpha_other[None, :]
+            acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma).to(gl.float32) * alpha_other[None, :]
+            m_i = m_new
         _write_output(
             acc_lo,
             acc_hi,
@@ -360,7 +405,7 @@ def mla_decode_fp8_register_operands(
     CAUSAL: gl.constexpr,
     SLOTS: gl.constexpr,
 ):
-    """fp8 cache, <= 16 rows: a producer warp and two consumer warpgroups over a ring of fp8 tiles."""
+    """fp8 cache, <= 32 rows: a producer warp and two consumer warpgroups over a ring of fp8 tiles."""
     HALF: gl.constexpr = RANK // 2
     gl.static_assert(HALF == 256 and ROPE == CHUNK, "the operand loads are laid out for DeepSeek's 512 + 64")
     req = gl.program_id(0)
@@ -477,10 +522,15 @@ def mla_decode_fp8_register_operands(
     mbarrier.invalidate(partial_ready)
 
 
+def block_rows(rows_per_group: int) -> int:
+    """wgmma's N for this many query rows a request: 16, else 32."""
+    return 16 if rows_per_group <= 16 else ROWS
+
+
 @functools.cache
-def ring_tiles(rank: int, rope: int) -> int:
-    """Whole fp8 tiles the ring holds next to the f16 query and two P^T (16 rows)."""
-    fixed = ROWS * (rank + rope) * 2 + 2 * BLOCK_N.value * ROWS * 2
+def ring_tiles(rank: int, rope: int, block_m: int) -> int:
+    """Whole fp8 tiles the ring holds next to the f16 query and two P^T of block_m rows."""
+    fixed = block_m * (rank + rope) * 2 + 2 * BLOCK_N.value * block_m * 2
     return (SMEM_BYTES - fixed) // (BLOCK_N.value * (rank + rope))
 
 
@@ -496,12 +546,14 @@ def launch_register_operands(
     stride_ls: int,
     kv_scale: torch.Tensor,
     sm_scale_log2: float,
+    rows_per_group: int,
     splits: int,
     causal: bool,
     kv_lora_rank: int,
 ) -> None:
     """Stage 1 over (request, split) for an fp8 cache and <= ROWS rows a request."""
     page, width = kv_cache.shape[1], kv_cache.shape[2]
+    block_m = block_rows(rows_per_group)
     grid, kernel_args = few_rows_arguments(
         query,
         kv_cache,
@@ -522,11 +574,11 @@ def launch_register_operands(
         kv_scale,
         RANK=kv_lora_rank,
         ROPE=width - kv_lora_rank,
-        BLOCK_M=ROWS,
+        BLOCK_M=block_m,
         PAGE=page,
         SPLITS=splits,
         CAUSAL=causal,
-        SLOTS=ring_tiles(kv_lora_rank, width - kv_lora_rank),
+        SLOTS=ring_tiles(kv_lora_rank, width - kv_lora_rank, block_m),
         num_warps=NUM_WARPS,
     )
 
