@@ -269,9 +269,11 @@ def _consumer_partition(
         p_smem.store((prob * P_SCALE_F16).to(gl.float16))
         fence_async_shared()
         cta_barrier()
-        pv_lo = warpgroup_mma(_values_t(lo_box, valid, a_operand), p_smem, acc_lo, is_async=True)
-        pv_hi = warpgroup_mma(_values_t(hi_box, valid, a_operand), p_smem, acc_hi, is_async=True)
-        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
+        # One value half's operand (64 registers) at a time: with both, the PV section spills.
+        acc_lo = warpgroup_mma(_values_t(lo_box, valid, a_operand), p_smem, acc_lo, is_async=True)
+        acc_lo = warpgroup_mma_wait(0, deps=[acc_lo])
+        acc_hi = warpgroup_mma(_values_t(hi_box, valid, a_operand), p_smem, acc_hi, is_async=True)
+        acc_hi = warpgroup_mma_wait(0, deps=[acc_hi])
         # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
         cta_barrier()
         mbarrier.arrive(free.index(slot), count=1)
