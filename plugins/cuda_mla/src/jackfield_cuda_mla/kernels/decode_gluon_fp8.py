@@ -260,7 +260,9 @@ def _consumer_partition(
             )
         s = warpgroup_mma_wait(0, deps=[s])
 
-        prob, alpha, m_i = _softmax_step(s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec)
+        prob, alpha, m_i = _softmax_step(
+            s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec
+        )
         # Row sums kept per key and thread, added across the warps once after the last tile: a
         # tile's sum would be a reduction through shared memory, with its barriers, every tile.
         l_keys = l_keys * alpha[None, :] + prob
