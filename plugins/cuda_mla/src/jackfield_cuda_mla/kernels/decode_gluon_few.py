@@ -236,10 +236,11 @@ def _stage_query(
 
 @gluon.jit
 def _softmax_step(
-    s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
+    s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
 ):
     """Base-2 online softmax over one score tile S^T [keys, rows]: (probabilities, rescale factor,
-    new max, new sum). Keys at or past `end`, and past a row's causal limit, get probability 0."""
+    new max); the caller keeps the sums. Keys at or past `end`, and past a row's causal limit, get
+    probability 0."""
     pos = n0 + gl.arange(0, BLOCK_N, layout=key_vec)
     visible = (pos < end)[:, None] & row_ok[None, :]
     if CAUSAL:
@@ -249,7 +250,7 @@ def _softmax_step(
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
     alpha = gl.exp2(m_i - m_safe)
     prob = gl.exp2(s - m_safe[None, :])
-    return prob, alpha, m_new, l_i * alpha + gl.sum(prob, axis=0)
+    return prob, alpha, m_new
 
 
 @gluon.jit
@@ -281,9 +282,8 @@ def _attend_tile(
     s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
-    prob, alpha, m_i, l_i = _softmax_step(
-        s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
-    )
+    prob, alpha, m_i = _softmax_step(s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec)
+    l_i = l_i * alpha + gl.sum(prob, axis=0)
     acc_lo = acc_lo * alpha[None, :]
     acc_hi = acc_hi * alpha[None, :]
     p_smem.store((prob * P_SCALE).to(p_smem.dtype))

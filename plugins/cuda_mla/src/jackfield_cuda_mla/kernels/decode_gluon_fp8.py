@@ -225,7 +225,7 @@ def _consumer_partition(
     row_ok = rows < q_len * num_heads
     last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_vec)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_vec)
+    l_keys = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     # O^T in quarters of QUARTER dims (a quarter's operand is 32 registers: two fit beside them)
     acc_0 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
     acc_1 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
@@ -275,9 +275,12 @@ def _consumer_partition(
             )
         s = warpgroup_mma_wait(0, deps=[s])
 
-        prob, alpha, m_i, l_i = _softmax_step(
-            s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
+        prob, alpha, m_i = _softmax_step(
+            s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec
         )
+        # Row sums kept per key and thread, added across the warps once after the last tile: a
+        # tile's sum would be a reduction through shared memory, with its barriers, every tile.
+        l_keys = l_keys * alpha[None, :] + prob
         acc_0 = acc_0 * alpha[None, :]
         acc_1 = acc_1 * alpha[None, :]
         acc_2 = acc_2 * alpha[None, :]
@@ -299,6 +302,7 @@ def _consumer_partition(
 
     acc_lo = _join_quarters(acc_0, acc_1, mma)
     acc_hi = _join_quarters(acc_2, acc_3, mma)
+    l_i = gl.sum(l_keys, axis=0)
     # Consumer 1's partial goes to the ring slot of its last tile (tile n_tiles - 1 or - 2; a tile
     # SLOTS later would be the only one to reuse that slot, and there is none).
     last_odd = n_tiles - 1 - (n_tiles % 2)
