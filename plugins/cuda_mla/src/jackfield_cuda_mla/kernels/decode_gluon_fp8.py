@@ -128,6 +128,44 @@ VALUES_T_LOAD: gl.constexpr = gl.DistributedLinearLayout(
 )
 
 
+# e4m3 -> f16 on the integer ALU: a byte's exponent and mantissa bits moved into f16's place give
+# the value times 2^-8 (normal and subnormal alike), the sign moved apart; a multiply by 2^8 makes it
+# exact. Bytes 1 and 3 of a word sit in the high byte of each 16-bit half already, bytes 0 and 2
+# after a shift by 8: the four come back in order 0, 2, 1, 3.
+FP8_TO_F16_ALU = gl.constexpr("""
+{
+.reg .b32 odd, even, sign, unit;
+and.b32 sign, $2, 0x80008000;
+and.b32 odd, $2, 0x7F007F00;
+shr.b32 odd, odd, 1;
+or.b32 odd, odd, sign;
+shl.b32 even, $2, 8;
+and.b32 sign, even, 0x80008000;
+and.b32 even, even, 0x7F007F00;
+shr.b32 even, even, 1;
+or.b32 even, even, sign;
+mov.b32 unit, 0x5C005C00;
+mul.rn.f16x2 $0, even, unit;
+mul.rn.f16x2 $1, odd, unit;
+}
+""")
+ALU_KEY_EVERY = gl.constexpr(0)  # experiment: every n-th K chunk converted on the ALU (0: none)
+ALU_VALUE_EVERY = gl.constexpr(0)  # experiment: every n-th value quarter on the ALU (0: none)
+
+
+@gluon.jit
+def _to_f16(x, ON_ALU: gl.constexpr):
+    """fp8 e4m3 -> f16, exactly: by F2FP (quarter-rate conversion unit) or on the ALU, which returns
+    each run of four of a thread's consecutive elements in order 0, 2, 1, 3."""
+    if ON_ALU:
+        y = gl.inline_asm_elementwise(
+            FP8_TO_F16_ALU, "=r,=r,r", [x.to(gl.uint8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4
+        )
+    else:
+        y = x.to(gl.float16)
+    return y
+
+
 @gluon.jit
 def key_dims(k):
     """The cache dimension that the products' reduction index k (query buffer column k) reads."""
@@ -143,21 +181,28 @@ def value_dims(m):
 
 
 @gluon.jit
-def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
+def _key_chunk(ring_box, col0, a_layout: gl.constexpr, ON_ALU: gl.constexpr):
     """K [64 keys, CHUNK dims] from an fp8 ring box as wgmma's A operand in f16, its dims in
     key_dims order. Keys past the end of the split may hold anything, NaN included: the softmax
     sets their scores to -inf."""
-    k = ring_box.slice(col0, CHUNK, dim=1).load(KEY_CHUNK_LOAD).to(gl.float16)
-    k = gl.permute(gl.reshape(k, [BLOCK_N, 4, 4, 2, 2]), (0, 2, 3, 1, 4))  # [keys, c, s, h, e] -> s, h, c, e
+    k = gl.reshape(_to_f16(ring_box.slice(col0, CHUNK, dim=1).load(KEY_CHUNK_LOAD), ON_ALU), [BLOCK_N, 4, 4, 2, 2])
+    if ON_ALU:
+        k = gl.permute(k, (0, 2, 4, 1, 3))  # [keys, c, s, e, h] -> s, h, c, e
+    else:
+        k = gl.permute(k, (0, 2, 3, 1, 4))  # [keys, c, s, h, e] -> s, h, c, e
     return gl.convert_layout(gl.reshape(k, [BLOCK_N, CHUNK]), a_layout)
 
 
 @gluon.jit
-def _values_t(ring_box, d0, valid, a_layout: gl.constexpr):
+def _values_t(ring_box, d0, valid, a_layout: gl.constexpr, ON_ALU: gl.constexpr):
     """V^T [QUARTER dims from d0, 64 keys] of an fp8 ring box as wgmma's A operand in f16, its dims
     in value_dims order; keys >= valid zeroed (their probabilities are 0, but 0 x NaN is NaN)."""
-    v = ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD).to(gl.float16)
-    v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
+    v = _to_f16(ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD), ON_ALU)
+    v = gl.reshape(v, [4, 8, 2, 2, BLOCK_N])
+    if ON_ALU:
+        v = gl.permute(v, (3, 0, 2, 1, 4))  # [w, l, h, t] -> t, w, h, l
+    else:
+        v = gl.permute(v, (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
     v = gl.convert_layout(gl.reshape(v, [QUARTER, BLOCK_N]), a_layout)
     if valid < BLOCK_N:
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, a_layout))
@@ -251,7 +296,7 @@ def _consumer_partition(
 
         # QK, one chunk in flight while the next one is loaded and converted
         s = warpgroup_mma(
-            _key_chunk(rope_ring.index(slot), 0, a_operand),
+            _key_chunk(rope_ring.index(slot), 0, a_operand, ALU_KEY_EVERY > 0),
             q_pe_buf.index(here).permute((1, 0)),
             s_zero,
             use_acc=False,
@@ -260,7 +305,7 @@ def _consumer_partition(
         for c in gl.static_range(HALF // CHUNK):
             s = warpgroup_mma_wait(1, deps=[s])
             s = warpgroup_mma(
-                _key_chunk(lo_box, c * CHUNK, a_operand),
+                _key_chunk(lo_box, c * CHUNK, a_operand, ALU_KEY_EVERY > 0 and (1 + c) % ALU_KEY_EVERY == 0),
                 q_lo.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
                 s,
                 is_async=True,
@@ -268,7 +313,7 @@ def _consumer_partition(
         for c in gl.static_range(HALF // CHUNK):
             s = warpgroup_mma_wait(1, deps=[s])
             s = warpgroup_mma(
-                _key_chunk(hi_box, c * CHUNK, a_operand),
+                _key_chunk(hi_box, c * CHUNK, a_operand, ALU_KEY_EVERY > 0 and (5 + c) % ALU_KEY_EVERY == 0),
                 q_hi.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
                 s,
                 is_async=True,
@@ -289,12 +334,12 @@ def _consumer_partition(
         fence_async_shared()
         cta_barrier()
         # A quarter's products in flight while the next quarter is loaded and converted
-        acc_0 = warpgroup_mma(_values_t(lo_box, 0, valid, a_operand), p_smem, acc_0, is_async=True)
-        acc_1 = warpgroup_mma(_values_t(lo_box, QUARTER, valid, a_operand), p_smem, acc_1, is_async=True)
+        acc_0 = warpgroup_mma(_values_t(lo_box, 0, valid, a_operand, ALU_VALUE_EVERY > 0 and 0 % ALU_VALUE_EVERY == 0), p_smem, acc_0, is_async=True)
+        acc_1 = warpgroup_mma(_values_t(lo_box, QUARTER, valid, a_operand, ALU_VALUE_EVERY > 0 and 1 % ALU_VALUE_EVERY == 0), p_smem, acc_1, is_async=True)
         acc_0 = warpgroup_mma_wait(1, deps=[acc_0])
-        acc_2 = warpgroup_mma(_values_t(hi_box, 0, valid, a_operand), p_smem, acc_2, is_async=True)
+        acc_2 = warpgroup_mma(_values_t(hi_box, 0, valid, a_operand, ALU_VALUE_EVERY > 0 and 2 % ALU_VALUE_EVERY == 0), p_smem, acc_2, is_async=True)
         acc_1 = warpgroup_mma_wait(1, deps=[acc_1])
-        acc_3 = warpgroup_mma(_values_t(hi_box, QUARTER, valid, a_operand), p_smem, acc_3, is_async=True)
+        acc_3 = warpgroup_mma(_values_t(hi_box, QUARTER, valid, a_operand, ALU_VALUE_EVERY > 0 and 3 % ALU_VALUE_EVERY == 0), p_smem, acc_3, is_async=True)
         acc_2, acc_3 = warpgroup_mma_wait(0, deps=[acc_2, acc_3])
         # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
         cta_barrier()
@@ -335,24 +380,6 @@ def _consumer_partition(
             acc_lo, acc_hi, m_i, l_i = _merge_partial(
                 lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma
             )
-            lo_smem.store(acc_lo.to(PARTIAL))
-            hi_smem.store(acc_hi.to(PARTIAL))
-            m_smem.store(m_i)
-            l_smem.store(l_i)
-            cta_barrier()  # every warp's stores before the one arriving thread's release
-            mbarrier.arrive(partial_ready, count=1)
-    else:
-        if n_tiles > 1:
-            mbarrier.wait(partial_ready, 0)
-            m_other = m_smem.load(row_vec)
-            m_new = gl.maximum(m_i, m_other)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
-            alpha = gl.exp2(m_i - m_safe)
-            alpha_other = gl.exp2(m_other - m_safe)
-            l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
-            acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma).to(gl.float32) * alpha_other[None, :]
-            acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma).to(gl.float32) * alpha_other[None, :]
-            m_i = m_new
         _write_output(
             acc_lo,
             acc_hi,
