@@ -151,6 +151,9 @@ mul.rn.f16x2 $1, odd, unit;
 """)
 ALU_KEY_EVERY = gl.constexpr(0)  # experiment: every n-th K chunk converted on the ALU (0: none)
 ALU_VALUE_EVERY = gl.constexpr(0)  # experiment: every n-th value quarter on the ALU (0: none)
+DELAYED_FREE = gl.constexpr(0)  # experiment: free a tile's slot at the consumer's next P^T barrier
+ONE_BARRIER_MAX = gl.constexpr(0)  # experiment: the tile's row max with one barrier, not two
+QK_WAIT = gl.constexpr(1)  # experiment: QK wgmma groups left in flight while the next chunk converts
 
 
 @gluon.jit
@@ -218,6 +221,35 @@ def _join_quarters(first, second, mma: gl.constexpr):
 
 
 @gluon.jit
+def _softmax_one_barrier(
+    s, n0, end, row_ok, last_visible, m_i, score_scale_log2, max_buf, k, CAUSAL: gl.constexpr, mma: gl.constexpr
+):
+    """_softmax_step with the row max over the tile's keys taken with one barrier: each warp's 16
+    keys by shuffles, then the 4 warps' maxima through shared memory, read back by every thread."""
+    key_vec: gl.constexpr = gl.SliceLayout(1, mma)
+    row_vec: gl.constexpr = gl.SliceLayout(0, mma)
+    ROWS: gl.constexpr = s.shape[1]
+    pos = n0 + gl.arange(0, BLOCK_N, layout=key_vec)
+    visible = (pos < end)[:, None] & row_ok[None, :]
+    if CAUSAL:
+        visible = visible & (pos[:, None] <= last_visible[None, :])
+    s = gl.where(visible, s * score_scale_log2, float("-inf"))
+    max_buf.index(k).store(gl.max(gl.reshape(s, [4, BLOCK_N // 4, ROWS]), axis=1))
+    cta_barrier()
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    maxima = smem_reinterpret(max_buf, gl.float32, [2 * 4, ROWS], rows_layout)
+    tile_max = gl.maximum(
+        gl.maximum(maxima.index(4 * k).load(row_vec), maxima.index(4 * k + 1).load(row_vec)),
+        gl.maximum(maxima.index(4 * k + 2).load(row_vec), maxima.index(4 * k + 3).load(row_vec)),
+    )
+    m_new = gl.maximum(m_i, tile_max)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
+    alpha = gl.exp2(m_i - m_safe)
+    prob = gl.exp2(s - m_safe[None, :])
+    return prob, alpha, m_new
+
+
+@gluon.jit
 def _consumer_partition(
     state,
     HALF: gl.constexpr,
@@ -237,6 +269,7 @@ def _consumer_partition(
         q_hi_buf,
         q_pe_buf,
         p_buf,
+        max_buf,
         nope_ring,
         rope_ring,
         ready,
@@ -303,7 +336,7 @@ def _consumer_partition(
             is_async=True,
         )
         for c in gl.static_range(HALF // CHUNK):
-            s = warpgroup_mma_wait(1, deps=[s])
+            s = warpgroup_mma_wait(QK_WAIT, deps=[s])
             s = warpgroup_mma(
                 _key_chunk(lo_box, c * CHUNK, a_operand, ALU_KEY_EVERY > 0 and (1 + c) % ALU_KEY_EVERY == 0),
                 q_lo.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
@@ -311,7 +344,7 @@ def _consumer_partition(
                 is_async=True,
             )
         for c in gl.static_range(HALF // CHUNK):
-            s = warpgroup_mma_wait(1, deps=[s])
+            s = warpgroup_mma_wait(QK_WAIT, deps=[s])
             s = warpgroup_mma(
                 _key_chunk(hi_box, c * CHUNK, a_operand, ALU_KEY_EVERY > 0 and (5 + c) % ALU_KEY_EVERY == 0),
                 q_hi.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
@@ -320,9 +353,14 @@ def _consumer_partition(
             )
         s = warpgroup_mma_wait(0, deps=[s])
 
-        prob, alpha, m_i = _softmax_step(
-            s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec
-        )
+        if ONE_BARRIER_MAX:
+            prob, alpha, m_i = _softmax_one_barrier(
+                s, n0, end, row_ok, last_visible, m_i, score_scale_log2, max_buf, CONSUMER + here, CAUSAL, mma
+            )
+        else:
+            prob, alpha, m_i = _softmax_step(
+                s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec
+            )
         # Row sums kept per key and thread, added across the warps once after the last tile: a
         # tile's sum would be a reduction through shared memory, with its barriers, every tile.
         l_keys = l_keys * alpha[None, :] + prob
@@ -333,6 +371,10 @@ def _consumer_partition(
         p_smem.store((prob * P_SCALE_F16).to(gl.float16))
         fence_async_shared()
         cta_barrier()
+        if DELAYED_FREE:
+            # Every warp is past this barrier, so past its reads of this consumer's previous tile
+            if i > 0:
+                mbarrier.arrive(free.index((t - 2) % SLOTS), count=1)
         # A quarter's products in flight while the next quarter is loaded and converted
         acc_0 = warpgroup_mma(_values_t(lo_box, 0, valid, a_operand, ALU_VALUE_EVERY > 0 and 0 % ALU_VALUE_EVERY == 0), p_smem, acc_0, is_async=True)
         acc_1 = warpgroup_mma(_values_t(lo_box, QUARTER, valid, a_operand, ALU_VALUE_EVERY > 0 and 1 % ALU_VALUE_EVERY == 0), p_smem, acc_1, is_async=True)
@@ -341,9 +383,10 @@ def _consumer_partition(
         acc_1 = warpgroup_mma_wait(1, deps=[acc_1])
         acc_3 = warpgroup_mma(_values_t(hi_box, QUARTER, valid, a_operand, ALU_VALUE_EVERY > 0 and 3 % ALU_VALUE_EVERY == 0), p_smem, acc_3, is_async=True)
         acc_2, acc_3 = warpgroup_mma_wait(0, deps=[acc_2, acc_3])
-        # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
-        cta_barrier()
-        mbarrier.arrive(free.index(slot), count=1)
+        if not DELAYED_FREE:
+            # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
+            cta_barrier()
+            mbarrier.arrive(free.index(slot), count=1)
 
     acc_lo = _join_quarters(acc_0, acc_1, mma)
     acc_hi = _join_quarters(acc_2, acc_3, mma)
@@ -458,6 +501,8 @@ def mla_decode_fp8_register_operands(
     q_hi_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
     q_pe_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, ROPE], q_rope_smem)
     p_buf = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_M], p_smem_layout)  # one a consumer
+    max_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    max_buf = gl.allocate_shared_memory(gl.float32, [2, 4, BLOCK_M], max_layout)  # one a consumer
     nope_ring = gl.allocate_shared_memory(nope_desc.dtype, [2 * SLOTS, BLOCK_N, HALF], nope_desc.layout)
     rope_ring = gl.allocate_shared_memory(rope_desc.dtype, [SLOTS, BLOCK_N, ROPE], rope_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
@@ -496,6 +541,7 @@ def mla_decode_fp8_register_operands(
         q_hi_buf,
         q_pe_buf,
         p_buf,
+        max_buf,
         nope_ring,
         rope_ring,
         ready,
