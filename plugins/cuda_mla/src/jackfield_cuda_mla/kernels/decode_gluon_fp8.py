@@ -128,47 +128,6 @@ VALUES_T_LOAD: gl.constexpr = gl.DistributedLinearLayout(
 )
 
 
-# e4m3 -> f16 on the integer ALU: a byte's exponent and mantissa bits moved into f16's place give
-# the value times 2^-8 (normal and subnormal alike), the sign moved apart; a multiply by 2^8 makes it
-# exact. Bytes 1 and 3 of a word sit in the high byte of each 16-bit half already, bytes 0 and 2
-# after a shift by 8: the four come back in order 0, 2, 1, 3.
-FP8_TO_F16_ALU = gl.constexpr("""
-{
-.reg .b32 odd, even, sign, unit;
-and.b32 sign, $2, 0x80008000;
-and.b32 odd, $2, 0x7F007F00;
-shr.b32 odd, odd, 1;
-or.b32 odd, odd, sign;
-shl.b32 even, $2, 8;
-and.b32 sign, even, 0x80008000;
-and.b32 even, even, 0x7F007F00;
-shr.b32 even, even, 1;
-or.b32 even, even, sign;
-mov.b32 unit, 0x5C005C00;
-mul.rn.f16x2 $0, even, unit;
-mul.rn.f16x2 $1, odd, unit;
-}
-""")
-ALU_KEY_EVERY = gl.constexpr(0)  # experiment: every n-th K chunk converted on the ALU (0: none)
-ALU_VALUE_EVERY = gl.constexpr(0)  # experiment: every n-th value quarter on the ALU (0: none)
-DELAYED_FREE = gl.constexpr(0)  # experiment: free a tile's slot at the consumer's next P^T barrier
-ONE_BARRIER_MAX = gl.constexpr(0)  # experiment: the tile's row max with one barrier, not two
-QK_WAIT = gl.constexpr(1)  # experiment: QK wgmma groups left in flight while the next chunk converts
-
-
-@gluon.jit
-def _to_f16(x, ON_ALU: gl.constexpr):
-    """fp8 e4m3 -> f16, exactly: by F2FP (quarter-rate conversion unit) or on the ALU, which returns
-    each run of four of a thread's consecutive elements in order 0, 2, 1, 3."""
-    if ON_ALU:
-        y = gl.inline_asm_elementwise(
-            FP8_TO_F16_ALU, "=r,=r,r", [x.to(gl.uint8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4
-        )
-    else:
-        y = x.to(gl.float16)
-    return y
-
-
 @gluon.jit
 def key_dims(k):
     """The cache dimension that the products' reduction index k (query buffer column k) reads."""
@@ -184,28 +143,21 @@ def value_dims(m):
 
 
 @gluon.jit
-def _key_chunk(ring_box, col0, a_layout: gl.constexpr, ON_ALU: gl.constexpr):
+def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
     """K [64 keys, CHUNK dims] from an fp8 ring box as wgmma's A operand in f16, its dims in
     key_dims order. Keys past the end of the split may hold anything, NaN included: the softmax
     sets their scores to -inf."""
-    k = gl.reshape(_to_f16(ring_box.slice(col0, CHUNK, dim=1).load(KEY_CHUNK_LOAD), ON_ALU), [BLOCK_N, 4, 4, 2, 2])
-    if ON_ALU:
-        k = gl.permute(k, (0, 2, 4, 1, 3))  # [keys, c, s, e, h] -> s, h, c, e
-    else:
-        k = gl.permute(k, (0, 2, 3, 1, 4))  # [keys, c, s, h, e] -> s, h, c, e
+    k = ring_box.slice(col0, CHUNK, dim=1).load(KEY_CHUNK_LOAD).to(gl.float16)
+    k = gl.permute(gl.reshape(k, [BLOCK_N, 4, 4, 2, 2]), (0, 2, 3, 1, 4))  # [keys, c, s, h, e] -> s, h, c, e
     return gl.convert_layout(gl.reshape(k, [BLOCK_N, CHUNK]), a_layout)
 
 
 @gluon.jit
-def _values_t(ring_box, d0, valid, a_layout: gl.constexpr, ON_ALU: gl.constexpr):
+def _values_t(ring_box, d0, valid, a_layout: gl.constexpr):
     """V^T [QUARTER dims from d0, 64 keys] of an fp8 ring box as wgmma's A operand in f16, its dims
     in value_dims order; keys >= valid zeroed (their probabilities are 0, but 0 x NaN is NaN)."""
-    v = _to_f16(ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD), ON_ALU)
-    v = gl.reshape(v, [4, 8, 2, 2, BLOCK_N])
-    if ON_ALU:
-        v = gl.permute(v, (3, 0, 2, 1, 4))  # [w, l, h, t] -> t, w, h, l
-    else:
-        v = gl.permute(v, (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
+    v = ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD).to(gl.float16)
+    v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
     v = gl.convert_layout(gl.reshape(v, [QUARTER, BLOCK_N]), a_layout)
     if valid < BLOCK_N:
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, a_layout))
@@ -218,35 +170,6 @@ def _join_quarters(first, second, mma: gl.constexpr):
     """Two [QUARTER, rows] accumulators as one [2 QUARTER, rows] (second's rows after first's)."""
     both = gl.permute(gl.join(first, second), (2, 0, 1))  # [2, QUARTER, rows]
     return gl.convert_layout(gl.reshape(both, [2 * QUARTER, first.shape[1]]), mma)
-
-
-@gluon.jit
-def _softmax_one_barrier(
-    s, n0, end, row_ok, last_visible, m_i, score_scale_log2, max_buf, k, CAUSAL: gl.constexpr, mma: gl.constexpr
-):
-    """_softmax_step with the row max over the tile's keys taken with one barrier: each warp's 16
-    keys by shuffles, then the 4 warps' maxima through shared memory, read back by every thread."""
-    key_vec: gl.constexpr = gl.SliceLayout(1, mma)
-    row_vec: gl.constexpr = gl.SliceLayout(0, mma)
-    ROWS: gl.constexpr = s.shape[1]
-    pos = n0 + gl.arange(0, BLOCK_N, layout=key_vec)
-    visible = (pos < end)[:, None] & row_ok[None, :]
-    if CAUSAL:
-        visible = visible & (pos[:, None] <= last_visible[None, :])
-    s = gl.where(visible, s * score_scale_log2, float("-inf"))
-    max_buf.index(k).store(gl.max(gl.reshape(s, [4, BLOCK_N // 4, ROWS]), axis=1))
-    cta_barrier()
-    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    maxima = smem_reinterpret(max_buf, gl.float32, [2 * 4, ROWS], rows_layout)
-    tile_max = gl.maximum(
-        gl.maximum(maxima.index(4 * k).load(row_vec), maxima.index(4 * k + 1).load(row_vec)),
-        gl.maximum(maxima.index(4 * k + 2).load(row_vec), maxima.index(4 * k + 3).load(row_vec)),
-    )
-    m_new = gl.maximum(m_i, tile_max)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
-    alpha = gl.exp2(m_i - m_safe)
-    prob = gl.exp2(s - m_safe[None, :])
-    return prob, alpha, m_new
 
 
 @gluon.jit
@@ -269,7 +192,6 @@ def _consumer_partition(
         q_hi_buf,
         q_pe_buf,
         p_buf,
-        max_buf,
         nope_ring,
         rope_ring,
         ready,
@@ -329,38 +251,33 @@ def _consumer_partition(
 
         # QK, one chunk in flight while the next one is loaded and converted
         s = warpgroup_mma(
-            _key_chunk(rope_ring.index(slot), 0, a_operand, ALU_KEY_EVERY > 0),
+            _key_chunk(rope_ring.index(slot), 0, a_operand),
             q_pe_buf.index(here).permute((1, 0)),
             s_zero,
             use_acc=False,
             is_async=True,
         )
         for c in gl.static_range(HALF // CHUNK):
-            s = warpgroup_mma_wait(QK_WAIT, deps=[s])
+            s = warpgroup_mma_wait(1, deps=[s])
             s = warpgroup_mma(
-                _key_chunk(lo_box, c * CHUNK, a_operand, ALU_KEY_EVERY > 0 and (1 + c) % ALU_KEY_EVERY == 0),
+                _key_chunk(lo_box, c * CHUNK, a_operand),
                 q_lo.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
                 s,
                 is_async=True,
             )
         for c in gl.static_range(HALF // CHUNK):
-            s = warpgroup_mma_wait(QK_WAIT, deps=[s])
+            s = warpgroup_mma_wait(1, deps=[s])
             s = warpgroup_mma(
-                _key_chunk(hi_box, c * CHUNK, a_operand, ALU_KEY_EVERY > 0 and (5 + c) % ALU_KEY_EVERY == 0),
+                _key_chunk(hi_box, c * CHUNK, a_operand),
                 q_hi.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
                 s,
                 is_async=True,
             )
         s = warpgroup_mma_wait(0, deps=[s])
 
-        if ONE_BARRIER_MAX:
-            prob, alpha, m_i = _softmax_one_barrier(
-                s, n0, end, row_ok, last_visible, m_i, score_scale_log2, max_buf, CONSUMER + here, CAUSAL, mma
-            )
-        else:
-            prob, alpha, m_i = _softmax_step(
-                s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec
-            )
+        prob, alpha, m_i = _softmax_step(
+            s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec
+        )
         # Row sums kept per key and thread, added across the warps once after the last tile: a
         # tile's sum would be a reduction through shared memory, with its barriers, every tile.
         l_keys = l_keys * alpha[None, :] + prob
@@ -371,22 +288,17 @@ def _consumer_partition(
         p_smem.store((prob * P_SCALE_F16).to(gl.float16))
         fence_async_shared()
         cta_barrier()
-        if DELAYED_FREE:
-            # Every warp is past this barrier, so past its reads of this consumer's previous tile
-            if i > 0:
-                mbarrier.arrive(free.index((t - 2) % SLOTS), count=1)
         # A quarter's products in flight while the next quarter is loaded and converted
-        acc_0 = warpgroup_mma(_values_t(lo_box, 0, valid, a_operand, ALU_VALUE_EVERY > 0 and 0 % ALU_VALUE_EVERY == 0), p_smem, acc_0, is_async=True)
-        acc_1 = warpgroup_mma(_values_t(lo_box, QUARTER, valid, a_operand, ALU_VALUE_EVERY > 0 and 1 % ALU_VALUE_EVERY == 0), p_smem, acc_1, is_async=True)
+        acc_0 = warpgroup_mma(_values_t(lo_box, 0, valid, a_operand), p_smem, acc_0, is_async=True)
+        acc_1 = warpgroup_mma(_values_t(lo_box, QUARTER, valid, a_operand), p_smem, acc_1, is_async=True)
         acc_0 = warpgroup_mma_wait(1, deps=[acc_0])
-        acc_2 = warpgroup_mma(_values_t(hi_box, 0, valid, a_operand, ALU_VALUE_EVERY > 0 and 2 % ALU_VALUE_EVERY == 0), p_smem, acc_2, is_async=True)
+        acc_2 = warpgroup_mma(_values_t(hi_box, 0, valid, a_operand), p_smem, acc_2, is_async=True)
         acc_1 = warpgroup_mma_wait(1, deps=[acc_1])
-        acc_3 = warpgroup_mma(_values_t(hi_box, QUARTER, valid, a_operand, ALU_VALUE_EVERY > 0 and 3 % ALU_VALUE_EVERY == 0), p_smem, acc_3, is_async=True)
+        acc_3 = warpgroup_mma(_values_t(hi_box, QUARTER, valid, a_operand), p_smem, acc_3, is_async=True)
         acc_2, acc_3 = warpgroup_mma_wait(0, deps=[acc_2, acc_3])
-        if not DELAYED_FREE:
-            # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
-            cta_barrier()
-            mbarrier.arrive(free.index(slot), count=1)
+        # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
+        cta_barrier()
+        mbarrier.arrive(free.index(slot), count=1)
 
     acc_lo = _join_quarters(acc_0, acc_1, mma)
     acc_hi = _join_quarters(acc_2, acc_3, mma)
@@ -423,6 +335,24 @@ def _consumer_partition(
             acc_lo, acc_hi, m_i, l_i = _merge_partial(
                 lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma
             )
+            lo_smem.store(acc_lo.to(PARTIAL))
+            hi_smem.store(acc_hi.to(PARTIAL))
+            m_smem.store(m_i)
+            l_smem.store(l_i)
+            cta_barrier()  # every warp's stores before the one arriving thread's release
+            mbarrier.arrive(partial_ready, count=1)
+    else:
+        if n_tiles > 1:
+            mbarrier.wait(partial_ready, 0)
+            m_other = m_smem.load(row_vec)
+            m_new = gl.maximum(m_i, m_other)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
+            alpha = gl.exp2(m_i - m_safe)
+            alpha_other = gl.exp2(m_other - m_safe)
+            l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
+            acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma).to(gl.float32) * alpha_other[None, :]
+            acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma).to(gl.float32) * alpha_other[None, :]
+            m_i = m_new
         _write_output(
             acc_lo,
             acc_hi,
@@ -501,8 +431,6 @@ def mla_decode_fp8_register_operands(
     q_hi_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
     q_pe_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, ROPE], q_rope_smem)
     p_buf = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_M], p_smem_layout)  # one a consumer
-    max_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    max_buf = gl.allocate_shared_memory(gl.float32, [2, 4, BLOCK_M], max_layout)  # one a consumer
     nope_ring = gl.allocate_shared_memory(nope_desc.dtype, [2 * SLOTS, BLOCK_N, HALF], nope_desc.layout)
     rope_ring = gl.allocate_shared_memory(rope_desc.dtype, [SLOTS, BLOCK_N, ROPE], rope_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
@@ -541,7 +469,6 @@ def mla_decode_fp8_register_operands(
         q_hi_buf,
         q_pe_buf,
         p_buf,
-        max_buf,
         nope_ring,
         rope_ring,
         ready,
