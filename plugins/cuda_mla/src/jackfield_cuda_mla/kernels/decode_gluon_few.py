@@ -235,22 +235,35 @@ def _stage_query(
 
 
 @gluon.jit
-def _softmax_step(
-    s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
+def _masked_scores(
+    s, n0, end, row_ok, last_visible, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
 ):
-    """Base-2 online softmax over one score tile S^T [keys, rows]: (probabilities, rescale factor,
-    new max); the caller keeps the sums. Keys at or past `end`, and past a row's causal limit, get
-    probability 0."""
+    """Score tile S^T [keys, rows] in base-2 units; keys at or past `end`, and past a row's causal
+    limit, at -inf."""
     pos = n0 + gl.arange(0, BLOCK_N, layout=key_vec)
     visible = (pos < end)[:, None] & row_ok[None, :]
     if CAUSAL:
         visible = visible & (pos[:, None] <= last_visible[None, :])
-    s = gl.where(visible, s * score_scale_log2, float("-inf"))
+    return gl.where(visible, s * score_scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _softmax_update(s, m_i):
+    """Base-2 online softmax over masked scores S^T [keys, rows]: (probabilities, rescale factor,
+    new max); the caller keeps the sums."""
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
     alpha = gl.exp2(m_i - m_safe)
     prob = gl.exp2(s - m_safe[None, :])
     return prob, alpha, m_new
+
+
+@gluon.jit
+def _softmax_step(
+    s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
+):
+    """_softmax_update of _masked_scores."""
+    return _softmax_update(_masked_scores(s, n0, end, row_ok, last_visible, score_scale_log2, CAUSAL, key_vec), m_i)
 
 
 @gluon.jit

@@ -38,7 +38,8 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
     P_SCALE_F16,
     _leave_partial,
     _merge_partial,
-    _softmax_step,
+    _masked_scores,
+    _softmax_update,
     _stage_query,
     _tile_row,
     _write_output,
@@ -153,16 +154,23 @@ def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _values_t(ring_box, d0, valid, a_layout: gl.constexpr):
+def _values_t(ring_box, d0, a_layout: gl.constexpr):
     """V^T [QUARTER dims from d0, 64 keys] of an fp8 ring box as wgmma's A operand in f16, its dims
-    in value_dims order; keys >= valid zeroed (their probabilities are 0, but 0 x NaN is NaN)."""
+    in value_dims order."""
     v = ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD).to(gl.float16)
     v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
-    v = gl.convert_layout(gl.reshape(v, [QUARTER, BLOCK_N]), a_layout)
-    if valid < BLOCK_N:
-        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, a_layout))
-        v = gl.where((keys < valid)[None, :], v, gl.zeros_like(v))
-    return v
+    return gl.convert_layout(gl.reshape(v, [QUARTER, BLOCK_N]), a_layout)
+
+
+@gluon.jit
+def _zero_keys_past(box, valid):
+    """Keys >= valid of a ring box zeroed, in place (a split's last tile): their probabilities are 0,
+    but the stale cache rows they come from may hold NaN bytes, and 0 x NaN is NaN. Zeroing them
+    once here spares every tile the masking of its value operands."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    tile = box.load(layout)
+    box.store(gl.where((keys < valid)[:, None], tile, gl.zeros_like(tile)))
 
 
 @gluon.jit
@@ -224,6 +232,7 @@ def _consumer_partition(
     rows = gl.arange(0, BLOCK_M, layout=row_vec)
     row_ok = rows < q_len * num_heads
     last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
+    visible_end = gl.minimum(end, seq_len - q_len + 1) if CAUSAL else end  # keys below: seen by all rows
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_vec)
     l_keys = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     # O^T in quarters of QUARTER dims (a quarter's operand is 32 registers: two fit beside them)
@@ -248,6 +257,12 @@ def _consumer_partition(
         p_smem = p_buf.index(CONSUMER + here)
         landed, parity = _ready_barrier(ready, t, SLOTS)
         mbarrier.wait(landed, parity)
+        if valid < BLOCK_N:
+            # Ordered before the value loads by the P^T barrier, before the slot's next TMA fill by
+            # the fence and the free barrier; the keys' scores of these keys are masked anyway.
+            _zero_keys_past(lo_box, valid)
+            _zero_keys_past(hi_box, valid)
+            fence_async_shared()
 
         # QK, one chunk in flight while the next one is loaded and converted
         s = warpgroup_mma(
@@ -275,26 +290,34 @@ def _consumer_partition(
             )
         s = warpgroup_mma_wait(0, deps=[s])
 
-        prob, alpha, m_i = _softmax_step(
-            s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec
-        )
+        if n0 + BLOCK_N <= visible_end:  # every key of the tile visible to every row
+            s = gl.where(row_ok[None, :], s * score_scale_log2, float("-inf"))
+        else:
+            s = _masked_scores(s, n0, end, row_ok, last_visible, score_scale_log2, CAUSAL, key_vec)
+        m_old = m_i
+        prob, alpha, m_i = _softmax_update(s, m_i)
+        # alpha is exactly 1 in a row whose max stayed: the 72 multiplies by it are skipped on tiles
+        # where no row's max moved (most, once the maxima settle). The kernel's time follows its
+        # instruction count (PERF_NOTES round 8).
+        if gl.max((m_i > m_old).to(gl.int32), axis=0) > 0:
+            l_keys = l_keys * alpha[None, :]
+            acc_0 = acc_0 * alpha[None, :]
+            acc_1 = acc_1 * alpha[None, :]
+            acc_2 = acc_2 * alpha[None, :]
+            acc_3 = acc_3 * alpha[None, :]
         # Row sums kept per key and thread, added across the warps once after the last tile: a
         # tile's sum would be a reduction through shared memory, with its barriers, every tile.
-        l_keys = l_keys * alpha[None, :] + prob
-        acc_0 = acc_0 * alpha[None, :]
-        acc_1 = acc_1 * alpha[None, :]
-        acc_2 = acc_2 * alpha[None, :]
-        acc_3 = acc_3 * alpha[None, :]
+        l_keys = l_keys + prob
         p_smem.store((prob * P_SCALE_F16).to(gl.float16))
         fence_async_shared()
         cta_barrier()
         # A quarter's products in flight while the next quarter is loaded and converted
-        acc_0 = warpgroup_mma(_values_t(lo_box, 0, valid, a_operand), p_smem, acc_0, is_async=True)
-        acc_1 = warpgroup_mma(_values_t(lo_box, QUARTER, valid, a_operand), p_smem, acc_1, is_async=True)
+        acc_0 = warpgroup_mma(_values_t(lo_box, 0, a_operand), p_smem, acc_0, is_async=True)
+        acc_1 = warpgroup_mma(_values_t(lo_box, QUARTER, a_operand), p_smem, acc_1, is_async=True)
         acc_0 = warpgroup_mma_wait(1, deps=[acc_0])
-        acc_2 = warpgroup_mma(_values_t(hi_box, 0, valid, a_operand), p_smem, acc_2, is_async=True)
+        acc_2 = warpgroup_mma(_values_t(hi_box, 0, a_operand), p_smem, acc_2, is_async=True)
         acc_1 = warpgroup_mma_wait(1, deps=[acc_1])
-        acc_3 = warpgroup_mma(_values_t(hi_box, QUARTER, valid, a_operand), p_smem, acc_3, is_async=True)
+        acc_3 = warpgroup_mma(_values_t(hi_box, QUARTER, a_operand), p_smem, acc_3, is_async=True)
         acc_2, acc_3 = warpgroup_mma_wait(0, deps=[acc_2, acc_3])
         # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
         cta_barrier()
@@ -335,24 +358,6 @@ def _consumer_partition(
             acc_lo, acc_hi, m_i, l_i = _merge_partial(
                 lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma
             )
-            lo_smem.store(acc_lo.to(PARTIAL))
-            hi_smem.store(acc_hi.to(PARTIAL))
-            m_smem.store(m_i)
-            l_smem.store(l_i)
-            cta_barrier()  # every warp's stores before the one arriving thread's release
-            mbarrier.arrive(partial_ready, count=1)
-    else:
-        if n_tiles > 1:
-            mbarrier.wait(partial_ready, 0)
-            m_other = m_smem.load(row_vec)
-            m_new = gl.maximum(m_i, m_other)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
-            alpha = gl.exp2(m_i - m_safe)
-            alpha_other = gl.exp2(m_other - m_safe)
-            l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
-            acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma).to(gl.float32) * alpha_other[None, :]
-            acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma).to(gl.float32) * alpha_other[None, :]
-            m_i = m_new
         _write_output(
             acc_lo,
             acc_hi,
