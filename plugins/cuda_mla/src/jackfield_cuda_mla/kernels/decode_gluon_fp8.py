@@ -129,6 +129,25 @@ VALUES_T_LOAD: gl.constexpr = gl.DistributedLinearLayout(
 )
 
 
+# Two keys' 4 consecutive dims (a word each) -> the 4 dims' (key, next key) f16 pairs: the bytes are
+# paired by two byte permutes before the conversion (pairing the converted halves after it takes a
+# permute per register).
+KEY_PAIRS_TO_F16 = gl.constexpr("""
+{
+.reg .b32 lo, hi;
+.reg .b16 d0, d1, d2, d3;
+prmt.b32 lo, $4, $5, 0x5140;
+prmt.b32 hi, $4, $5, 0x7362;
+mov.b32 {d0, d1}, lo;
+mov.b32 {d2, d3}, hi;
+cvt.rn.f16x2.e4m3x2 $0, d0;
+cvt.rn.f16x2.e4m3x2 $1, d1;
+cvt.rn.f16x2.e4m3x2 $2, d2;
+cvt.rn.f16x2.e4m3x2 $3, d3;
+}
+""")
+
+
 @gluon.jit
 def key_dims(k):
     """The cache dimension that the products' reduction index k (query buffer column k) reads."""
@@ -157,7 +176,12 @@ def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
 def _values_t(ring_box, d0, a_layout: gl.constexpr):
     """V^T [QUARTER dims from d0, 64 keys] of an fp8 ring box as wgmma's A operand in f16, its dims
     in value_dims order."""
-    v = ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD).to(gl.float16)
+    v = ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD)
+    v = gl.inline_asm_elementwise(
+        KEY_PAIRS_TO_F16, "=r,=r,=r,=r,r,r", [v.to(gl.uint8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=8
+    )
+    # A thread's 8 elements (reg bits: dim + 1, dim + 2, key + 1) came back as 4 key pairs of a dim
+    v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N // 2, 2]), (0, 1, 5, 2, 4, 3))
     v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
     return gl.convert_layout(gl.reshape(v, [QUARTER, BLOCK_N]), a_layout)
 
