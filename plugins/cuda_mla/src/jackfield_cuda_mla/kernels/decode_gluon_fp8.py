@@ -163,13 +163,28 @@ def value_dims(m):
 
 
 @gluon.jit
-def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
-    """K [64 keys, CHUNK dims] from an fp8 ring box as wgmma's A operand in f16, its dims in
-    key_dims order. Keys past the end of the split may hold anything, NaN included: the softmax
-    sets their scores to -inf."""
+def _key_dims_loaded(ring_box, col0):
+    """K [64 keys, CHUNK dims] from an fp8 ring box in f16, its dims in key_dims order (the layout
+    a relabel of KEY_CHUNK_LOAD). Keys past the end of the split may hold anything, NaN included:
+    the softmax sets their scores to -inf."""
     k = ring_box.slice(col0, CHUNK, dim=1).load(KEY_CHUNK_LOAD).to(gl.float16)
     k = gl.permute(gl.reshape(k, [BLOCK_N, 4, 4, 2, 2]), (0, 2, 3, 1, 4))  # [keys, c, s, h, e] -> s, h, c, e
-    return gl.convert_layout(gl.reshape(k, [BLOCK_N, CHUNK]), a_layout)
+    return gl.reshape(k, [BLOCK_N, CHUNK])
+
+
+@gluon.jit
+def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
+    """K [64 keys, CHUNK dims] as wgmma's A operand."""
+    return gl.convert_layout(_key_dims_loaded(ring_box, col0), a_layout)
+
+
+@gluon.jit
+def _key_chunks(ring_box, col0, a_layout: gl.constexpr):
+    """K [64 keys, 2 CHUNK dims] as wgmma's A operand: two chunks a wgmma group halves the
+    descriptor arithmetic and the waits a tile."""
+    both = gl.join(_key_dims_loaded(ring_box, col0), _key_dims_loaded(ring_box, col0 + CHUNK))
+    both = gl.reshape(gl.permute(both, (0, 2, 1)), [BLOCK_N, 2 * CHUNK])
+    return gl.convert_layout(both, a_layout)
 
 
 @gluon.jit
@@ -296,19 +311,19 @@ def _consumer_partition(
             use_acc=False,
             is_async=True,
         )
-        for c in gl.static_range(HALF // CHUNK):
+        for c in gl.static_range(HALF // (2 * CHUNK)):
             s = warpgroup_mma_wait(1, deps=[s])
             s = warpgroup_mma(
-                _key_chunk(lo_box, c * CHUNK, a_operand),
-                q_lo.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
+                _key_chunks(lo_box, 2 * c * CHUNK, a_operand),
+                q_lo.slice(2 * c * CHUNK, 2 * CHUNK, dim=1).permute((1, 0)),
                 s,
                 is_async=True,
             )
-        for c in gl.static_range(HALF // CHUNK):
+        for c in gl.static_range(HALF // (2 * CHUNK)):
             s = warpgroup_mma_wait(1, deps=[s])
             s = warpgroup_mma(
-                _key_chunk(hi_box, c * CHUNK, a_operand),
-                q_hi.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
+                _key_chunks(hi_box, 2 * c * CHUNK, a_operand),
+                q_hi.slice(2 * c * CHUNK, 2 * CHUNK, dim=1).permute((1, 0)),
                 s,
                 is_async=True,
             )
