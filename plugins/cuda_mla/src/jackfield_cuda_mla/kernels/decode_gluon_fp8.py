@@ -273,12 +273,7 @@ def _consumer_partition(
     last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
     visible_end = gl.minimum(end, seq_len - q_len + 1) if CAUSAL else end  # keys below: seen by all rows
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_vec)
-    # Row sums: at 16 rows kept per key and thread, added across the warps once after the last
-    # tile (a tile's sum is a reduction through shared memory, with its barriers); at 32 rows the
-    # 16 more registers that takes make ptxas serialize the wgmma, so summed each tile there.
-    SUM_PER_KEY: gl.constexpr = BLOCK_M == 16
     l_keys = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_vec)
     # O^T in quarters of QUARTER dims (a quarter's operand is 32 registers: two fit beside them)
     acc_0 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
     acc_1 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
@@ -344,18 +339,14 @@ def _consumer_partition(
         # where no row's max moved (most, once the maxima settle). The kernel's time follows its
         # instruction count (PERF_NOTES round 8).
         if gl.max((m_i > m_old).to(gl.int32), axis=0) > 0:
-            if SUM_PER_KEY:
-                l_keys = l_keys * alpha[None, :]
-            else:
-                l_i = l_i * alpha
+            l_keys = l_keys * alpha[None, :]
             acc_0 = acc_0 * alpha[None, :]
             acc_1 = acc_1 * alpha[None, :]
             acc_2 = acc_2 * alpha[None, :]
             acc_3 = acc_3 * alpha[None, :]
-        if SUM_PER_KEY:
-            l_keys = l_keys + prob
-        else:
-            l_i = l_i + gl.sum(prob, axis=0)
+        # Row sums kept per key and thread, added across the warps once after the last tile: a
+        # tile's sum would be a reduction through shared memory, with its barriers, every tile.
+        l_keys = l_keys + prob
         p_smem.store((prob * P_SCALE_F16).to(gl.float16))
         fence_async_shared()
         cta_barrier()
@@ -373,8 +364,7 @@ def _consumer_partition(
 
     acc_lo = _join_quarters(acc_0, acc_1, mma)
     acc_hi = _join_quarters(acc_2, acc_3, mma)
-    if SUM_PER_KEY:
-        l_i = gl.sum(l_keys, axis=0)
+    l_i = gl.sum(l_keys, axis=0)
     # Consumer 1's partial goes to the ring slot of its last tile (tile n_tiles - 1 or - 2; a tile
     # SLOTS later would be the only one to reuse that slot, and there is none).
     last_odd = n_tiles - 1 - (n_tiles % 2)
