@@ -5,11 +5,12 @@ what its design rests on.
   from shared memory, so no f16 copy of a tile is stored: 2 consumers x (36 + 32) HGMMA whose first
   source is a register;
 - the keys arrive by 16-byte shared loads (a thread's 16 consecutive dims of a key), the transposed
-  values by 4-byte loads (4 consecutive dims of a key, a quarter of the values at a time), both converted in registers (F2FP e4m3 ->
-  f16) and relabelled into wgmma's A layout there (no shared-memory scratch): no byte or 16-bit
-  loads of a tile; and each element of the A operand, by Triton's own layout, is the one the
-  query's and the output's dimension orders (key_dims, value_dims) expect;
-- QK keeps one chunk's wgmma in flight while the next chunk is loaded (wait 1, not wait 0);
+  values by 4-byte loads (4 consecutive dims of a key, a quarter of the values at a time), both
+  converted in registers (F2FP e4m3 -> f16; a value's bytes paired by key first) and relabelled
+  into wgmma's A layout there (no shared-memory scratch): no byte or 16-bit loads of a tile; and
+  each element of the A operand, by Triton's own layout, is the one the query's and the output's
+  dimension orders (key_dims, value_dims) expect;
+- QK keeps one group's wgmma in flight while the next group is loaded (wait 1, not wait 0);
 - the ring of whole fp8 tiles, the f16 query and two P^T fit 227 KB; three partitions (two
   consumers, the producer warp at its register count).
 """
@@ -47,7 +48,8 @@ def compile_sm90(block_m: int) -> tuple[str, int]:
     """(SASS, shared memory bytes) of the kernel as decode_gluon_fp8.launch_register_operands launches it."""
     constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, SPLITS=1, CAUSAL=True)
     constants["SLOTS"] = regs.ring_tiles(RANK, ROPE, block_m)
-    return few_compile.sm90_sass(regs.mla_decode_fp8_register_operands, True, constants, f"fp8_regs_{block_m}")
+    kernel = regs.mla_decode_fp8_register_operands
+    return few_compile.sm90_sass(kernel, True, constants, f"fp8_regs_{block_m}")
 
 
 def counts(sass: str, shared: int, block_m: int) -> dict:
@@ -97,25 +99,29 @@ def compiled() -> dict:
 
 # Spill instructions as compiled by the Triton releases the kernel was measured with (H200 timings:
 # Triton 3.6), by rows a program; a rise means registers a tile's loop now spills.
-SPILL_CEILING = {16: {(3, 6): 8, (3, 9): 8}, 32: {(3, 6): 170, (3, 9): 370}}
+SPILL_CEILING = {16: {(3, 6): 8, (3, 9): 8}, 32: {(3, 6): 100}}
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_register_operand_kernel_reads_no_f16_tile_and_fits(block_m: int) -> None:
     release = tuple(int(part) for part in triton.__version__.split(".")[:2])
     if block_m == 32 and release != (3, 6):
-        pytest.skip("32 rows compile as timed only under Triton 3.6 (3.9 serializes every wgmma)")
+        pytest.skip("the 32-row compile is pinned only under Triton 3.6, the release timed")
     got = compiled()["counts"][str(block_m)]
     assert got["hgmma"] == 2 * (36 + 32) and got["register_a"] == got["hgmma"], got
     assert got["mma_sync"] == 0 and got["tma"] > 0, got
-    # A consumer's tile: 9 chunks x 2 key rows, 2 value halves x 16 keys; 2 consumers. A relabel
-    # through shared memory instead of registers would add loads of its own (and scratch, below).
-    assert 2 * 9 * 2 <= got["key_loads"] <= 2 * 9 * 2 + 8, got
+    # A consumer's tile: 9 chunks x 2 key rows (+ 2 x 8 where a split's last tile zeroes its stale
+    # keys); 2 consumers. A relabel through shared memory instead of registers would add loads of
+    # its own (and scratch, below).
+    assert 2 * (9 * 2 + 2 * 8) <= got["key_loads"] <= 2 * (9 * 2 + 2 * 8) + 8, got
     # 4 value quarters x 16 keys; 2 consumers (+ the softmax's and the merge's 4-byte reads)
     assert 2 * 4 * 16 <= got["value_loads"] <= 2 * 4 * 16 + 48, got
     assert got["narrow_loads"] <= 1, got  # the one: warp_specialize's own flag, not a tile
     assert got["conversions"] == 2 * (9 * 16 + 2 * 64), got  # two fp8 a conversion
-    assert "wait1" in got["wgmma_order"], got  # QK: a chunk in flight while the next one loads
+    if block_m == 16:
+        assert "wait1" in got["wgmma_order"], got  # QK: a group in flight while the next one loads
+    else:  # ptxas serializes every wgmma of the 32-row kernel (as timed: RESULTS.md cuda_mla round 8)
+        assert got["waits"] == got["hgmma"], got
     slots = regs.ring_tiles(RANK, ROPE, block_m)
     query, p_t, ring = block_m * (RANK + ROPE) * 2, 2 * 64 * block_m * 2, slots * 64 * (RANK + ROPE)
     buffers = query + p_t + ring + (3 * slots + 1) * 8  # + the mbarriers

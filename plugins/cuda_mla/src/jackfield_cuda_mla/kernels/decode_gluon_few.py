@@ -263,7 +263,8 @@ def _softmax_step(
     s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
 ):
     """_softmax_update of _masked_scores."""
-    return _softmax_update(_masked_scores(s, n0, end, row_ok, last_visible, score_scale_log2, CAUSAL, key_vec), m_i)
+    s = _masked_scores(s, n0, end, row_ok, last_visible, score_scale_log2, CAUSAL, key_vec)
+    return _softmax_update(s, m_i)
 
 
 @gluon.jit

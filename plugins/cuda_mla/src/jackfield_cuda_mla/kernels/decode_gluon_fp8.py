@@ -5,16 +5,22 @@ The converter-warpgroup kernel (decode_gluon_few.mla_decode_few_rows_fp8) conver
 one of two f16 tiles (144 KB of the 227) that its consumers then read: a tile's conversion and its
 products are chained through those two buffers, and the ring keeps only 1.5 fp8 tiles in flight
 (H200, B128 H16 S4096: 138.7 us, bf16's 146.7). Here wgmma takes its A operand from registers:
-- QK: S^T = K . Q^T in 64-dimension chunks, A = the chunk of K [64 keys, 64 dims] loaded from the
-  fp8 ring and converted to f16 in registers;
+- QK: S^T = K . Q^T, A = K [64 keys, 128 dims] (the rope: 64) loaded from the fp8 ring and
+  converted to f16 in registers, one group's products in flight while the next is converted;
 - PV: O^T = V^T . P^T a quarter of the values at a time (one quarter's products in flight while
-  the next is loaded), A = V^T [128 dims, 64 keys] loaded from the same ring slot and converted.
+  the next is converted), A = V^T [128 dims, 64 keys] from the same ring slot.
 Both loads read runs of consecutive bytes (16 a key, 4 a value) and are relabelled in registers
-into wgmma's layout (see KEY_CHUNK_LOAD). Shared memory holds the f16 query, one P^T per consumer and a ring of whole fp8 tiles (5 at 16
-rows: 180 KB in flight). A one-warp producer issues the TMA loads into the ring (block-table rows
-read ahead of its waits); two consumer warpgroups take alternate tiles with their own online
-softmax and merge at the end, consumer 1's partial left in the ring slot of its last tile (no
-later tile reuses it).
+into wgmma's layout (see KEY_CHUNK_LOAD). Shared memory holds the f16 query, one P^T per consumer
+and a ring of whole fp8 tiles (5: 180 KB in flight). A one-warp producer issues the TMA loads
+into the ring (block-table rows read ahead of its waits); two consumer warpgroups take alternate
+tiles with their own online softmax and merge at the end, consumer 1's partial left in the ring
+slot of its last tile (no later tile reuses it).
+
+The consumers bound the kernel, and its time follows the instructions a consumer issues a tile
+(H200: ~0.1 us a kernel per instruction of the tile loop; PERF_NOTES round 8): a tile where no
+row's max moved skips the accumulators' rescale, a tile every row sees whole skips the causal and
+length masks, and a split's last tile zeroes its stale keys in the ring once instead of every tile
+masking its value operands.
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
     NUM_WARPS,
     P_SCALE_F16,
     _leave_partial,
-    _merge_partial,
     _masked_scores,
+    _merge_partial,
     _softmax_update,
     _stage_query,
     _tile_row,
@@ -48,7 +54,7 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
 from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_reinterpret, tma_load
 
 ROWS = 32  # query rows a program holds at most (wgmma N: 16, or 32 for H=16 x q_len 2)
-CHUNK = gl.constexpr(64)  # dimensions of K per QK wgmma group (A: 16 registers a thread)
+CHUNK = gl.constexpr(64)  # dimensions of K a relabelled load (QK wgmma groups take two: 32 registers)
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
 CONSUMER_REGS = gl.constexpr(232)  # the worker consumer's registers a thread (setmaxnreg)
@@ -192,10 +198,11 @@ def _values_t(ring_box, d0, a_layout: gl.constexpr):
     """V^T [QUARTER dims from d0, 64 keys] of an fp8 ring box as wgmma's A operand in f16, its dims
     in value_dims order."""
     v = ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD)
+    raw = v.to(gl.uint8, bitcast=True)
     v = gl.inline_asm_elementwise(
-        KEY_PAIRS_TO_F16, "=r,=r,=r,=r,r,r", [v.to(gl.uint8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=8
+        KEY_PAIRS_TO_F16, "=r,=r,=r,=r,r,r", [raw], dtype=gl.float16, is_pure=True, pack=8
     )
-    # A thread's 8 elements (reg bits: dim + 1, dim + 2, key + 1) came back as 4 key pairs of a dim
+    # Each 8 of a thread's elements (dims d .. d + 3 of keys k, k + 1) came back as (dim, key) pairs
     v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N // 2, 2]), (0, 1, 5, 2, 4, 3))
     v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
     return gl.convert_layout(gl.reshape(v, [QUARTER, BLOCK_N]), a_layout)
@@ -297,13 +304,14 @@ def _consumer_partition(
         landed, parity = _ready_barrier(ready, t, SLOTS)
         mbarrier.wait(landed, parity)
         if valid < BLOCK_N:
-            # Ordered before the value loads by the P^T barrier, before the slot's next TMA fill by
-            # the fence and the free barrier; the keys' scores of these keys are masked anyway.
+            # Ordered before the value loads by the P^T barrier, and before the slot's next TMA
+            # fill by the fence and the free barrier. QK may read these keys either way: their
+            # scores are masked.
             _zero_keys_past(lo_box, valid)
             _zero_keys_past(hi_box, valid)
             fence_async_shared()
 
-        # QK, one chunk in flight while the next one is loaded and converted
+        # QK, one group in flight while the next one is loaded and converted
         s = warpgroup_mma(
             _key_chunk(rope_ring.index(slot), 0, a_operand),
             q_pe_buf.index(here).permute((1, 0)),
@@ -336,8 +344,7 @@ def _consumer_partition(
         m_old = m_i
         prob, alpha, m_i = _softmax_update(s, m_i)
         # alpha is exactly 1 in a row whose max stayed: the 72 multiplies by it are skipped on tiles
-        # where no row's max moved (most, once the maxima settle). The kernel's time follows its
-        # instruction count (PERF_NOTES round 8).
+        # where no row's max moved (most, once the maxima settle).
         if gl.max((m_i > m_old).to(gl.int32), axis=0) > 0:
             l_keys = l_keys * alpha[None, :]
             acc_0 = acc_0 * alpha[None, :]
