@@ -179,6 +179,44 @@ def test_operand_loads_hold_what_wgmma_reads_in_the_dimension_orders() -> None:
     assert all(loaded[(value_dims(m), key)] == thread for (m, key), thread in wanted.items())
 
 
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX prmt.b32 in its default mode: byte i of the result is byte (selector >> 4i) & 7 of b:a."""
+    pool = (b << 32 | a).to_bytes(8, "little")
+    return int.from_bytes(bytes(pool[selector >> 4 * i & 7] for i in range(4)), "little")
+
+
+def test_value_bytes_paired_by_key_come_back_where_the_relabel_expects() -> None:
+    """_values_t hands each 8 of a thread's loaded value bytes (dims d .. d + 3 of keys k, k + 1;
+    Triton packs them low byte first into two words) to KEY_PAIRS_TO_F16, whose byte permutes
+    (emulated here by the PTX rule) pair them by key before the conversions (each 16 bits -> an f16
+    pair, low byte first); the permute that follows must undo that order exactly: V^T as the
+    relabel then sees it is V^T as loaded."""
+    asm = regs.KEY_PAIRS_TO_F16.value
+    selectors = [int(x, 16) for x in re.findall(r"prmt\.b32 \w+, \$4, \$5, (0x[0-9a-f]+);", asm)]
+    assert len(selectors) == 2 and asm.count("cvt.rn.f16x2.e4m3x2") == 4
+    words = [int.from_bytes(bytes(range(4 * w, 4 * w + 4)), "little") for w in (0, 1)]
+    returned = [_prmt(*words, selector) >> 8 * i & 0xFF for selector in selectors for i in range(4)]
+    assert sorted(returned) == list(range(8))
+
+    bases = _bases(regs.VALUES_T_LOAD)
+    loaded = torch.arange(128 * 64).reshape(128, 64)  # each element's own (dim, key), flattened
+    after_asm = torch.empty_like(loaded)
+    for lane, warp in itertools.product(range(32), range(4)):
+        held = []  # this thread's elements in register order
+        for reg in range(1 << len(bases["reg"])):
+            row = col = 0
+            for level, index in (("reg", reg), ("lane", lane), ("warp", warp)):
+                for bit, (dr, dc) in enumerate(bases[level]):
+                    if index >> bit & 1:
+                        row, col = row ^ dr, col ^ dc
+            held.append((row, col))
+        for group in range(0, len(held), 8):
+            for out, source in enumerate(returned):
+                after_asm[held[group + out]] = loaded[held[group + source]]
+    undone = after_asm.reshape(4, 8, 2, 2, 32, 2).permute(0, 1, 5, 2, 4, 3).reshape(128, 64)
+    assert torch.equal(undone, loaded)
+
+
 def test_ring_holds_five_whole_fp8_tiles() -> None:
     """16 rows: the f16 query (18 KB) and two P^T (4 KB) leave room for five 36 KB tiles; 32 rows
     (36 + 8 KB) too, with 3 KB to spare."""
