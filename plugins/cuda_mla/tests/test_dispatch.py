@@ -97,8 +97,8 @@ class Recorder:
 def test_few_rows_launch_gets_the_call_and_a_split_plan_of_its_own_tile(
     shapes_only: None, monkeypatch: pytest.MonkeyPatch, fp8: bool, q_len: int
 ) -> None:
-    """bf16 caches and fp8 caches with 32 rows go to launch_few_rows; fp8 caches with 16 rows to the
-    register-operand kernel (decode_gluon_fp8), with the same arguments less the row count."""
+    """bf16 caches go to launch_few_rows; fp8 caches (16 or 32 rows) to the register-operand kernel
+    (decode_gluon_fp8), with the same arguments."""
     launch, register_launch = Recorder(), Recorder()
     monkeypatch.setattr(decode.decode_gluon_few, "launch_few_rows", launch)
     monkeypatch.setattr(decode.decode_gluon_fp8, "launch_register_operands", register_launch)
@@ -115,17 +115,13 @@ def test_few_rows_launch_gets_the_call_and_a_split_plan_of_its_own_tile(
         query, cache, table, seq_lens, qsl, max_query_len=q_len, max_seq_len=seq, sm_scale=0.1,
         kv_lora_rank=RANK, kv_scale=scale, config=default_config(16 * q_len, True, cache.dtype),
     )  # fmt: skip
-    registers = fp8 and q_len == 1
-    used, unused = (register_launch, launch) if registers else (launch, register_launch)
+    used, unused = (register_launch, launch) if fp8 else (launch, register_launch)
     assert unused.calls == []
     ((args, kwargs),) = used.calls
     assert args[0] is query and args[1] is cache and args[2] is table and args[3] is seq_lens
     assert args[4] is qsl and kwargs == {}
-    if registers:
-        part_out, part_lse, stride_os, stride_ls, kv_scale, scale_log2, splits, causal, rank = args[5:]
-    else:
-        part_out, part_lse, stride_os, stride_ls, kv_scale, scale_log2, rows, splits, causal, rank = args[5:]
-        assert rows == 16 * q_len
+    part_out, part_lse, stride_os, stride_ls, kv_scale, scale_log2, rows, splits, causal, rank = args[5:]
+    assert rows == 16 * q_len
     # 4 requests on 132 SMs, one program each: 33 splits wanted, 64-key tiles of 4096 keys allow 16
     tokens = reqs * q_len
     assert splits == 16 and part_out.shape == (tokens, 16, splits, RANK)

@@ -1,5 +1,5 @@
 """The Gluon few-rows decode kernels at full DeepSeek widths on a Hopper GPU: decode_gluon_few.py
-(bf16 caches, and fp8 caches with 17-32 rows a request) and decode_gluon_fp8.py (fp8, <= 16 rows).
+(bf16 caches) and decode_gluon_fp8.py (fp8 caches, <= 32 rows).
 
 Every case checks against the float64 reference with NaN everywhere the kernel must not read or
 leave: the output before the run, cache rows past each seq_len, pages no request uses.
@@ -92,7 +92,7 @@ def run_and_check(batch: dict, causal: bool, num_splits: int | None = None) -> N
 @pytest.fixture
 def gluon_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Names the Gluon kernel each launch went to (so a test knows which kernel it checked):
-    "few rows" (bf16, and fp8 with 32 rows) or "fp8 registers" (fp8 with 16 rows)."""
+    "few rows" (bf16) or "fp8 registers" (fp8)."""
     launches: list[str] = []
     targets = [(decode.decode_gluon_few, "launch_few_rows", "few rows")]
     if decode.decode_gluon_fp8 is not None:
@@ -113,11 +113,12 @@ def hopper() -> bool:
 
 
 def expected_kernel(fp8: bool, rows: int) -> list[str]:
-    """The launches a call must make: none off Hopper; fp8 caches with <= 16 rows on the
-    register-operand kernel, everything else on the few-rows launcher."""
+    """The launches a call must make: none off Hopper; fp8 caches (<= 32 rows) on the
+    register-operand kernel, bf16 on the few-rows launcher."""
     if not hopper():
         return []
-    return ["fp8 registers" if fp8 and rows <= 16 else "few rows"]
+    assert rows <= 32
+    return ["fp8 registers" if fp8 else "few rows"]
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -259,6 +259,7 @@ def mla_decode(
             *partials,
             scale,
             sm_scale * LOG2E,
+            rows_per_group,
             splits,
             causal,
             kv_lora_rank,

@@ -235,21 +235,36 @@ def _stage_query(
 
 
 @gluon.jit
-def _softmax_step(
-    s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
+def _masked_scores(
+    s, n0, end, row_ok, last_visible, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
 ):
-    """Base-2 online softmax over one score tile S^T [keys, rows]: (probabilities, rescale factor,
-    new max, new sum). Keys at or past `end`, and past a row's causal limit, get probability 0."""
+    """Score tile S^T [keys, rows] in base-2 units; keys at or past `end`, and past a row's causal
+    limit, at -inf."""
     pos = n0 + gl.arange(0, BLOCK_N, layout=key_vec)
     visible = (pos < end)[:, None] & row_ok[None, :]
     if CAUSAL:
         visible = visible & (pos[:, None] <= last_visible[None, :])
-    s = gl.where(visible, s * score_scale_log2, float("-inf"))
+    return gl.where(visible, s * score_scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _softmax_update(s, m_i):
+    """Base-2 online softmax over masked scores S^T [keys, rows]: (probabilities, rescale factor,
+    new max); the caller keeps the sums."""
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay 0
     alpha = gl.exp2(m_i - m_safe)
     prob = gl.exp2(s - m_safe[None, :])
-    return prob, alpha, m_new, l_i * alpha + gl.sum(prob, axis=0)
+    return prob, alpha, m_new
+
+
+@gluon.jit
+def _softmax_step(
+    s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL: gl.constexpr, key_vec: gl.constexpr
+):
+    """_softmax_update of _masked_scores."""
+    s = _masked_scores(s, n0, end, row_ok, last_visible, score_scale_log2, CAUSAL, key_vec)
+    return _softmax_update(s, m_i)
 
 
 @gluon.jit
@@ -281,9 +296,8 @@ def _attend_tile(
     s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
-    prob, alpha, m_i, l_i = _softmax_step(
-        s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
-    )
+    prob, alpha, m_i = _softmax_step(s, n0, end, row_ok, last_visible, m_i, score_scale_log2, CAUSAL, key_vec)
+    l_i = l_i * alpha + gl.sum(prob, axis=0)
     acc_lo = acc_lo * alpha[None, :]
     acc_hi = acc_hi * alpha[None, :]
     p_smem.store((prob * P_SCALE).to(p_smem.dtype))
@@ -709,8 +723,8 @@ def _partial_buffers(
 def _leave_partial(lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready):
     """Consumer 1's online-softmax state (O^T halves, row max, row sum) left in shared memory for
     consumer 0."""
-    lo_smem.store(acc_lo)
-    hi_smem.store(acc_hi)
+    lo_smem.store(acc_lo.to(lo_smem.dtype))  # f32, or bf16 where f32 does not fit
+    hi_smem.store(acc_hi.to(hi_smem.dtype))
     m_smem.store(m_i)
     l_smem.store(l_i)
     cta_barrier()  # every warp's stores before the one arriving thread's release
@@ -730,8 +744,8 @@ def _merge_partial(
     alpha = gl.exp2(m_i - m_safe)
     alpha_other = gl.exp2(m_other - m_safe)
     l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
-    acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma) * alpha_other[None, :]
-    acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma) * alpha_other[None, :]
+    acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma).to(gl.float32) * alpha_other[None, :]
+    acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma).to(gl.float32) * alpha_other[None, :]
     return acc_lo, acc_hi, m_new, l_i
 
 

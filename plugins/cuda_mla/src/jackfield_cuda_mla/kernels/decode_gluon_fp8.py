@@ -1,20 +1,26 @@
-"""fp8 cache, <= 16 rows a request, on Hopper: the keys and values reach the tensor cores from
+"""fp8 cache, <= 32 rows a request, on Hopper: the keys and values reach the tensor cores from
 registers, converted there, so no f16 copy of a tile ever sits in shared memory.
 
 The converter-warpgroup kernel (decode_gluon_few.mla_decode_few_rows_fp8) converts each tile into
 one of two f16 tiles (144 KB of the 227) that its consumers then read: a tile's conversion and its
 products are chained through those two buffers, and the ring keeps only 1.5 fp8 tiles in flight
 (H200, B128 H16 S4096: 138.7 us, bf16's 146.7). Here wgmma takes its A operand from registers:
-- QK: S^T = K . Q^T in 64-dimension chunks, A = the chunk of K [64 keys, 64 dims] loaded from the
-  fp8 ring and converted to f16 in registers;
-- PV: O^T = V^T . P^T a value half at a time, A = V^T [256 dims, 64 keys] loaded from the same
-  ring slot and converted.
-Both loads read runs of consecutive bytes (16 a key, 8 a value) and are relabelled in registers
+- QK: S^T = K . Q^T, A = K [64 keys, 128 dims] (the rope: 64) loaded from the fp8 ring and
+  converted to f16 in registers, one group's products in flight while the next is converted;
+- PV: O^T = V^T . P^T a quarter of the values at a time (one quarter's products in flight while
+  the next is converted), A = V^T [128 dims, 64 keys] from the same ring slot.
+Both loads read runs of consecutive bytes (16 a key, 4 a value) and are relabelled in registers
 into wgmma's layout (see KEY_CHUNK_LOAD). Shared memory holds the f16 query, one P^T per consumer
-and a ring of whole fp8 tiles (5 at 16 rows: 180 KB in flight). A one-warp producer issues the
-TMA loads into the ring (block-table rows read ahead of its waits); two consumer warpgroups take
-alternate tiles with their own online softmax and merge at the end, consumer 1's partial left in
-the ring slot of its last tile (no later tile reuses it).
+and a ring of whole fp8 tiles (5: 180 KB in flight). A one-warp producer issues the TMA loads
+into the ring (block-table rows read ahead of its waits); two consumer warpgroups take alternate
+tiles with their own online softmax and merge at the end, consumer 1's partial left in the ring
+slot of its last tile (no later tile reuses it).
+
+The consumers bound the kernel, and its time follows the instructions a consumer issues a tile
+(H200: ~0.1 us a kernel per instruction of the tile loop; PERF_NOTES round 8): a tile where no
+row's max moved skips the accumulators' rescale, a tile every row sees whole skips the causal and
+length masks, and a split's last tile zeroes its stale keys in the ring once instead of every tile
+masking its value operands.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
     NUM_WARPS,
     P_SCALE_F16,
     _leave_partial,
+    _masked_scores,
     _merge_partial,
-    _softmax_step,
+    _softmax_update,
     _stage_query,
     _tile_row,
     _write_output,
@@ -46,8 +53,8 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
 )
 from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_reinterpret, tma_load
 
-ROWS = 16  # query rows a program holds (wgmma N): H=16 x q_len 1
-CHUNK = gl.constexpr(64)  # dimensions of K per QK wgmma group (A: 16 registers a thread)
+ROWS = 32  # query rows a program holds at most (wgmma N: 16, or 32 for H=16 x q_len 2)
+CHUNK = gl.constexpr(64)  # dimensions of K a relabelled load (QK wgmma groups take two: 32 registers)
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
 CONSUMER_REGS = gl.constexpr(232)  # the worker consumer's registers a thread (setmaxnreg)
@@ -115,16 +122,36 @@ KEY_CHUNK_LOAD: gl.constexpr = gl.DistributedLinearLayout(
     block_bases=[],
     shape=[64, 64],
 )
-# A value half's V^T [256 dims, 64 keys] as loaded: warp w, lane 4l + c holds dims 64w + 8l .. + 7
-# (one 8-byte load a key) of keys 2c + {0, 1} + 8j. Dim 64w + 8l + 2t + h is the product's output
-# row 64t + 16w + 8h + l: M-tile t, warp w, half h, lane l.
+# A quarter of the values' V^T [128 dims, 64 keys] as loaded: warp w, lane 4l + c holds dims
+# 32w + 4l .. + 3 (one 4-byte load a key) of keys 2c + {0, 1} + 8j. Dim 32w + 4l + 2t + h is the
+# product's output row 64t + 16w + 8h + l: M-tile t, warp w, half h, lane l.
+QUARTER = gl.constexpr(128)
 VALUES_T_LOAD: gl.constexpr = gl.DistributedLinearLayout(
-    reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8], [0, 16], [0, 32]],
-    lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]],
-    warp_bases=[[64, 0], [128, 0]],
+    reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8], [0, 16], [0, 32]],
+    lane_bases=[[0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
+    warp_bases=[[32, 0], [64, 0]],
     block_bases=[],
-    shape=[256, 64],
+    shape=[128, 64],
 )
+
+
+# Two keys' 4 consecutive dims (a word each) -> the 4 dims' (key, next key) f16 pairs: the bytes are
+# paired by two byte permutes before the conversion (pairing the converted halves after it takes a
+# permute per register).
+KEY_PAIRS_TO_F16 = gl.constexpr("""
+{
+.reg .b32 lo, hi;
+.reg .b16 d0, d1, d2, d3;
+prmt.b32 lo, $4, $5, 0x5140;
+prmt.b32 hi, $4, $5, 0x7362;
+mov.b32 {d0, d1}, lo;
+mov.b32 {d2, d3}, hi;
+cvt.rn.f16x2.e4m3x2 $0, d0;
+cvt.rn.f16x2.e4m3x2 $1, d1;
+cvt.rn.f16x2.e4m3x2 $2, d2;
+cvt.rn.f16x2.e4m3x2 $3, d3;
+}
+""")
 
 
 @gluon.jit
@@ -136,33 +163,67 @@ def key_dims(k):
 
 @gluon.jit
 def value_dims(m):
-    """The output column of PV's accumulator row m (within a value half)."""
-    return 64 * ((m // 16) % 4) + 8 * (m % 8) + 2 * (m // 64) + (m // 8) % 2
+    """The output column of PV's accumulator row m (within a value half: two quarters)."""
+    i = m % 128
+    return m - i + 32 * ((i // 16) % 4) + 4 * (i % 8) + 2 * (i // 64) + (i // 8) % 2
+
+
+@gluon.jit
+def _key_dims_loaded(ring_box, col0):
+    """K [64 keys, CHUNK dims] from an fp8 ring box in f16, its dims in key_dims order (the layout
+    a relabel of KEY_CHUNK_LOAD). Keys past the end of the split may hold anything, NaN included:
+    the softmax sets their scores to -inf."""
+    k = ring_box.slice(col0, CHUNK, dim=1).load(KEY_CHUNK_LOAD).to(gl.float16)
+    k = gl.permute(gl.reshape(k, [BLOCK_N, 4, 4, 2, 2]), (0, 2, 3, 1, 4))  # [keys, c, s, h, e] -> s, h, c, e
+    return gl.reshape(k, [BLOCK_N, CHUNK])
 
 
 @gluon.jit
 def _key_chunk(ring_box, col0, a_layout: gl.constexpr):
-    """K [64 keys, CHUNK dims] from an fp8 ring box as wgmma's A operand in f16, its dims in
-    key_dims order. Keys past the end of the split may hold anything, NaN included: the softmax
-    sets their scores to -inf."""
-    k = ring_box.slice(col0, CHUNK, dim=1).load(KEY_CHUNK_LOAD).to(gl.float16)
-    k = gl.permute(gl.reshape(k, [BLOCK_N, 4, 4, 2, 2]), (0, 2, 3, 1, 4))  # [keys, c, s, h, e] -> s, h, c, e
-    return gl.convert_layout(gl.reshape(k, [BLOCK_N, CHUNK]), a_layout)
+    """K [64 keys, CHUNK dims] as wgmma's A operand."""
+    return gl.convert_layout(_key_dims_loaded(ring_box, col0), a_layout)
 
 
 @gluon.jit
-def _values_t(ring_box, valid, a_layout: gl.constexpr):
-    """V^T [HALF dims, 64 keys] of one value half from an fp8 ring box as wgmma's A operand in f16,
-    its dims in value_dims order; keys >= valid zeroed (their probabilities are 0, but 0 x NaN is
-    NaN)."""
-    HALF: gl.constexpr = ring_box.shape[1]
-    v = ring_box.permute((1, 0)).load(VALUES_T_LOAD).to(gl.float16)
-    v = gl.permute(gl.reshape(v, [4, 8, 4, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
-    v = gl.convert_layout(gl.reshape(v, [HALF, BLOCK_N]), a_layout)
-    if valid < BLOCK_N:
-        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, a_layout))
-        v = gl.where((keys < valid)[None, :], v, gl.zeros_like(v))
-    return v
+def _key_chunks(ring_box, col0, a_layout: gl.constexpr):
+    """K [64 keys, 2 CHUNK dims] as wgmma's A operand: two chunks a wgmma group halves the
+    descriptor arithmetic and the waits a tile."""
+    both = gl.join(_key_dims_loaded(ring_box, col0), _key_dims_loaded(ring_box, col0 + CHUNK))
+    both = gl.reshape(gl.permute(both, (0, 2, 1)), [BLOCK_N, 2 * CHUNK])
+    return gl.convert_layout(both, a_layout)
+
+
+@gluon.jit
+def _values_t(ring_box, d0, a_layout: gl.constexpr):
+    """V^T [QUARTER dims from d0, 64 keys] of an fp8 ring box as wgmma's A operand in f16, its dims
+    in value_dims order."""
+    v = ring_box.slice(d0, QUARTER, dim=1).permute((1, 0)).load(VALUES_T_LOAD)
+    raw = v.to(gl.uint8, bitcast=True)
+    v = gl.inline_asm_elementwise(
+        KEY_PAIRS_TO_F16, "=r,=r,=r,=r,r,r", [raw], dtype=gl.float16, is_pure=True, pack=8
+    )
+    # Each 8 of a thread's elements (dims d .. d + 3 of keys k, k + 1) came back as (dim, key) pairs
+    v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N // 2, 2]), (0, 1, 5, 2, 4, 3))
+    v = gl.permute(gl.reshape(v, [4, 8, 2, 2, BLOCK_N]), (2, 0, 3, 1, 4))  # [w, l, t, h] -> t, w, h, l
+    return gl.convert_layout(gl.reshape(v, [QUARTER, BLOCK_N]), a_layout)
+
+
+@gluon.jit
+def _zero_keys_past(box, valid):
+    """Keys >= valid of a ring box zeroed, in place (a split's last tile): their probabilities are 0,
+    but the stale cache rows they come from may hold NaN bytes, and 0 x NaN is NaN. Zeroing them
+    once here spares every tile the masking of its value operands."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    tile = box.load(layout)
+    box.store(gl.where((keys < valid)[:, None], tile, gl.zeros_like(tile)))
+
+
+@gluon.jit
+def _join_quarters(first, second, mma: gl.constexpr):
+    """Two [QUARTER, rows] accumulators as one [2 QUARTER, rows] (second's rows after first's)."""
+    both = gl.permute(gl.join(first, second), (2, 0, 1))  # [2, QUARTER, rows]
+    return gl.convert_layout(gl.reshape(both, [2 * QUARTER, first.shape[1]]), mma)
 
 
 @gluon.jit
@@ -217,10 +278,14 @@ def _consumer_partition(
     rows = gl.arange(0, BLOCK_M, layout=row_vec)
     row_ok = rows < q_len * num_heads
     last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
+    visible_end = gl.minimum(end, seq_len - q_len + 1) if CAUSAL else end  # keys below: seen by all rows
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_vec)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_vec)
-    acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
-    acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
+    l_keys = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    # O^T in quarters of QUARTER dims (a quarter's operand is 32 registers: two fit beside them)
+    acc_0 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
+    acc_1 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
+    acc_2 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
+    acc_3 = gl.zeros([QUARTER, BLOCK_M], gl.float32, layout=mma)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
 
     for i in range((n_tiles + 1 - CONSUMER) // 2):
@@ -238,8 +303,15 @@ def _consumer_partition(
         p_smem = p_buf.index(CONSUMER + here)
         landed, parity = _ready_barrier(ready, t, SLOTS)
         mbarrier.wait(landed, parity)
+        if valid < BLOCK_N:
+            # Ordered before the value loads by the P^T barrier, and before the slot's next TMA
+            # fill by the fence and the free barrier. QK may read these keys either way: their
+            # scores are masked.
+            _zero_keys_past(lo_box, valid)
+            _zero_keys_past(hi_box, valid)
+            fence_async_shared()
 
-        # QK, one chunk in flight while the next one is loaded and converted
+        # QK, one group in flight while the next one is loaded and converted
         s = warpgroup_mma(
             _key_chunk(rope_ring.index(slot), 0, a_operand),
             q_pe_buf.index(here).permute((1, 0)),
@@ -247,50 +319,78 @@ def _consumer_partition(
             use_acc=False,
             is_async=True,
         )
-        for c in gl.static_range(HALF // CHUNK):
+        for c in gl.static_range(HALF // (2 * CHUNK)):
             s = warpgroup_mma_wait(1, deps=[s])
             s = warpgroup_mma(
-                _key_chunk(lo_box, c * CHUNK, a_operand),
-                q_lo.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
+                _key_chunks(lo_box, 2 * c * CHUNK, a_operand),
+                q_lo.slice(2 * c * CHUNK, 2 * CHUNK, dim=1).permute((1, 0)),
                 s,
                 is_async=True,
             )
-        for c in gl.static_range(HALF // CHUNK):
+        for c in gl.static_range(HALF // (2 * CHUNK)):
             s = warpgroup_mma_wait(1, deps=[s])
             s = warpgroup_mma(
-                _key_chunk(hi_box, c * CHUNK, a_operand),
-                q_hi.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)),
+                _key_chunks(hi_box, 2 * c * CHUNK, a_operand),
+                q_hi.slice(2 * c * CHUNK, 2 * CHUNK, dim=1).permute((1, 0)),
                 s,
                 is_async=True,
             )
         s = warpgroup_mma_wait(0, deps=[s])
 
-        prob, alpha, m_i, l_i = _softmax_step(
-            s, n0, end, row_ok, last_visible, m_i, l_i, score_scale_log2, CAUSAL, key_vec
-        )
-        acc_lo = acc_lo * alpha[None, :]
-        acc_hi = acc_hi * alpha[None, :]
+        if n0 + BLOCK_N <= visible_end:  # every key of the tile visible to every row
+            s = gl.where(row_ok[None, :], s * score_scale_log2, float("-inf"))
+        else:
+            s = _masked_scores(s, n0, end, row_ok, last_visible, score_scale_log2, CAUSAL, key_vec)
+        m_old = m_i
+        prob, alpha, m_i = _softmax_update(s, m_i)
+        # alpha is exactly 1 in a row whose max stayed: the 72 multiplies by it are skipped on tiles
+        # where no row's max moved (most, once the maxima settle).
+        if gl.max((m_i > m_old).to(gl.int32), axis=0) > 0:
+            l_keys = l_keys * alpha[None, :]
+            acc_0 = acc_0 * alpha[None, :]
+            acc_1 = acc_1 * alpha[None, :]
+            acc_2 = acc_2 * alpha[None, :]
+            acc_3 = acc_3 * alpha[None, :]
+        # Row sums kept per key and thread, added across the warps once after the last tile: a
+        # tile's sum would be a reduction through shared memory, with its barriers, every tile.
+        l_keys = l_keys + prob
         p_smem.store((prob * P_SCALE_F16).to(gl.float16))
         fence_async_shared()
         cta_barrier()
-        pv_lo = warpgroup_mma(_values_t(lo_box, valid, a_operand), p_smem, acc_lo, is_async=True)
-        pv_hi = warpgroup_mma(_values_t(hi_box, valid, a_operand), p_smem, acc_hi, is_async=True)
-        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=[pv_lo, pv_hi])
+        # A quarter's products in flight while the next quarter is loaded and converted
+        acc_0 = warpgroup_mma(_values_t(lo_box, 0, a_operand), p_smem, acc_0, is_async=True)
+        acc_1 = warpgroup_mma(_values_t(lo_box, QUARTER, a_operand), p_smem, acc_1, is_async=True)
+        acc_0 = warpgroup_mma_wait(1, deps=[acc_0])
+        acc_2 = warpgroup_mma(_values_t(hi_box, 0, a_operand), p_smem, acc_2, is_async=True)
+        acc_1 = warpgroup_mma_wait(1, deps=[acc_1])
+        acc_3 = warpgroup_mma(_values_t(hi_box, QUARTER, a_operand), p_smem, acc_3, is_async=True)
+        acc_2, acc_3 = warpgroup_mma_wait(0, deps=[acc_2, acc_3])
         # Every warp's reads of the slot (and of P^T) are done before the one arriving thread frees it.
         cta_barrier()
         mbarrier.arrive(free.index(slot), count=1)
 
+    acc_lo = _join_quarters(acc_0, acc_1, mma)
+    acc_hi = _join_quarters(acc_2, acc_3, mma)
+    l_i = gl.sum(l_keys, axis=0)
     # Consumer 1's partial goes to the ring slot of its last tile (tile n_tiles - 1 or - 2; a tile
     # SLOTS later would be the only one to reuse that slot, and there is none).
     last_odd = n_tiles - 1 - (n_tiles % 2)
     merge_slot = last_odd % SLOTS
     acc_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     vec_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    PER_BOX: gl.constexpr = BLOCK_N * HALF // (HALF * BLOCK_M * 4)  # f32 [HALF, BLOCK_M] per fp8 box
+    # A value half's partial [HALF, BLOCK_M] in one fp8 box (BLOCK_N x HALF bytes): f32 where it
+    # fits (16 rows), else bf16 (32 rows; the output is bf16 too, and bf16 has f32's range)
+    if BLOCK_M * 4 <= BLOCK_N:
+        PARTIAL: gl.constexpr = gl.float32
+        PARTIAL_BYTES: gl.constexpr = 4
+    else:
+        PARTIAL: gl.constexpr = gl.bfloat16
+        PARTIAL_BYTES: gl.constexpr = 2
+    PER_BOX: gl.constexpr = BLOCK_N * HALF // (HALF * BLOCK_M * PARTIAL_BYTES)
     VEC_PER_BOX: gl.constexpr = BLOCK_N * ROPE // (BLOCK_M * 4)
     n_boxes: gl.constexpr = nope_ring.shape[0]
     n_rope: gl.constexpr = rope_ring.shape[0]
-    accs = smem_reinterpret(nope_ring, gl.float32, [n_boxes * PER_BOX, HALF, BLOCK_M], acc_smem_layout)
+    accs = smem_reinterpret(nope_ring, PARTIAL, [n_boxes * PER_BOX, HALF, BLOCK_M], acc_smem_layout)
     vecs = smem_reinterpret(rope_ring, gl.float32, [n_rope * VEC_PER_BOX, BLOCK_M], vec_smem_layout)
     lo_smem = accs.index(2 * merge_slot * PER_BOX)
     hi_smem = accs.index((2 * merge_slot + 1) * PER_BOX)
@@ -360,7 +460,7 @@ def mla_decode_fp8_register_operands(
     CAUSAL: gl.constexpr,
     SLOTS: gl.constexpr,
 ):
-    """fp8 cache, <= 16 rows: a producer warp and two consumer warpgroups over a ring of fp8 tiles."""
+    """fp8 cache, <= 32 rows: a producer warp and two consumer warpgroups over a ring of fp8 tiles."""
     HALF: gl.constexpr = RANK // 2
     gl.static_assert(HALF == 256 and ROPE == CHUNK, "the operand loads are laid out for DeepSeek's 512 + 64")
     req = gl.program_id(0)
@@ -477,10 +577,15 @@ def mla_decode_fp8_register_operands(
     mbarrier.invalidate(partial_ready)
 
 
+def block_rows(rows_per_group: int) -> int:
+    """wgmma's N for this many query rows a request: 16, else 32."""
+    return 16 if rows_per_group <= 16 else ROWS
+
+
 @functools.cache
-def ring_tiles(rank: int, rope: int) -> int:
-    """Whole fp8 tiles the ring holds next to the f16 query and two P^T (16 rows)."""
-    fixed = ROWS * (rank + rope) * 2 + 2 * BLOCK_N.value * ROWS * 2
+def ring_tiles(rank: int, rope: int, block_m: int) -> int:
+    """Whole fp8 tiles the ring holds next to the f16 query and two P^T of block_m rows."""
+    fixed = block_m * (rank + rope) * 2 + 2 * BLOCK_N.value * block_m * 2
     return (SMEM_BYTES - fixed) // (BLOCK_N.value * (rank + rope))
 
 
@@ -496,12 +601,14 @@ def launch_register_operands(
     stride_ls: int,
     kv_scale: torch.Tensor,
     sm_scale_log2: float,
+    rows_per_group: int,
     splits: int,
     causal: bool,
     kv_lora_rank: int,
 ) -> None:
     """Stage 1 over (request, split) for an fp8 cache and <= ROWS rows a request."""
     page, width = kv_cache.shape[1], kv_cache.shape[2]
+    block_m = block_rows(rows_per_group)
     grid, kernel_args = few_rows_arguments(
         query,
         kv_cache,
@@ -522,11 +629,11 @@ def launch_register_operands(
         kv_scale,
         RANK=kv_lora_rank,
         ROPE=width - kv_lora_rank,
-        BLOCK_M=ROWS,
+        BLOCK_M=block_m,
         PAGE=page,
         SPLITS=splits,
         CAUSAL=causal,
-        SLOTS=ring_tiles(kv_lora_rank, width - kv_lora_rank),
+        SLOTS=ring_tiles(kv_lora_rank, width - kv_lora_rank, block_m),
         num_warps=NUM_WARPS,
     )
 
