@@ -407,7 +407,8 @@ def _consumer_partition(
     acc_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     vec_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # A value half's partial [HALF, BLOCK_M] in one fp8 box (BLOCK_N x HALF bytes): f32 where it
-    # fits (16 rows), else bf16 (32 rows; the output is bf16 too, and bf16 has f32's range)
+    # fits (16 rows), else bf16 (32 rows: f32's range, and consumer 1's share of the sum rounded by
+    # up to 2^-9, about what the bf16 output's own rounding adds; f32 split partials keep it)
     if BLOCK_M * 4 <= BLOCK_N:
         PARTIAL: gl.constexpr = gl.float32
         PARTIAL_BYTES: gl.constexpr = 4
