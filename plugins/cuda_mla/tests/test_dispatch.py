@@ -80,6 +80,18 @@ def test_default_configs_pick_the_kernel_that_serves_the_call(shapes_only: None)
     assert choice(128, 1, bf16, bf16, sparse=True) == "triton"
 
 
+@needs_gluon
+def test_fp8_without_its_gluon_kernel_takes_the_triton_kernel(
+    shapes_only: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Triton that builds the bf16 Gluon kernels but not the fp8 one: fp8 caches go to the tl
+    kernel (no other kernel reads fp8 tiles), bf16 caches still to Gluon."""
+    monkeypatch.setattr(decode, "decode_gluon_fp8", None)
+    assert choice(16, 1, torch.bfloat16, FP8) == "triton"
+    assert choice(16, 2, torch.bfloat16, FP8) == "triton"
+    assert choice(16, 1, torch.bfloat16, torch.bfloat16) == "gluon_few"
+
+
 class Recorder:
     """Stands in for a launcher: records its arguments."""
 
@@ -120,7 +132,9 @@ def test_few_rows_launch_gets_the_call_and_a_split_plan_of_its_own_tile(
     ((args, kwargs),) = used.calls
     assert args[0] is query and args[1] is cache and args[2] is table and args[3] is seq_lens
     assert args[4] is qsl and kwargs == {}
-    part_out, part_lse, stride_os, stride_ls, kv_scale, scale_log2, rows, splits, causal, rank = args[5:]
+    rest = list(args[5:])
+    kv_scale = rest.pop(4) if fp8 else None  # the register kernel's fifth argument after qsl
+    part_out, part_lse, stride_os, stride_ls, scale_log2, rows, splits, causal, rank = rest
     assert rows == 16 * q_len
     # 4 requests on 132 SMs, one program each: 33 splits wanted, 64-key tiles of 4096 keys allow 16
     tokens = reqs * q_len
@@ -128,7 +142,7 @@ def test_few_rows_launch_gets_the_call_and_a_split_plan_of_its_own_tile(
     assert part_lse.shape == (tokens, 16, splits)
     assert (stride_os, stride_ls) == (part_out.stride(2), part_lse.stride(2))
     assert causal and rank == RANK and scale_log2 == pytest.approx(0.1 * decode.LOG2E)
-    assert kv_scale is scale or not fp8  # bf16: a dummy the kernel never reads
+    assert kv_scale is scale
 
 
 @needs_gluon

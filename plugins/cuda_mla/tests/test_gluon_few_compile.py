@@ -2,12 +2,12 @@
 
 - wgmma (HGMMA), not mma.sync, and not serialized: ptxas puts a wait after every wgmma when an
   accumulator register may be written while one is in flight (a few waits per tile are expected:
-  QK, then each PV half); the fp8 kernel's two consumers each wait once for QK and once for PV;
+  QK, then each PV half);
 - no local-memory spills at 16 rows (the H=16, q_len 1 case), where 40 hoisted wgmma descriptors
   once spilled;
-- TMA loads (UTMALDG), the shared-memory plan within the 227 KB a Hopper program may use;
-- the fp8 converter reads the block table ahead of its mbarrier waits (a read between a wait and
-  the TMA issue it feeds kept the ring a unit short for one L2/DRAM round trip per refill).
+- TMA loads (UTMALDG), the shared-memory plan within the 227 KB a Hopper program may use.
+The fp8 cache's kernel (decode_gluon_fp8.py) has its own compile test, which shares sm90_sass and
+count.
 """
 
 from __future__ import annotations
@@ -83,23 +83,21 @@ def sm90_sass(kernel, fp8: bool, constants: dict, tag: str) -> tuple[str, int]:
     return sass, compiled.metadata.shared
 
 
-def compile_sm90(fp8: bool, block_m: int) -> tuple[str, int]:
-    """(SASS, shared memory bytes) of the kernel as decode.py launches it (fp8: the kernel with a
-    converter warpgroup)."""
-    nope_slots, rope_slots = few.ring_slots(block_m, RANK, ROPE, 1 if fp8 else 2)
+def compile_sm90(block_m: int) -> tuple[str, int]:
+    """(SASS, shared memory bytes) of the bf16 kernel as decode.py launches it."""
+    nope_slots, rope_slots = few.ring_slots(block_m, RANK, ROPE)
     constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, SPLITS=1, CAUSAL=True)
     constants.update(NOPE_SLOTS=nope_slots, ROPE_SLOTS=rope_slots)
-    kernel = few.mla_decode_few_rows_fp8 if fp8 else few.mla_decode_few_rows
-    return sm90_sass(kernel, fp8, constants, f"few_{int(fp8)}_{block_m}")
+    return sm90_sass(few.mla_decode_few_rows, False, constants, f"few_{block_m}")
 
 
-def compiled_counts(fp8: bool, block_m: int) -> dict:
+def compiled_counts(block_m: int) -> dict:
     """SASS counts, compiled in a fresh process: interpreter tests (TRITON_INTERPRET=1) patch
     Triton's language in-process, which breaks a real compile afterwards."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     done = subprocess.run(
-        [sys.executable, __file__, str(int(fp8)), str(block_m)],
+        [sys.executable, __file__, str(block_m)],
         env=env,
         capture_output=True,
         text=True,
@@ -122,31 +120,6 @@ def wgmma_order(sass: str) -> str:
     return " ".join(event if event.startswith("wait") else f"{event}{n}" for event, n in runs)
 
 
-def converter_table_reads(sass: str, converter_regs: int) -> list[int]:
-    """Block-table reads (the 32-bit LDG; the query loads are 16-bit) of the converter partition, the
-    code from its register give-back (setmaxnreg.dec to its count) to the end of the partition:
-    [before its first mbarrier wait, after it]. The wait's retry loop lies past the kernel's exit."""
-    reads, waited, inside = [0, 0], False, False
-    for line in sass.splitlines():
-        if f"USETMAXREG.DEALLOC.CTAPOOL {converter_regs:#x} " in line:
-            inside = True
-        elif inside and re.search(r"\b(USETMAXREG\.TRY_ALLOC|EXIT)\b", line):
-            break
-        elif inside and "SYNCS.PHASECHK" in line:
-            waited = True
-        elif inside and re.search(r"\bLDG\.E ", line):
-            reads[waited] += 1
-    return reads
-
-
-def converter_regs(block_m: int) -> int:
-    return (few.CONVERTER_REGS_16 if block_m == 16 else few.CONVERTER_REGS_32).value
-
-
-def consumer_regs(block_m: int) -> int:
-    return (few.CONSUMER_REGS_16 if block_m == 16 else few.CONSUMER_REGS_32).value
-
-
 def count(sass: str, shared: int, block_m: int) -> dict:
     return dict(
         hgmma=len(re.findall(rf"\bHGMMA\.64x{block_m}x16\.F32(\.BF16)? ", sass)),  # bf16 or f16 operands
@@ -161,7 +134,6 @@ def count(sass: str, shared: int, block_m: int) -> dict:
         regs_given_back=sorted(set(re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", sass))),
         regs_taken=sorted(set(re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, (0x[0-9a-f]+)", sass))),
         warpgroup_barriers=sorted(set(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+), 0x80 ", sass))),
-        converter_table_reads=converter_table_reads(sass, converter_regs(block_m)),
     )
 
 
@@ -169,41 +141,17 @@ def count(sass: str, shared: int, block_m: int) -> dict:
 def test_bf16_kernel_uses_unserialized_wgmma_and_no_spills(block_m: int) -> None:
     """16 rows (H=16, q_len 1) and 32 (q_len 2): QK 576 / 16 k-steps, PV 2 halves x 4 M-blocks of
     64 x 4 k-steps, all wgmma, a few waits a tile, no spills, within 227 KB of shared memory."""
-    got = compiled_counts(False, block_m)
+    got = compiled_counts(block_m)
     assert got["hgmma"] == 36 + 32 and got["waits"] <= 8, f"wgmma serialized: {got}"
     assert got["mma_sync"] == 0 and got["tma"] > 0, got
     assert got["spills"] == 0 or block_m == 32, got  # 32 rows: twice the accumulator, a few tolerated
     assert got["shared"] <= 227 * 1024, got
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_fp8_kernel_is_warp_specialized_unserialized_and_fits(block_m: int) -> None:
-    """The fp8 kernel: two consumer warpgroups, each QK (waited) then PV (waited) per tile; no
-    spills at 16 rows (32: twice the accumulator in each consumer, some tolerated), two f16 tiles,
-    two P^T and the fp8 ring within 227 KB, and the partitions there: the converter and the worker
-    consumer at their register counts, a 128-thread barrier each. The converter's block-table
-    reads (the fill's and each iteration's) all come before its first mbarrier wait in program
-    order, so none sits between a wait and the TMA issue it feeds."""
-    got = compiled_counts(True, block_m)
-    assert got["hgmma"] == 2 * (36 + 32) and got["waits"] == 4, f"wgmma serialized: {got}"
-    assert got["wgmma_order"] == "QK36 wait0 PV32 wait0 QK36 wait0 PV32 wait0", got
-    assert got["mma_sync"] == 0 and got["tma"] > 0, got
-    assert got["spills"] == 0 or block_m == 32, got
-    assert got["shared"] <= 227 * 1024, got
-    assert hex(converter_regs(block_m)) in got["regs_given_back"], got
-    assert hex(consumer_regs(block_m)) in got["regs_taken"], got
-    assert len(got["warpgroup_barriers"]) == 3, got
-    before_wait, after_wait = got["converter_table_reads"]
-    assert before_wait > 0 and after_wait == 0, got
-
-
 def test_ring_plan() -> None:
-    """Value halves: 5 (bf16) at 16 and 32 rows; next to the two converted f16 tiles and the second
-    P^T (fp8), 3 at 16 rows and 2 at 32; a rope slot for every tile the ring can hold."""
-    assert few.ring_slots(16, RANK, ROPE, 2) == (5, 3)
-    assert few.ring_slots(32, RANK, ROPE, 2) == (5, 3)
-    assert few.ring_slots(16, RANK, ROPE, 1) == (3, 2)
-    assert few.ring_slots(32, RANK, ROPE, 1) == (2, 1)
+    """Value halves: 5 at 16 and 32 rows; a rope slot for every tile the ring can hold."""
+    assert few.ring_slots(16, RANK, ROPE) == (5, 3)
+    assert few.ring_slots(32, RANK, ROPE) == (5, 3)
 
 
 def test_shapes_the_gluon_kernel_takes_and_leaves_to_triton() -> None:
@@ -233,49 +181,24 @@ class RecordedLaunch:
         self.launches.append((grid, args, kwargs))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, few.FP8])
 @pytest.mark.parametrize("heads", [16, 32])
-def test_launcher_picks_the_kernel_and_ring_by_cache_dtype(
-    cache_dtype: torch.dtype, heads: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bf16 caches go to the one-warpgroup kernel, fp8 to the converter kernel (with kv_scale), each
-    with the ring that fits its shared memory."""
-    bf16_kernel, fp8_kernel = RecordedLaunch(), RecordedLaunch()
-    monkeypatch.setattr(few, "_launch_bf16", bf16_kernel)
-    monkeypatch.setattr(few, "_launch_fp8", fp8_kernel)
+def test_launcher_plans_rows_and_ring(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 call goes to the kernel with wgmma N of 16 or 32 rows and the ring that fits."""
+    kernel = RecordedLaunch()
+    monkeypatch.setattr(few, "_launch", kernel)
     query = torch.randn(3, heads, RANK + ROPE).bfloat16()
-    cache = torch.randn(8, PAGE, RANK + ROPE).to(cache_dtype)
+    cache = torch.randn(8, PAGE, RANK + ROPE).bfloat16()
     out, lse = torch.empty(3, heads, RANK).bfloat16(), torch.empty(3, heads)
     i32 = torch.zeros(4, dtype=torch.int32)
-    kv_scale = torch.ones(1)
-    few.launch_few_rows(
-        query,
-        cache,
-        i32.view(2, 2),
-        i32[:3],
-        i32[:3],
-        out,
-        lse,
-        0,
-        0,
-        kv_scale,
-        0.1,
-        heads,
-        2,
-        True,
-        RANK,
-    )
-    fp8 = cache_dtype == few.FP8
-    used, unused = (fp8_kernel, bf16_kernel) if fp8 else (bf16_kernel, fp8_kernel)
-    assert unused.launches == [] and len(used.launches) == 1
-    grid, args, constants = used.launches[0]
+    table, lengths = i32.view(2, 2), i32[:3]
+    few.launch_few_rows(query, cache, table, lengths, lengths, out, lse, 0, 0, 0.1, heads, 2, True, RANK)
+    ((grid, args, constants),) = kernel.launches
     block_m = 16 if heads == 16 else 32
     assert grid == (3, 2) and constants["BLOCK_M"] == block_m and constants["SPLITS"] == 2
-    slots = few.ring_slots(block_m, RANK, ROPE, 1 if fp8 else 2)
-    assert (constants["NOPE_SLOTS"], constants["ROPE_SLOTS"]) == slots
-    assert (args[-1] is kv_scale) == fp8 and not any(arg is kv_scale for arg in args[:-1])
+    assert (constants["NOPE_SLOTS"], constants["ROPE_SLOTS"]) == few.ring_slots(block_m, RANK, ROPE)
+    assert args[0] is query and args[6] is out and args[7] is lse
 
 
 if __name__ == "__main__":
-    fp8_arg, block_m_arg = bool(int(sys.argv[1])), int(sys.argv[2])
-    print(json.dumps(count(*compile_sm90(fp8_arg, block_m_arg), block_m_arg)))
+    block_m_arg = int(sys.argv[1])
+    print(json.dumps(count(*compile_sm90(block_m_arg), block_m_arg)))

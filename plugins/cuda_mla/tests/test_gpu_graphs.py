@@ -82,7 +82,7 @@ def direct_launches() -> int:
     launchers = [decode._launch_stage1, decode._launch_stage2, kv_insert._launch_kv_insert]
     if decode.decode_gluon_few is not None:
         few, many = decode.decode_gluon_few, decode.decode_gluon_many
-        launchers += [few._launch_bf16, few._launch_fp8, many._launch_many_rows]
+        launchers += [few._launch, many._launch_many_rows]
     if decode.decode_gluon_fp8 is not None:
         launchers.append(decode.decode_gluon_fp8._launch)
     return sum(launcher.direct_launches for launcher in launchers)

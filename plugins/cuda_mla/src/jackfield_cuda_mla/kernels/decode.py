@@ -37,7 +37,7 @@ def gluon_supported(triton_version: str) -> bool:
 
 
 decode_gluon_few = decode_gluon_many = None  # without them every call takes the Triton kernel
-decode_gluon_fp8 = None  # without it fp8 caches with <= 16 rows take the converter kernel
+decode_gluon_fp8 = None  # without it fp8 caches take the Triton kernel
 if gluon_supported(triton.__version__):
     try:
         from jackfield_cuda_mla.kernels import decode_gluon_few, decode_gluon_many
@@ -69,9 +69,10 @@ class DecodeConfig:
     tma: bool = False  # dense, 16-bit or fp8 cache with PAGE % block_n == 0: whole tiles by TMA
     swap: bool = False  # keys as the M dimension of both products (few rows: wgmma needs M = 64)
     ctas_per_sm: int = 1  # programs of this tile that fit on one SM at once: plan_splits' wave size
-    # Hopper: the Gluon kernel for this many rows (decode_gluon_few.py: <= 32 rows, its own tile;
-    # decode_gluon_many.py: 64-row blocks, block_n keys a tile in num_stages buffers) where the call
-    # fits it; anywhere else the Triton kernel runs with the fields above.
+    # Hopper: the Gluon kernel for this many rows (decode_gluon_few.py, or decode_gluon_fp8.py over
+    # an fp8 cache: <= 32 rows, their own tile; decode_gluon_many.py: 64-row blocks, block_n keys a
+    # tile in num_stages buffers) where the call fits it; anywhere else the Triton kernel runs with
+    # the fields above.
     gluon: bool = False
 
 
@@ -248,8 +249,7 @@ def mla_decode(
         part_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
         stride_os, stride_ls = part_out.stride(2), part_lse.stride(2)
     partials = (part_out, part_lse, stride_os, stride_ls)
-    registers = decode_gluon_fp8 is not None and rows_per_group <= decode_gluon_fp8.ROWS
-    if kernel == "gluon_few" and kv_cache.dtype == FP8 and registers:
+    if kernel == "gluon_few" and kv_cache.dtype == FP8:
         decode_gluon_fp8.launch_register_operands(
             query,
             kv_cache,
@@ -272,7 +272,6 @@ def mla_decode(
             seq_lens,
             query_start_loc,
             *partials,
-            scale,
             sm_scale * LOG2E,
             rows_per_group,
             splits,
@@ -348,7 +347,8 @@ def _stage1_kernel(
     if not cfg.gluon or sparse or decode_gluon_few is None or not _on_hopper(kv_cache.device):
         return "triton"
     if decode_gluon_few.few_rows_shapes_fit(query, kv_cache, rows_per_group, kv_lora_rank):
-        return "gluon_few"
+        fp8_without_its_kernel = kv_cache.dtype == FP8 and decode_gluon_fp8 is None
+        return "triton" if fp8_without_its_kernel else "gluon_few"
     if decode_gluon_many.many_rows_shapes_fit(query, kv_cache, kv_lora_rank, cfg.block_n, cfg.num_stages):
         return "gluon_many"
     return "triton"

@@ -14,14 +14,9 @@ Shared memory is a ring of half tiles (64 keys x 256 value columns) plus a ring 
 not 1-2 as with whole-tile stages. The block table is read one scalar per TMA (L1 hits after the
 first).
 
-fp8 cache (float8_e4m3fn, per-tensor scale; with more than 16 rows a request: at most 16 go to
-decode_gluon_fp8's register-operand kernel): a second warpgroup converts each fp8 tile once into
-one of two f16 tiles that both products read, while the first runs the products of the previous
-tile (dequantization is exact; the scale is folded into scores and output). The query goes to f16
-exactly (scaled by a power of two into f16's range); nothing is quantized.
-
 Rows past seq_len in the last page may hold NaN: they are zeroed in shared memory before any
-product reads them (bf16: rewritten in place; fp8: masked in the conversion).
+product reads them (rewritten in place). An fp8 cache runs decode_gluon_fp8's kernel, which shares
+this module's query staging, softmax and output helpers.
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from jackfield_cuda_mla.kernels.checks import FP8, cache_is_one_matrix
-from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_layout, smem_reinterpret, tma_load
+from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_layout, tma_load
 
 TILE_KEYS = 64  # keys per tile: wgmma's M
 BLOCK_N = gl.constexpr(TILE_KEYS)
@@ -128,14 +123,14 @@ def _issue_units(
 
 
 @gluon.jit
-def _stage_keys(src, dst, valid, layout: gl.constexpr):
-    """Copy a [BLOCK_N, W] key box from src to dst in shared memory (fp8 -> f16 when the dtypes
-    differ), with key rows >= valid zeroed (they may hold NaN). src may be dst."""
-    x = src.load(layout).to(dst.dtype)
+def _stage_keys(box, valid, layout: gl.constexpr):
+    """A [BLOCK_N, W] key box in shared memory with its key rows >= valid zeroed (they may hold
+    NaN), in place."""
+    x = box.load(layout)
     if valid < BLOCK_N:
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         x = gl.where((keys < valid)[:, None], x, gl.zeros_like(x))
-    dst.store(x)
+    box.store(x)
 
 
 @gluon.jit
@@ -489,8 +484,8 @@ def mla_decode_few_rows(
         mbarrier.wait(ready.index(slot_hi), ((2 * t + 1) // NOPE_SLOTS) & 1)
         if valid < BLOCK_N:
             # Last, partial tile: V rows past the end would turn 0-weights into NaN in PV.
-            _stage_keys(k_lo, k_lo, valid, key_half_regs)
-            _stage_keys(k_hi, k_hi, valid, key_half_regs)
+            _stage_keys(k_lo, valid, key_half_regs)
+            _stage_keys(k_hi, valid, key_half_regs)
             fence_async_shared()
             cta_barrier()
         m_i, l_i, acc_lo, acc_hi = _attend_tile(
@@ -560,497 +555,21 @@ def mla_decode_few_rows(
     )
 
 
-# --- fp8 caches: a converter warpgroup beside two consumer warpgroups ---------------------------
-#
-# Over an fp8 cache the tiles must become f16 before wgmma can read them. A converter warpgroup
-# issues the TMA loads and converts tile t into f16 tile t % 2; consumer warpgroup t % 2 runs that
-# tile's QK, softmax and PV and hands the f16 tile back:
-#   TMA -> ready[slot] -> converter -> converted[b] -> consumer b -> f16_free[b] -> converter
-# Two consumers, each with its own online-softmax state over every other tile, merged at the end:
-# one consumer's softmax and barriers run while the other's products are on the tensor cores, and
-# the converter fills a tile while the consumer that freed it waits. (H200, B128 H16 S4096 q1, one
-# consumer: 150 us, about the bf16 kernel's time, while the ring alone streams the fp8 cache in
-# 86 us and one consumer's chain without conversion takes 100 us: PERF_NOTES.md round 5.)
-# Every partition walks its tiles by index; phases and slots are computed from the tile index (no
-# loop-carried scalars: Triton 3.6 dropped them, see PERF_NOTES.md round 4).
-# Shared memory at 16 rows: Q 18 KB + two P^T 4 KB + two f16 tiles 144 KB + 3 fp8 half units 48 KB
-# + 2 rope boxes 8 KB = 222 KB (32 rows: 2 half units, 1 rope box). Operands are f16, not bf16:
-# e4m3 -> f16 is one conversion a pair, e4m3 -> bf16 four, two of them on the quarter-rate
-# conversion pipe (H200, B128 S4096 on one warpgroup: 258.6 us with bf16 operands, 234.2 with f16).
-CONVERTER_WARPS = gl.constexpr(4)
-CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup: wgmma's unit
-# Registers a thread (setmaxnreg) of the worker consumer and of the converter at 16 and 32 rows;
-# the default consumer takes what is left. 32 rows double the O^T accumulator (64 -> 128 a thread).
-CONSUMER_REGS_16, CONSUMER_REGS_32 = gl.constexpr(184), gl.constexpr(208)
-CONVERTER_REGS_16, CONVERTER_REGS_32 = gl.constexpr(96), gl.constexpr(96)
-
-
-@gluon.jit
-def _converter_partition(
-    nope_desc,
-    rope_desc,
-    nope_ring,
-    rope_ring,
-    k_lo_bufs,
-    k_hi_bufs,
-    k_pe_bufs,
-    ready,
-    converted,
-    f16_free,
-    table,
-    start,
-    end,
-    n_tiles,
-    RANK: gl.constexpr,
-    ROPE: gl.constexpr,
-    HALF: gl.constexpr,
-    PAGE: gl.constexpr,
-    NOPE_SLOTS: gl.constexpr,
-    ROPE_SLOTS: gl.constexpr,
-):
-    """Issues the fp8 ring's TMA loads and converts tile t into f16 tile t % 2 (rows past the end
-    zeroed), once consumer t % 2 has freed that tile (the products of tile t - 2 completed)."""
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    key_half_regs: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NUM_WARPS, 1], [1, 0])
-    key_rope_regs: gl.constexpr = gl.BlockedLayout(
-        [1, 8], [32 * 8 // ROPE, ROPE // 8], [NUM_WARPS, 1], [1, 0]
-    )
-    n_units = 2 * n_tiles
-    last_tile = n_tiles - 1
-    # Every block-table read comes before the waits that precede its TMA issue, so its latency
-    # overlaps them instead of delaying a refill while the ring is a unit short. Tile indices are
-    # clamped to the request's last tile (the read stays in bounds); the unit count decides what is
-    # issued. The fill: units 0 .. NOPE_SLOTS - 1, at most two tiles (ring_slots gives the fp8 ring
-    # 3 value halves at 16 rows, 2 at 32).
-    gl.static_assert(NOPE_SLOTS <= 4, "the fill reads the rows of two tiles")
-    if n_tiles > 0:
-        row_0 = _tile_row(table, start, 0, PAGE)
-        row_1 = _tile_row(table, start, gl.minimum(1, last_tile), PAGE)
-        for u in gl.static_range(NOPE_SLOTS):
-            if u < n_units:
-                row = row_0 if u < 2 else row_1
-                _issue_unit(
-                    nope_desc,
-                    rope_desc,
-                    nope_ring,
-                    rope_ring,
-                    ready,
-                    u,
-                    row,
-                    RANK,
-                    ROPE,
-                    HALF,
-                    NOPE_SLOTS,
-                    ROPE_SLOTS,
-                )
-    for t in range(n_tiles):
-        b = t % 2
-        valid = end - (start + t * BLOCK_N)
-        # The two units this iteration refills the ring with (recomputed per iteration: no
-        # loop-carried scalars), and their rows read now, ahead of the waits.
-        unit_a = 2 * t + NOPE_SLOTS
-        unit_b = unit_a + 1
-        row_a = _tile_row(table, start, gl.minimum(unit_a // 2, last_tile), PAGE)
-        row_b = _tile_row(table, start, gl.minimum(unit_b // 2, last_tile), PAGE)
-        # Tiles 0 and 1: parity 1 of a fresh barrier passes; later, consumer b's arrival
-        # for tile t - 2 (it cannot arrive for tile t before this partition converted it).
-        mbarrier.wait(f16_free.index(b), ((t // 2) & 1) ^ 1)
-        mbarrier.wait(ready.index((2 * t) % NOPE_SLOTS), ((2 * t) // NOPE_SLOTS) & 1)
-        _stage_keys(rope_ring.index(t % ROPE_SLOTS), k_pe_bufs.index(b), valid, key_rope_regs)
-        _stage_keys(nope_ring.index((2 * t) % NOPE_SLOTS), k_lo_bufs.index(b), valid, key_half_regs)
-        # Each refill waits for every converter warp's reads of the slot (the barrier), ordered
-        # before the TMA write (the fence). Unit 2t and tile t's rope box are converted: the slot
-        # takes unit 2t + NOPE_SLOTS now, not after the whole tile, to keep more bytes in flight
-        # (its rope slot, if it brings one, held tile t's box at the latest).
-        fence_async_shared()
-        cta_barrier()
-        if unit_a < n_units:
-            _issue_unit(
-                nope_desc,
-                rope_desc,
-                nope_ring,
-                rope_ring,
-                ready,
-                unit_a,
-                row_a,
-                RANK,
-                ROPE,
-                HALF,
-                NOPE_SLOTS,
-                ROPE_SLOTS,
-            )
-        mbarrier.wait(ready.index((2 * t + 1) % NOPE_SLOTS), ((2 * t + 1) // NOPE_SLOTS) & 1)
-        _stage_keys(nope_ring.index((2 * t + 1) % NOPE_SLOTS), k_hi_bufs.index(b), valid, key_half_regs)
-        # Every converter warp's f16 stores reach the async proxy before the one arriving thread
-        # signals the consumer.
-        fence_async_shared()
-        cta_barrier()
-        mbarrier.arrive(converted.index(b), count=1)
-        if unit_b < n_units:
-            _issue_unit(
-                nope_desc,
-                rope_desc,
-                nope_ring,
-                rope_ring,
-                ready,
-                unit_b,
-                row_b,
-                RANK,
-                ROPE,
-                HALF,
-                NOPE_SLOTS,
-                ROPE_SLOTS,
-            )
-
-
-@gluon.jit
-def _partial_buffers(
-    k_lo_bufs, k_hi_bufs, k_pe_bufs, HALF: gl.constexpr, BLOCK_M: gl.constexpr, ROPE: gl.constexpr
-):
-    """Consumer 1's partial result (O^T halves in f32, row max, row sum) in f16 tile 1's shared
-    memory, free once consumer 1 is done (the converter fills tile 1 only for consumer 1's tiles)."""
-    acc_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    per_half: gl.constexpr = 2 * BLOCK_N * HALF * 2 // (HALF * BLOCK_M * 4)  # f32 blocks in [2, 64, HALF] f16
-    per_rope: gl.constexpr = 2 * BLOCK_N * ROPE * 2 // (BLOCK_M * 4)
-    lo = smem_reinterpret(k_lo_bufs, gl.float32, [per_half, HALF, BLOCK_M], acc_layout).index(per_half // 2)
-    hi = smem_reinterpret(k_hi_bufs, gl.float32, [per_half, HALF, BLOCK_M], acc_layout).index(per_half // 2)
-    vecs = smem_reinterpret(k_pe_bufs, gl.float32, [per_rope, BLOCK_M], vec_layout)
-    return lo, hi, vecs.index(per_rope // 2), vecs.index(per_rope // 2 + 1)
-
-
-@gluon.jit
-def _leave_partial(lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready):
-    """Consumer 1's online-softmax state (O^T halves, row max, row sum) left in shared memory for
-    consumer 0."""
-    lo_smem.store(acc_lo.to(lo_smem.dtype))  # f32, or bf16 where f32 does not fit
-    hi_smem.store(acc_hi.to(hi_smem.dtype))
-    m_smem.store(m_i)
-    l_smem.store(l_i)
-    cta_barrier()  # every warp's stores before the one arriving thread's release
-    mbarrier.arrive(partial_ready, count=1)
-
-
-@gluon.jit
-def _merge_partial(
-    lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma: gl.constexpr
-):
-    """Consumer 0's state merged with the one consumer 1 left: (O^T halves, row max, row sum)."""
-    row_vec: gl.constexpr = gl.SliceLayout(0, mma)
-    mbarrier.wait(partial_ready, 0)
-    m_other = m_smem.load(row_vec)
-    m_new = gl.maximum(m_i, m_other)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
-    alpha = gl.exp2(m_i - m_safe)
-    alpha_other = gl.exp2(m_other - m_safe)
-    l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
-    acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma).to(gl.float32) * alpha_other[None, :]
-    acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma).to(gl.float32) * alpha_other[None, :]
-    return acc_lo, acc_hi, m_new, l_i
-
-
-@gluon.jit
-def _consumer_partition(
-    state,
-    ROPE: gl.constexpr,
-    HALF: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    CONSUMER: gl.constexpr,
-):
-    """Tiles CONSUMER, CONSUMER + 2, ... on f16 tile CONSUMER: QK, online softmax, PV, the tile
-    handed back to the converter once PV completed. Consumer 1 then leaves its partial result in
-    shared memory; consumer 0 merges it with its own and writes the output."""
-    (
-        out,
-        lse,
-        q_lo_buf,
-        q_hi_buf,
-        q_pe_buf,
-        p_buf,
-        k_lo_bufs,
-        k_hi_bufs,
-        k_pe_bufs,
-        converted,
-        f16_free,
-        partial_ready,
-        first_tok,
-        q_len,
-        seq_len,
-        start,
-        end,
-        n_tiles,
-        split,
-        score_scale_log2,
-        value_scale,
-        num_heads,
-        stride_ot,
-        stride_oh,
-        stride_os,
-        stride_lt,
-        stride_lh,
-        stride_ls,
-    ) = state
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    key_vec: gl.constexpr = gl.SliceLayout(1, mma)
-    row_vec: gl.constexpr = gl.SliceLayout(0, mma)
-    rows = gl.arange(0, BLOCK_M, layout=row_vec)
-    row_ok = rows < q_len * num_heads
-    last_visible = seq_len - q_len + rows // num_heads  # causal: keys at positions <= the row's own
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_vec)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_vec)
-    acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
-    acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma)
-    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-
-    for i in range((n_tiles + 1 - CONSUMER) // 2):
-        n0 = start + (2 * i + CONSUMER) * BLOCK_N
-        # Always 0, not provably so: keeps the buffers' wgmma descriptors next to their use instead
-        # of hoisted out of the loop, where they spilled (see mla_decode_few_rows).
-        here = gl.minimum(end - n0 - 1, 0)
-        mbarrier.wait(converted.index(CONSUMER), i & 1)
-        m_i, l_i, acc_lo, acc_hi = _attend_tile(
-            k_lo_bufs.index(CONSUMER + here),
-            k_hi_bufs.index(CONSUMER + here),
-            k_pe_bufs.index(CONSUMER + here),
-            q_lo_buf.index(here),
-            q_hi_buf.index(here),
-            q_pe_buf.index(here),
-            p_buf.index(CONSUMER + here),
-            s_zero,
-            n0,
-            end,
-            row_ok,
-            last_visible,
-            m_i,
-            l_i,
-            acc_lo,
-            acc_hi,
-            score_scale_log2,
-            CAUSAL,
-            key_vec,
-            P_SCALE_F16,
-        )
-        # Every warp's products of the tile have completed before the one arriving thread frees it.
-        cta_barrier()
-        mbarrier.arrive(f16_free.index(CONSUMER), count=1)
-
-    lo_smem, hi_smem, m_smem, l_smem = _partial_buffers(k_lo_bufs, k_hi_bufs, k_pe_bufs, HALF, BLOCK_M, ROPE)
-    if CONSUMER == 1:
-        _leave_partial(lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready)
-    else:
-        acc_lo, acc_hi, m_i, l_i = _merge_partial(
-            lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma
-        )
-        _write_output(
-            acc_lo,
-            acc_hi,
-            m_i,
-            l_i,
-            value_scale,
-            rows,
-            row_ok,
-            first_tok,
-            num_heads,
-            split,
-            out,
-            lse,
-            stride_ot,
-            stride_oh,
-            stride_os,
-            stride_lt,
-            stride_lh,
-            stride_ls,
-            HALF,
-            P_SCALE_F16,
-            mma,
-        )
-
-
-@gluon.jit
-def mla_decode_few_rows_fp8(
-    q,
-    nope_desc,
-    rope_desc,
-    block_table,
-    seq_lens,
-    query_start_loc,
-    out,
-    lse,
-    sm_scale_log2,
-    num_heads,
-    stride_qt,
-    stride_qh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    stride_os,
-    stride_lt,
-    stride_lh,
-    stride_ls,
-    kv_scale,
-    RANK: gl.constexpr,
-    ROPE: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    PAGE: gl.constexpr,
-    SPLITS: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    NOPE_SLOTS: gl.constexpr,
-    ROPE_SLOTS: gl.constexpr,
-):
-    """fp8 cache: mla_decode_few_rows with a converter warpgroup and two consumer warpgroups."""
-    HALF: gl.constexpr = RANK // 2
-    req = gl.program_id(0)
-    split = gl.program_id(1)
-    first_tok = gl.load(query_start_loc + req)
-    q_len = gl.load(query_start_loc + req + 1) - first_tok
-    seq_len = gl.load(seq_lens + req)
-    value_scale = gl.load(kv_scale)
-    chunk = gl.cdiv(gl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = gl.minimum(start + chunk, seq_len)
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-    table = block_table + req.to(gl.int64) * stride_bt
-
-    q_half_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float16)
-    q_rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], gl.float16)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.float16)
-    half_f16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float16)
-    rope_f16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], gl.float16)
-    q_lo_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
-    q_hi_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, HALF], q_half_smem)
-    q_pe_buf = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, ROPE], q_rope_smem)
-    p_buf = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_M], p_smem_layout)  # one a consumer
-    k_lo_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HALF], half_f16)
-    k_hi_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HALF], half_f16)
-    k_pe_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROPE], rope_f16)
-    nope_ring = gl.allocate_shared_memory(nope_desc.dtype, [NOPE_SLOTS, BLOCK_N, HALF], nope_desc.layout)
-    rope_ring = gl.allocate_shared_memory(rope_desc.dtype, [ROPE_SLOTS, BLOCK_N, ROPE], rope_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NOPE_SLOTS, 1], mbarrier.MBarrierLayout())
-    converted = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    f16_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    partial_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NOPE_SLOTS):
-        mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(converted.index(i), count=1)
-        mbarrier.init(f16_free.index(i), count=1)
-    mbarrier.init(partial_ready, count=1)
-    consumer_regs: gl.constexpr = CONSUMER_REGS_16 if BLOCK_M == 16 else CONSUMER_REGS_32
-    converter_regs: gl.constexpr = CONVERTER_REGS_16 if BLOCK_M == 16 else CONVERTER_REGS_32
-    # The query once, by the default warps before the partitions fork (both consumers read it).
-    score_scale_log2 = _stage_query(
-        q,
-        q_lo_buf,
-        q_hi_buf,
-        q_pe_buf,
-        first_tok,
-        q_len,
-        num_heads,
-        stride_qt,
-        stride_qh,
-        sm_scale_log2 * value_scale,
-        RANK,
-        ROPE,
-        BLOCK_M,
-        True,
-    )
-    fence_async_shared()
-    cta_barrier()
-
-    consumer_state = (
-        out,
-        lse,
-        q_lo_buf,
-        q_hi_buf,
-        q_pe_buf,
-        p_buf,
-        k_lo_bufs,
-        k_hi_bufs,
-        k_pe_bufs,
-        converted,
-        f16_free,
-        partial_ready,
-        first_tok,
-        q_len,
-        seq_len,
-        start,
-        end,
-        n_tiles,
-        split,
-        score_scale_log2,
-        value_scale,
-        num_heads,
-        stride_ot,
-        stride_oh,
-        stride_os,
-        stride_lt,
-        stride_lh,
-        stride_ls,
-    )
-    gl.warp_specialize(
-        [
-            (_consumer_partition, (consumer_state, ROPE, HALF, BLOCK_M, CAUSAL, 0)),
-            (_consumer_partition, (consumer_state, ROPE, HALF, BLOCK_M, CAUSAL, 1)),
-            (
-                _converter_partition,
-                (
-                    nope_desc,
-                    rope_desc,
-                    nope_ring,
-                    rope_ring,
-                    k_lo_bufs,
-                    k_hi_bufs,
-                    k_pe_bufs,
-                    ready,
-                    converted,
-                    f16_free,
-                    table,
-                    start,
-                    end,
-                    n_tiles,
-                    RANK,
-                    ROPE,
-                    HALF,
-                    PAGE,
-                    NOPE_SLOTS,
-                    ROPE_SLOTS,
-                ),
-            ),
-        ],
-        [CONSUMER_WARPS, CONVERTER_WARPS],
-        [consumer_regs, converter_regs],
-    )
-
-    for i in gl.static_range(NOPE_SLOTS):
-        mbarrier.invalidate(ready.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(converted.index(i))
-        mbarrier.invalidate(f16_free.index(i))
-    mbarrier.invalidate(partial_ready)
-
-
 # Shared memory a program may use on sm_90 (227 KB), less a reserve for the compiler's reduction
 # scratch and the barriers.
 SMEM_BYTES = 227 * 1024 - 3 * 1024
-NUM_WARPS = 4  # one warpgroup (the fp8 kernel adds the converter warpgroup: 8 warps in all)
+NUM_WARPS = 4  # one warpgroup
 FEW_ROWS = 32  # most rows a program holds (wgmma N); more rows go to the Triton kernel
 
 
 @functools.cache  # every call asks for one of a few plans
-def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, int]:
-    """(value-half slots, rope slots) that fit next to the query, P^T and (fp8) the two converted
-    f16 tiles.
+def ring_slots(block_m: int, rank: int, rope: int) -> tuple[int, int]:
+    """(value-half slots, rope slots) of a bf16 cache that fit next to the query and P^T.
 
     A rope slot per tile that can be in flight: the half ring holds ceil(slots / 2) tiles.
     """
     fixed = block_m * (rank + rope) * 2 + TILE_KEYS * block_m * 2
-    if kv_bytes == 1:  # the two converted f16 tiles and a second P^T (one a consumer)
-        fixed += 2 * TILE_KEYS * (rank + rope) * 2 + TILE_KEYS * block_m * 2
-    half, box = TILE_KEYS * rank // 2 * kv_bytes, TILE_KEYS * rope * kv_bytes
+    half, box = TILE_KEYS * rank // 2 * 2, TILE_KEYS * rope * 2
     slots = 2
     while fixed + (slots + 1) * half + (slots + 2) // 2 * box <= SMEM_BYTES:
         slots += 1
@@ -1060,9 +579,10 @@ def ring_slots(block_m: int, rank: int, rope: int, kv_bytes: int) -> tuple[int, 
 def few_rows_shapes_fit(
     query: torch.Tensor, kv_cache: torch.Tensor, rows_per_group: int, kv_lora_rank: int
 ) -> bool:
-    """bf16 queries over a bf16 or fp8 cache, the DeepSeek widths the kernel was tuned and tested
-    for (512 + 64), pages of whole 64-key tiles laid out back to back (one 2-D TMA view of the
-    cache, 16-byte aligned), at most 32 rows a request."""
+    """bf16 queries over a bf16 cache (this module's kernel) or an fp8 one (decode_gluon_fp8's),
+    the DeepSeek widths the kernels were tuned and tested for (512 + 64), pages of whole 64-key
+    tiles laid out back to back (one 2-D TMA view of the cache, 16-byte aligned), at most 32 rows a
+    request."""
     page, width = kv_cache.shape[1], kv_cache.shape[2]
     return (
         query.dtype == torch.bfloat16
@@ -1132,19 +652,18 @@ def launch_few_rows(
     part_lse: torch.Tensor,
     stride_os: int,
     stride_ls: int,
-    kv_scale: torch.Tensor,
     sm_scale_log2: float,
     rows_per_group: int,
     splits: int,
     causal: bool,
     kv_lora_rank: int,
 ) -> None:
-    """Stage 1 over (request, split): the final output when splits == 1, else split partials."""
+    """Stage 1 over (request, split) for a bf16 cache: the final output when splits == 1, else split
+    partials."""
     page, width = kv_cache.shape[1], kv_cache.shape[2]
     rope = width - kv_lora_rank
     block_m = 16 if rows_per_group <= 16 else FEW_ROWS
-    fp8 = kv_cache.dtype == FP8
-    nope_slots, rope_slots = ring_slots(block_m, kv_lora_rank, rope, kv_cache.element_size())
+    nope_slots, rope_slots = ring_slots(block_m, kv_lora_rank, rope)
     grid, kernel_args = few_rows_arguments(
         query,
         kv_cache,
@@ -1170,12 +689,8 @@ def launch_few_rows(
         ROPE_SLOTS=rope_slots,
         num_warps=NUM_WARPS,
     )
-    if fp8:
-        _launch_fp8(grid, *kernel_args, kv_scale, **tiles)
-    else:
-        _launch_bf16(grid, *kernel_args, **tiles)
+    _launch(grid, *kernel_args, **tiles)
 
 
 # Triton's per-call dispatch costs more host time than the kernel takes on the GPU (jackfield.ops.launch)
-_launch_bf16 = DirectLauncher(mla_decode_few_rows)
-_launch_fp8 = DirectLauncher(mla_decode_few_rows_fp8)
+_launch = DirectLauncher(mla_decode_few_rows)

@@ -1,10 +1,10 @@
 """fp8 cache, <= 32 rows a request, on Hopper: the keys and values reach the tensor cores from
 registers, converted there, so no f16 copy of a tile ever sits in shared memory.
 
-The converter-warpgroup kernel (decode_gluon_few.mla_decode_few_rows_fp8) converts each tile into
-one of two f16 tiles (144 KB of the 227) that its consumers then read: a tile's conversion and its
-products are chained through those two buffers, and the ring keeps only 1.5 fp8 tiles in flight
-(H200, B128 H16 S4096: 138.7 us, bf16's 146.7). Here wgmma takes its A operand from registers:
+Its predecessor (sessions 5-7) had a converter warpgroup turn each tile into one of two f16 tiles
+(144 KB of the 227) that the consumers then read: a tile's conversion and its products were chained
+through those two buffers, and the ring kept only 1.5 fp8 tiles in flight (H200, B128 H16 S4096:
+138.7 us, bf16's 146.7; this kernel: 89.0). Here wgmma takes its A operand from registers:
 - QK: S^T = K . Q^T, A = K [64 keys, 128 dims] (the rope: 64) loaded from the fp8 ring and
   converted to f16 in registers, one group's products in flight while the next is converted;
 - PV: O^T = V^T . P^T a quarter of the values at a time (one quarter's products in flight while
@@ -42,9 +42,7 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
     BLOCK_N,
     NUM_WARPS,
     P_SCALE_F16,
-    _leave_partial,
     _masked_scores,
-    _merge_partial,
     _softmax_update,
     _stage_query,
     _tile_row,
@@ -227,6 +225,36 @@ def _join_quarters(first, second, mma: gl.constexpr):
 
 
 @gluon.jit
+def _leave_partial(lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready):
+    """Consumer 1's online-softmax state (O^T halves, row max, row sum) left in shared memory for
+    consumer 0."""
+    lo_smem.store(acc_lo.to(lo_smem.dtype))  # f32, or bf16 where f32 does not fit
+    hi_smem.store(acc_hi.to(hi_smem.dtype))
+    m_smem.store(m_i)
+    l_smem.store(l_i)
+    cta_barrier()  # every warp's stores before the one arriving thread's release
+    mbarrier.arrive(partial_ready, count=1)
+
+
+@gluon.jit
+def _merge_partial(
+    lo_smem, hi_smem, m_smem, l_smem, acc_lo, acc_hi, m_i, l_i, partial_ready, mma: gl.constexpr
+):
+    """Consumer 0's state merged with the one consumer 1 left: (O^T halves, row max, row sum)."""
+    row_vec: gl.constexpr = gl.SliceLayout(0, mma)
+    mbarrier.wait(partial_ready, 0)
+    m_other = m_smem.load(row_vec)
+    m_new = gl.maximum(m_i, m_other)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no key reached stay 0
+    alpha = gl.exp2(m_i - m_safe)
+    alpha_other = gl.exp2(m_other - m_safe)
+    l_i = l_i * alpha + l_smem.load(row_vec) * alpha_other
+    acc_lo = acc_lo * alpha[None, :] + lo_smem.load(mma).to(gl.float32) * alpha_other[None, :]
+    acc_hi = acc_hi * alpha[None, :] + hi_smem.load(mma).to(gl.float32) * alpha_other[None, :]
+    return acc_lo, acc_hi, m_new, l_i
+
+
+@gluon.jit
 def _consumer_partition(
     state,
     HALF: gl.constexpr,
@@ -379,7 +407,8 @@ def _consumer_partition(
     acc_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     vec_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # A value half's partial [HALF, BLOCK_M] in one fp8 box (BLOCK_N x HALF bytes): f32 where it
-    # fits (16 rows), else bf16 (32 rows; the output is bf16 too, and bf16 has f32's range)
+    # fits (16 rows), else bf16 (32 rows: f32's range, and consumer 1's share of the sum rounded by
+    # up to 2^-9, about what the bf16 output's own rounding adds; f32 split partials keep it)
     if BLOCK_M * 4 <= BLOCK_N:
         PARTIAL: gl.constexpr = gl.float32
         PARTIAL_BYTES: gl.constexpr = 4
