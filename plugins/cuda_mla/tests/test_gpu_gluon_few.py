@@ -165,3 +165,26 @@ def test_more_rows_than_the_kernel_holds_run_on_triton(gluon_launches: list[str]
     """q_len 4 x 16 heads = 64 rows: past the Gluon kernel's 32, so the Triton kernel runs."""
     run_and_check(poisoned_batch([300, 4113], 4, fp8=False), causal=True)
     assert gluon_launches == []
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_row_max_that_jumps_after_settled_tiles(
+    fp8: bool, num_splits: int | None, gluon_launches: list[str]
+) -> None:
+    """The fp8 kernel skips its rescale on tiles where no row's max moved: a key aligned with one
+    head's query far into a long request (scaled score ~8 against the random keys' ~3.5) makes that
+    row's max jump after many settled tiles, in the last tile for one head and mid-request for
+    another, while the other rows' maxima stay put."""
+    batch = poisoned_batch([4096 + 17, 300], 1, fp8)
+    seq_len = 4096 + 17
+    scale = 1.0 if batch["kv_scale"] is None else float(batch["kv_scale"])
+    for head, pos in ((3, seq_len - 1), (11, seq_len // 2)):
+        query = batch["query"][0, head].float()
+        key = 8.0 * (RANK + ROPE) ** 0.5 * query / query.norm() ** 2  # q.k * sm_scale = 8
+        row = int(batch["block_table"][0, pos // PAGE]) * PAGE + pos % PAGE
+        flat = batch["kv_cache"].view(-1, RANK + ROPE)
+        flat[row] = (key / scale).clamp(-448, 448).to(flat.dtype)
+    run_and_check(batch, causal=True, num_splits=num_splits)
+    assert gluon_launches == expected_kernel(fp8, HEADS)
+
