@@ -231,7 +231,7 @@ def mla_decode(
         lambda: f"swapped products need num_stages >= 2, got {cfg.num_stages}",
     )
     kernel = _stage1_kernel(cfg, sparse, query, kv_cache, rows_per_group, kv_lora_rank)
-    few_rows = kernel == "gluon_few"
+    few_rows = kernel in ("gluon_few", "gluon_fp8")
     row_blocks = 1 if few_rows else triton.cdiv(rows_per_group, cfg.block_m)
     max_keys = topk_indices.shape[1] if sparse else max_seq_len
     splits = num_splits or plan_splits(
@@ -249,7 +249,7 @@ def mla_decode(
         part_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
         stride_os, stride_ls = part_out.stride(2), part_lse.stride(2)
     partials = (part_out, part_lse, stride_os, stride_ls)
-    if kernel == "gluon_few" and kv_cache.dtype == FP8:
+    if kernel == "gluon_fp8":
         decode_gluon_fp8.launch_register_operands(
             query,
             kv_cache,
@@ -342,13 +342,14 @@ def _stage1_kernel(
     kv_cache: torch.Tensor,
     rows_per_group: int,
     kv_lora_rank: int,
-) -> Literal["gluon_few", "gluon_many", "triton"]:
+) -> Literal["gluon_few", "gluon_fp8", "gluon_many", "triton"]:
     """The kernel that serves this call: a Gluon one where asked for and fitting, else Triton's."""
     if not cfg.gluon or sparse or decode_gluon_few is None or not _on_hopper(kv_cache.device):
         return "triton"
     if decode_gluon_few.few_rows_shapes_fit(query, kv_cache, rows_per_group, kv_lora_rank):
-        fp8_without_its_kernel = kv_cache.dtype == FP8 and decode_gluon_fp8 is None
-        return "triton" if fp8_without_its_kernel else "gluon_few"
+        if kv_cache.dtype != FP8:
+            return "gluon_few"
+        return "triton" if decode_gluon_fp8 is None else "gluon_fp8"
     if decode_gluon_many.many_rows_shapes_fit(query, kv_cache, kv_lora_rank, cfg.block_n, cfg.num_stages):
         return "gluon_many"
     return "triton"

@@ -562,6 +562,11 @@ NUM_WARPS = 4  # one warpgroup
 FEW_ROWS = 32  # most rows a program holds (wgmma N); more rows go to the Triton kernel
 
 
+def block_rows(rows_per_group: int) -> int:
+    """wgmma's N for this many query rows a request: 16, else FEW_ROWS."""
+    return 16 if rows_per_group <= 16 else FEW_ROWS
+
+
 @functools.cache  # every call asks for one of a few plans
 def ring_slots(block_m: int, rank: int, rope: int) -> tuple[int, int]:
     """(value-half slots, rope slots) of a bf16 cache that fit next to the query and P^T.
@@ -662,7 +667,7 @@ def launch_few_rows(
     partials."""
     page, width = kv_cache.shape[1], kv_cache.shape[2]
     rope = width - kv_lora_rank
-    block_m = 16 if rows_per_group <= 16 else FEW_ROWS
+    block_m = block_rows(rows_per_group)
     nope_slots, rope_slots = ring_slots(block_m, kv_lora_rank, rope)
     grid, kernel_args = few_rows_arguments(
         query,

@@ -42,23 +42,22 @@ from jackfield_cuda_mla.kernels.decode_gluon_few import (
     BLOCK_N,
     NUM_WARPS,
     P_SCALE_F16,
+    SMEM_BYTES,
     _masked_scores,
     _softmax_update,
     _stage_query,
     _tile_row,
     _write_output,
+    block_rows,
     few_rows_arguments,
 )
 from jackfield_cuda_mla.kernels.gluon_hopper import cta_barrier, smem_reinterpret, tma_load
 
-ROWS = 32  # query rows a program holds at most (wgmma N: 16, or 32 for H=16 x q_len 2)
 CHUNK = gl.constexpr(64)  # dimensions of K a relabelled load (QK wgmma groups take two: 32 registers)
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
 CONSUMER_REGS = gl.constexpr(232)  # the worker consumer's registers a thread (setmaxnreg)
 PRODUCER_REGS = gl.constexpr(40)
-# Shared memory a program may use on sm_90 (227 KB), less the compiler's scratch and barriers.
-SMEM_BYTES = 227 * 1024 - 3 * 1024
 
 
 @gluon.jit
@@ -606,11 +605,6 @@ def mla_decode_fp8_register_operands(
     mbarrier.invalidate(partial_ready)
 
 
-def block_rows(rows_per_group: int) -> int:
-    """wgmma's N for this many query rows a request: 16, else 32."""
-    return 16 if rows_per_group <= 16 else ROWS
-
-
 @functools.cache
 def ring_tiles(rank: int, rope: int, block_m: int) -> int:
     """Whole fp8 tiles the ring holds next to the f16 query and two P^T of block_m rows."""
@@ -635,7 +629,7 @@ def launch_register_operands(
     causal: bool,
     kv_lora_rank: int,
 ) -> None:
-    """Stage 1 over (request, split) for an fp8 cache and <= ROWS rows a request."""
+    """Stage 1 over (request, split) for an fp8 cache and <= 32 rows a request (block_rows)."""
     page, width = kv_cache.shape[1], kv_cache.shape[2]
     block_m = block_rows(rows_per_group)
     grid, kernel_args = few_rows_arguments(
