@@ -204,7 +204,7 @@ def main() -> None:
             "engine.cuda_graphs": not args.no_cuda_graphs,
         },
     )
-    backend = llm.backend_choices["decode"].name
+    backend = llm.engine.backend_choices["decode"].name
     gen = torch.Generator().manual_seed(1)
     checks = torch.randint(0, config.vocab_size, (8, args.prompt_len), generator=gen)
     jf, tf = agreement(llm, hf, checks, device)
@@ -258,7 +258,7 @@ def main() -> None:
     print(
         f"\ndevice {name}, {dtype}, backend {backend}, weights {weight_bytes / 2**20:.0f} MiB, "
         f"prompt {args.prompt_len}, new tokens {args.new_tokens}, max_num_batched_tokens "
-        f"{args.max_batched_tokens}, decode CUDA graphs: {llm.cuda_graphs_off or 'on'}"
+        f"{args.max_batched_tokens}, decode CUDA graphs: {llm.engine.runner.decode_graphs_off or 'on'}"
     )
     print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     if device == "cuda":  # the KV cache, both models and every captured graph's pool

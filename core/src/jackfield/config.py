@@ -214,3 +214,47 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, object] 
             raise ConfigError([f"{source}: [{section}] must be a table"])
         table.update(values)
     return build_config(data, source)
+
+
+def _dotted(overrides: Mapping[str, object]) -> dict[str, object]:
+    """`block_size=64` -> {"engine.block_size": 64}: a plain key must name one config field."""
+    fields = {s.name: {f.name for f in dataclasses.fields(typing.get_type_hints(JackfieldConfig)[s.name])}
+              for s in dataclasses.fields(JackfieldConfig)}
+    dotted: dict[str, object] = {}
+    for key, value in overrides.items():
+        if "." in key:
+            dotted[key] = value
+            continue
+        owners = [section for section, names in fields.items() if key in names]
+        if len(owners) != 1:
+            where = "several sections: " + ", ".join(owners) if owners else "no config section"
+            raise ConfigError([f"override {key!r} matches {where}; use 'section.{key}'"])
+        dotted[f"{owners[0]}.{key}"] = value
+    return dotted
+
+
+def resolve_config(config: JackfieldConfig | str | Path | None = None, model: str | Path | None = None,
+                   overrides: Mapping[str, object] | None = None) -> JackfieldConfig:
+    """The one config of an engine: a TOML path or a config object (validated like a file, since a
+    hand-built one may be wrong), then `model` and the overrides (dotted "engine.block_size" or
+    plain field names) on top."""
+    dotted = _dotted(overrides or {})
+    if model is not None:
+        dotted["model.path"] = str(model)
+    if isinstance(config, JackfieldConfig):
+        base = {f"{s.name}.{k}": v for s in dataclasses.fields(config)
+                for k, v in dataclasses.asdict(getattr(config, s.name)).items()}
+        return load_config(None, {**base, **dotted})
+    return load_config(config, dotted)
+
+
+def unsupported_features(config: JackfieldConfig) -> list[str]:
+    """Config features this engine does not run yet: fail before anything loads (doctor says so too)."""
+    problems = []
+    if config.speculative.method is not None:
+        problems.append("speculative decoding (speculative.method) is not run by this engine yet")
+    if config.kv_connector.name is not None:
+        problems.append("KV connectors (kv_connector.name) are not run by this engine yet")
+    if config.parallel.dcp_size != 1:
+        problems.append("decode context parallel (parallel.dcp_size > 1) is not run by this engine yet")
+    return problems

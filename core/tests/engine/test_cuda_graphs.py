@@ -22,19 +22,19 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
 
 def test_engine_says_why_decode_runs_eagerly(v3_dir) -> None:
     llm = LLM(str(v3_dir), **{"engine.device": "cpu"})
-    assert llm.cuda_graphs_off == "the device is cpu"
-    assert llm.runner.graphs is None
+    assert llm.engine.runner.decode_graphs_off == "the device is cpu"
+    assert llm.engine.runner.graphs is None
 
 
 def test_start_up_warm_up_leaves_nothing_behind(v3_dir) -> None:
     """The warm-up request (run at start-up on CUDA) frees its blocks, caches no prefix block and
     restarts request ids; here it is called directly on the CPU engine."""
     llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.enable_prefix_caching": True})
-    free = llm.block_manager.num_free
-    llm._warm_up()
-    assert llm.block_manager.num_free == free
-    assert not llm.block_manager.cached
-    assert not llm.scheduler.has_work()
+    free = llm.engine.block_manager.num_free
+    llm.engine._warm_up()
+    assert llm.engine.block_manager.num_free == free
+    assert not llm.engine.block_manager.cached
+    assert not llm.engine.scheduler.has_work()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))[0]
     assert out.request_id == 0 and len(out.token_ids) == 2
 
@@ -47,8 +47,8 @@ def test_only_steps_of_sampling_decodes_are_replayed(v3_dir) -> None:
     from jackfield.engine.sequence import Sequence
 
     llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.max_num_seqs": 4})
-    graphs = DecodeGraphs(llm.model, llm.runner.kv_caches, llm.runner.builders[0][0], False, llm.num_blocks,
-                          llm.config.engine.block_size, llm.max_model_len, 4, llm.device)
+    graphs = DecodeGraphs(llm.engine.model, llm.engine.runner.kv_caches, llm.engine.runner.builders[0][0], False, llm.engine.runner.kv.num_blocks,
+                          llm.config.engine.block_size, llm.engine.max_model_len, 4, llm.engine.device)
     params = SamplingParams(max_tokens=4)
     decoding = Sequence(0, 3, [5, 6, 7, 8], params, seed=0, num_computed=3)  # its 4th token is new
     prefilling = Sequence(1, 40, list(range(40)), params, seed=0, num_computed=9)
@@ -73,19 +73,8 @@ def test_piece_sizes_cover_every_token_count_up_to_the_cap() -> None:
 
 def test_engine_says_why_prefill_runs_eagerly(v3_dir) -> None:
     llm = LLM(str(v3_dir), **{"engine.device": "cpu"})
-    assert llm.prefill_graphs_off == "the device is cpu"
-    assert llm.runner.pieces is None
-
-
-def test_only_models_declaring_pieces_are_piecewise(v3_dir) -> None:
-    """DeepSeek-V2/V3's forward is its pieces. The declaration is not inherited: V3.2 runs an
-    indexer inside its attention, which its parent's pieces would skip."""
-    from jackfield.engine.piecewise_graphs import is_piecewise
-    from jackfield.models.deepseek_v32 import DeepseekV32ForCausalLM
-
-    llm = LLM(str(v3_dir), **{"engine.device": "cpu"})
-    assert is_piecewise(llm.model)
-    assert not is_piecewise(DeepseekV32ForCausalLM.__new__(DeepseekV32ForCausalLM))
+    assert llm.engine.runner.prefill_graphs_off == "the device is cpu"
+    assert llm.engine.runner.pieces is None
 
 
 def test_prefill_graph_cap_is_checked(v3_dir) -> None:
@@ -110,10 +99,10 @@ def test_pieces_over_static_buffers_give_the_eager_tokens(v3_dir) -> None:
     settings = {"engine.device": "cpu", "engine.max_num_batched_tokens": 48, "engine.enable_prefix_caching": False}
     eager = LLM(str(v3_dir), **settings).generate(prompts, params)
     llm = LLM(str(v3_dir), **settings)
-    pieces = PiecewiseGraphs(llm.model, 48, llm.device, record=False)
+    pieces = PiecewiseGraphs(llm.engine.model, 48, llm.engine.device, record=False)
     pieces.capture()
     assert pieces.sizes == [16, 32, 48]
-    llm.runner.pieces = pieces
+    llm.engine.runner.pieces = pieces
     replayed = llm.generate(prompts, params)
     for want, got in zip(eager, replayed, strict=True):
         assert got.token_ids == want.token_ids

@@ -193,7 +193,7 @@ def test_mla_prefill_rejects_a_short_block_table() -> None:
 def test_non_finite_logits_fail_the_step(v3_dir, temperature: float) -> None:
     llm = LLM(v3_dir, backend="torch_ref", block_size=16)
     with torch.no_grad():
-        llm.model.model.norm.weight.fill_(float("nan"))
+        llm.engine.model.model.norm.weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="no finite logit"):
         llm.generate([[1, 2, 3]], SamplingParams(temperature=temperature, max_tokens=2))
 

@@ -47,7 +47,7 @@ def test_preempted_request_gives_the_same_tokens(v3_dir) -> None:
     roomy = LLM(v3_dir, backend="torch_ref", block_size=16).generate(prompts, params)
     # 3 layers x 16 slots x 40 floats x 4 B = 7680 B per block: 9 blocks, fewer than the 3 x 4 needed
     tight = LLM(v3_dir, backend="torch_ref", block_size=16, cpu_kv_cache_gib=9 * 7680 / 2**30)
-    assert tight.num_blocks == 9
+    assert tight.engine.runner.kv.num_blocks == 9
     squeezed = tight.generate(prompts, params)
     assert sum(o.num_preemptions for o in squeezed) > 0
     assert [o.token_ids for o in squeezed] == [o.token_ids for o in roomy]
@@ -126,7 +126,7 @@ def test_bias_or_allowed_token_outside_the_vocab_fails_before_anything_runs(llm:
     for params in (SamplingParams(logit_bias={10_000: 1.0}), SamplingParams(allowed_token_ids=(1, 10_000))):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate([[1, 2], [3, 4]], [GREEDY, params])
-    assert not llm.scheduler.has_work()
+    assert not llm.engine.scheduler.has_work()
 
 
 def test_bad_configs_fail_with_clear_errors(v3_dir) -> None:
@@ -150,7 +150,7 @@ def test_step_preparation_runs_on_one_thread_and_the_model_on_the_pool(v3_dir, m
 
     llm = LLM(v3_dir, backend="torch_ref", block_size=16)
     seen: dict[str, list[int]] = {"metadata": [], "logits": []}
-    metadata, logits = ModelRunner._metadata, type(llm.runner.model).compute_logits
+    metadata, logits = ModelRunner._metadata, type(llm.engine.runner.model).compute_logits
 
     def spy_metadata(self, chunks):
         seen["metadata"].append(torch.get_num_threads())
@@ -161,7 +161,7 @@ def test_step_preparation_runs_on_one_thread_and_the_model_on_the_pool(v3_dir, m
         return logits(self, hidden)
 
     monkeypatch.setattr(ModelRunner, "_metadata", spy_metadata)
-    monkeypatch.setattr(type(llm.runner.model), "compute_logits", spy_logits)
+    monkeypatch.setattr(type(llm.engine.runner.model), "compute_logits", spy_logits)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from jackfield import LLM, SamplingParams
@@ -20,10 +22,10 @@ def _run_rows(llm: LLM, chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
     """Logits of every query row, per chunk, through the engine's runner (decodes first)."""
     chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)
     for c in chunks:
-        llm.block_manager.grow(c.seq, c.seq.num_computed + c.num_tokens)
-    hidden, common = llm.runner.forward(chunks)
-    logits = llm.model.compute_logits(hidden)
-    starts = common.query_start_loc_cpu.tolist()
+        llm.engine.block_manager.grow(c.seq, c.seq.num_computed + c.num_tokens)
+    hidden = llm.engine.runner.forward(chunks)
+    logits = llm.engine.model.compute_logits(hidden)
+    starts = [0, *itertools.accumulate(c.num_tokens for c in chunks)]
     out = [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
     for c in chunks:
         c.seq.num_computed += c.num_tokens
@@ -84,11 +86,11 @@ def test_output_rows_finish_only_the_rows_asked_for(checkpoint) -> None:
             for i, n in enumerate([19, 40])]
     chunks = [ScheduledChunk(s, 12) for s in seqs]  # first chunks: the rest follows below
     for c in chunks:
-        llm.block_manager.grow(c.seq, c.num_tokens)
+        llm.engine.block_manager.grow(c.seq, c.num_tokens)
     rows = [3, 11, 12 + 7]  # a middle row, request 0's chunk end, a row of request 1
-    hidden, _ = llm.runner.forward(chunks, rows)
+    hidden = llm.engine.runner.forward(chunks, rows)
     assert hidden.shape[0] == len(rows)
-    got = llm.model.compute_logits(hidden)
+    got = llm.engine.model.compute_logits(hidden)
     want = torch.stack([_reference_logits(reference, seqs[0].token_ids[:12])[3],
                         _reference_logits(reference, seqs[0].token_ids[:12])[11],
                         _reference_logits(reference, seqs[1].token_ids[:12])[7]])

@@ -71,7 +71,7 @@ def test_pooled_embeddings_match_transformers_full_mask(variant: str, pooling: s
     hf_model, path = write(tmp_path, variant, pooling)
     config = read_hf_config(path)
     ours = model_class(config.architectures[0]).from_pretrained(path, config, TORCH_REF, torch.float32, "cpu")
-    assert ours.non_causal and not any(is_mla(layer) for layer in ours.kv_cache_layers)
+    assert not ours.capabilities.causal and not any(is_mla(layer) for layer in ours.kv_cache_layers)
     run = PagedRun(ours, block_size=4, num_blocks=8, causal=False)
     reqs = [run.add() for _ in PROMPTS]
     hidden = run.step(list(zip(reqs, PROMPTS, strict=True)))
@@ -89,7 +89,7 @@ def test_llm_embed_matches_transformers(tmp_path: Path) -> None:
     got = llm.embed(PROMPTS)
     assert got.shape == (2, SMALL["hidden_size"]) and got.dtype == torch.float32
     torch.testing.assert_close(got, hf_embeddings(hf_model, "mean"), atol=1e-4, rtol=1e-4)
-    assert llm.block_manager.num_free == llm.num_blocks  # every block handed back
+    assert llm.engine.block_manager.num_free == llm.engine.runner.kv.num_blocks  # every block handed back
 
 
 def test_causal_masking_would_change_the_answer(tmp_path: Path) -> None:
@@ -132,4 +132,4 @@ def test_llm_embed_refuses_a_prompt_over_the_step_budget(tmp_path: Path) -> None
     llm = LLM(path, backend="torch_ref", block_size=4, max_num_batched_tokens=6)
     with pytest.raises(ValueError, match="exceeds engine.max_num_batched_tokens"):
         llm.embed(PROMPTS)  # 9 tokens: embedding cannot chunk a prompt
-    assert llm.block_manager.num_free == llm.num_blocks
+    assert llm.engine.block_manager.num_free == llm.engine.runner.kv.num_blocks

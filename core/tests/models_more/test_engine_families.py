@@ -41,7 +41,7 @@ def assert_engine_matches_transformers(
 ) -> None:
     # a small token budget: the prompts span several chunks, mixed with other requests' decodes
     llm = LLM(path, block_size=4, max_num_batched_tokens=8, **(roles or {"backend": "torch_ref"}))
-    assert llm.runner.backends.split == bool(roles)
+    assert llm.engine.runner.backends.split == bool(roles)
     first = llm.generate(prompts, GREEDY)
     again = llm.generate(prompts, GREEDY)  # prefix-cache hits on the prompts' full blocks
     assert any(o.num_cached_tokens for o in again)

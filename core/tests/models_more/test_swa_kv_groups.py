@@ -45,7 +45,7 @@ def _llm(path: Path, budget_bytes: int) -> LLM:
 
 def _poison(llm: LLM) -> None:
     """Unwritten slots hold noise; the null block holds 1e4, so any weight on it shows."""
-    for cache in {id(c): c for c in llm.runner.kv_caches}.values():
+    for cache in {id(c): c for c in llm.engine.runner.kv_caches}.values():
         cache.normal_()
         cache[:, NULL_BLOCK] = 1e4
 
@@ -53,23 +53,23 @@ def _poison(llm: LLM) -> None:
 def _track_window_blocks(llm: LLM) -> list[int]:
     """Records, at every step, the most real blocks one window table of a running request holds."""
     peaks: list[int] = []
-    schedule = llm.scheduler.schedule
+    schedule = llm.engine.scheduler.schedule
 
     def spy():  # type: ignore[no-untyped-def]
         chunks = schedule()
-        windowed = [g for g, w in enumerate(llm.kv_groups.windows) if w is not None]
+        windowed = [g for g, w in enumerate(llm.engine.runner.kv.groups.windows) if w is not None]
         tables = [c.seq.block_tables[g] for c in chunks for g in windowed]
         peaks.append(max(sum(b != NULL_BLOCK for b in table) for table in tables))
         return chunks
 
-    llm.scheduler.schedule = spy  # type: ignore[method-assign]
+    llm.engine.scheduler.schedule = spy  # type: ignore[method-assign]
     return peaks
 
 
 def test_window_groups_match_transformers_with_chunked_prefill_and_preemption(swa_model) -> None:  # type: ignore[no-untyped-def]
     hf_model, path, prompts = swa_model
     llm = _llm(path, 50 * LAYER_BLOCK_BYTES)  # 50 block ids: too few for all three at once
-    assert llm.kv_groups.windows == (None, 3, 3, 3) and llm.num_blocks == 50
+    assert llm.engine.runner.kv.groups.windows == (None, 3, 3, 3) and llm.engine.runner.kv.num_blocks == 50
     _poison(llm)
     peaks = _track_window_blocks(llm)
     outs = llm.generate(prompts, GREEDY)
@@ -103,7 +103,7 @@ def test_the_same_budget_runs_without_preemption(swa_model) -> None:  # type: ig
     budget = 40 * 4 * LAYER_BLOCK_BYTES  # 40 blocks of the four layers: the three need 83
     assert _preemptions_with_one_shared_table(40, prompts) > 0
     llm = _llm(path, budget)
-    assert llm.num_blocks == 160  # a block id now holds one layer's block (four groups of one layer)
+    assert llm.engine.runner.kv.num_blocks == 160  # a block id now holds one layer's block (four groups of one layer)
     outs = llm.generate(prompts, GREEDY)
     assert [o.num_preemptions for o in outs] == [0, 0, 0]
     for prompt, out in zip(prompts, outs, strict=True):
@@ -114,8 +114,8 @@ def test_the_same_budget_runs_without_preemption(swa_model) -> None:  # type: ig
 def test_each_group_builds_its_metadata_once_a_step_and_each_layer_reads_its_group(swa_model) -> None:  # type: ignore[no-untyped-def]
     _, path, prompts = swa_model
     llm = _llm(path, 400 * LAYER_BLOCK_BYTES)
-    builds = [0] * len(llm.kv_groups.windows)
-    for group, (builder, _) in enumerate(llm.runner.builders):
+    builds = [0] * len(llm.engine.runner.kv.groups.windows)
+    for group, (builder, _) in enumerate(llm.engine.runner.builders):
         build = builder.build
 
         def counted(common, for_capture=False, group=group, build=build):  # type: ignore[no-untyped-def]
@@ -123,17 +123,16 @@ def test_each_group_builds_its_metadata_once_a_step_and_each_layer_reads_its_gro
             return build(common, for_capture)
 
         builder.build = counted  # type: ignore[method-assign]
-    seqs = [llm._request(p, GREEDY) for p in prompts[:2]]
-    for seq in seqs:
-        llm.scheduler.add(seq)
+    for p in prompts[:2]:
+        llm.engine.add_request(p, GREEDY)
     for _ in range(30):  # into the windows: the groups' tables now differ
-        llm._step()
+        llm.engine.step()
     assert builds == [30] * 4
-    chunks = llm.scheduler.schedule()
-    context = llm.runner._step_context(llm.runner._metadata(chunks)[0])
-    for layer, group in enumerate(llm.kv_groups.layer_group):
+    chunks = llm.engine.scheduler.schedule()
+    context = llm.engine.runner._step_context(llm.engine.runner._metadata(chunks)[0])
+    for layer, group in enumerate(llm.engine.runner.kv.groups.layer_group):
         table = context.of_layer(layer).metadata.block_table  # type: ignore[union-attr]
         for row, chunk in enumerate(chunks):
             want = chunk.seq.block_tables[group]
             assert table[row, : len(want)].tolist() == want
-        assert (NULL_BLOCK in table[0].tolist()) == (llm.kv_groups.windows[group] is not None)
+        assert (NULL_BLOCK in table[0].tolist()) == (llm.engine.runner.kv.groups.windows[group] is not None)

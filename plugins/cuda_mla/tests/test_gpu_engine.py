@@ -126,8 +126,8 @@ def _generate(
             "engine.max_num_batched_tokens": step_tokens,
         },
     )
-    assert (llm.cuda_graphs_off is None) == graphs, llm.cuda_graphs_off
-    assert (llm.prefill_graphs_off is None) == graphs, llm.prefill_graphs_off
+    assert (llm.engine.runner.decode_graphs_off is None) == graphs, llm.engine.runner.decode_graphs_off
+    assert (llm.engine.runner.prefill_graphs_off is None) == graphs, llm.engine.runner.prefill_graphs_off
     outs = llm.generate(prompts, params)
     del llm
     torch.cuda.empty_cache()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-from jackfield.config import JackfieldConfig, load_config
+from jackfield.config import JackfieldConfig, load_config, unsupported_features
 from jackfield.plugins import Registry, get_registry
 from jackfield.requirements import attention_requirements, read_config_json
 from jackfield.selection import SelectionError, resolve_attention, select_attention_backend
@@ -46,8 +46,6 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
     problems += _check_named(registry, "sampler", config.sampler.name, "sampler.name")
     problems += _check_named(registry, "drafter", config.speculative.method, "speculative.method")
     problems += _check_named(registry, "kv_connector", config.kv_connector.name, "kv_connector.name")
-    from jackfield.engine.llm import unsupported_features
-
     problems += unsupported_features(config)
     try:
         hf_config = _model_hf_config(config)

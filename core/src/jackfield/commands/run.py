@@ -62,7 +62,8 @@ def main(args: argparse.Namespace) -> int:
     outputs = llm.generate(prompts, params, progress=lambda done, _: done > bar.n and bar.update(done - bar.n))
     elapsed = time.perf_counter() - start
     bar.close()
-    backends = {role: {"name": c.name, "reason": c.reason} for role, c in llm.backend_choices.items()}
+    engine = llm.engine
+    backends = {role: {"name": c.name, "reason": c.reason} for role, c in llm.engine.backend_choices.items()}
     generated = sum(len(o.token_ids) for o in outputs)
     first = min(o.timings.time_to_first_token_s for o in outputs)
     decode_time = elapsed - first
@@ -79,16 +80,16 @@ def main(args: argparse.Namespace) -> int:
              "finish_reason": o.finish_reason, "seed": o.seed}
             for p, o in zip(prompts, outputs, strict=True)
         ]
-        print(json.dumps({"model": str(llm.model_dir), "device": str(llm.device), "dtype": str(llm.dtype),
-                          "backends": backends, "cuda_graphs_off_reason": llm.cuda_graphs_off,
-                          "prefill_graphs_off_reason": llm.prefill_graphs_off, "outputs": results, "summary": summary}, indent=2))
+        print(json.dumps({"model": str(engine.model_dir), "device": str(engine.device), "dtype": str(engine.capabilities.dtype),
+                          "backends": backends, "cuda_graphs_off_reason": engine.runner.decode_graphs_off,
+                          "prefill_graphs_off_reason": engine.runner.prefill_graphs_off, "outputs": results, "summary": summary}, indent=2))
         return 0
-    print(f"model: {llm.model_dir} ({llm.device}, {str(llm.dtype).removeprefix('torch.')})")
+    print(f"model: {engine.model_dir} ({engine.device}, {str(engine.capabilities.dtype).removeprefix('torch.')})")
     for role, choice in backends.items():
         print(f"{role} attention: {choice['name']} ({choice['reason']})")
-    graphs = "on" if llm.cuda_graphs_off is None else f"off: {llm.cuda_graphs_off}"
+    graphs = "on" if engine.runner.decode_graphs_off is None else f"off: {engine.runner.decode_graphs_off}"
     print(f"decode CUDA graphs: {graphs}")
-    pieces = "on" if llm.prefill_graphs_off is None else f"off: {llm.prefill_graphs_off}"
+    pieces = "on" if engine.runner.prefill_graphs_off is None else f"off: {engine.runner.prefill_graphs_off}"
     print(f"prefill CUDA graphs (pieces between attention calls): {pieces}")
     for prompt, out in zip(prompts, outputs, strict=True):
         print(f"\n--- {prompt!r} ({out.finish_reason})")
@@ -101,14 +102,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _embed(llm: LLM, prompts: list[str], as_json: bool) -> int:
+    engine = llm.engine
     start = time.perf_counter()
     vectors = llm.embed(prompts)
     elapsed = time.perf_counter() - start
     if as_json:
-        print(json.dumps({"model": str(llm.model_dir), "pooling": llm.pooling, "dim": vectors.shape[1],
+        print(json.dumps({"model": str(engine.model_dir), "pooling": engine.pooling, "dim": vectors.shape[1],
                           "embeddings": vectors.tolist(), "total_s": round(elapsed, 4)}))
         return 0
-    print(f"model: {llm.model_dir} ({llm.device}), pooling {llm.pooling}, dim {vectors.shape[1]}")
+    print(f"model: {engine.model_dir} ({engine.device}), pooling {engine.pooling}, dim {vectors.shape[1]}")
     for prompt, vector in zip(prompts, vectors, strict=True):
         head = ", ".join(f"{v:.4f}" for v in vector[:6].tolist())
         print(f"{prompt!r}: [{head}, ...] norm {float(vector.norm()):.4f}")

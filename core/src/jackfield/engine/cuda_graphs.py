@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
+from jackfield.contracts.model import ModelFamily
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import StepContext
 from jackfield.ops.staging import CpuGpuBuffer, async_tensor_h2d
@@ -37,7 +37,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """One CUDA graph of the model's forward per captured batch size (decode rows only)."""
 
-    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], builder: AttentionMetadataBuilder,
+    def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor], builder: AttentionMetadataBuilder,
                  split_roles: bool, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  device: torch.device) -> None:
         self.model, self.kv_caches, self.builder = model, kv_caches, builder
@@ -77,7 +77,9 @@ class DecodeGraphs:
         """A step of sampling decodes only (one row each, every row samples, so the step ends in
         the token read-back), no larger than the largest captured batch. A one-token slice of a
         chunked prefill does not sample: such a step runs eagerly."""
-        return len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 and c.samples for c in chunks)
+        return len(chunks) <= self.sizes[-1] and all(
+            c.num_tokens == 1 and c.samples and c.seq.pooling is None for c in chunks
+        )
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """The step's final hidden states [len(chunks), D] (a view of the graph's output buffer,

@@ -1,27 +1,31 @@
 """One engine step on the device: stage inputs, build attention metadata once, forward, sample.
 
-Logits are computed only for rows that sample (the last row of each chunk that reaches the end
-of its request's known tokens).
+The runner owns what the device holds for the model: the KV cache (sized from the budget) and the
+CUDA graphs of decode steps and of prefill pieces, recorded at start-up where they apply. Logits
+are computed only for rows that sample (the last row of each chunk that reaches the end of its
+request's known tokens); an embedding request's rows are pooled instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from jackfield.attention.metadata import split_decode_prefill
+from jackfield.config import EngineConfig
 from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
+from jackfield.contracts.model import ModelFamily
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.engine.cuda_graphs import DecodeGraphs
-from jackfield.engine.kv_groups import KVCacheGroups
+from jackfield.engine.kv_cache import KVCache
 from jackfield.engine.piecewise_graphs import PiecewiseGraphs
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import AttentionBackends, StepContext
+from jackfield.models.embedding import pool
 from jackfield.ops.staging import async_tensor_h2d, host_single_threaded
 from jackfield.sampling.processors import bias_and_mask_from_params
 
@@ -30,6 +34,7 @@ from jackfield.sampling.processors import bias_and_mask_from_params
 class StepResult:
     token_ids: list[int]  # one per sampling chunk, in chunk order
     logprobs: list[dict[int, float] | None]
+    embeddings: list[torch.Tensor]  # one [hidden] float32 per pooling chunk, in chunk order
 
 
 def greedy(logits: torch.Tensor) -> SamplerOutput:
@@ -41,17 +46,72 @@ def greedy(logits: torch.Tensor) -> SamplerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, backends: AttentionBackends, sampler: Sampler,
-                 kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
-                 groups: KVCacheGroups) -> None:
-        """`kv_caches`: one per layer (with several KV cache groups, a tensor serves one layer of each)."""
-        self.model, self.backends, self.sampler = model, backends, sampler
-        self.kv_caches, self.block_size, self.device = kv_caches, block_size, device
-        self.groups = groups
+    def __init__(self, model: ModelFamily, backends: AttentionBackends, sampler: Sampler, engine: EngineConfig,
+                 max_model_len: int, device: torch.device, say: Callable[[str], None]) -> None:
+        self.model, self.backends, self.sampler, self.device = model, backends, sampler, device
+        self.capabilities = model.capabilities
+        self.kv = KVCache.allocate(model.kv_cache_layers, engine, max_model_len, self.capabilities.dtype, device)
+        self.kv_caches, self.block_size, self.groups = self.kv.layer_caches, engine.block_size, self.kv.groups
         # (decode, prefill) builders per KV cache group, as vLLM: a builder may reuse its buffers per build
-        self.builders = [self._role_builders() for _ in groups.windows]
-        self.graphs: DecodeGraphs | None = None  # set by the engine when decode steps are captured
-        self.pieces: PiecewiseGraphs | None = None  # set by the engine when prefill pieces are captured
+        self.builders = [self._role_builders() for _ in self.groups.windows]
+        self.decode_graphs_off = self._decode_graphs_off_reason(engine)
+        self.prefill_graphs_off = self._prefill_graphs_off_reason(engine)
+        self.graphs = None if self.decode_graphs_off else self._capture_decode(engine, max_model_len, say)
+        self.pieces = None if self.prefill_graphs_off else self._capture_pieces(engine, say)
+
+    def _graphs_off_reason(self, engine: EngineConfig) -> str | None:
+        """What rules out every CUDA graph of the model's forward."""
+        caps = self.capabilities
+        if self.device.type != "cuda":
+            return f"the device is {self.device.type}"
+        if not engine.cuda_graphs:
+            return "engine.cuda_graphs = false"
+        if not caps.causal:
+            return "the model is bidirectional (no decode steps)"
+        if not caps.cuda_graph_safe:
+            return (f"{type(self.model).__name__} cannot be recorded here (a host sync in its forward, "
+                    "e.g. MoE experts without bf16 grouped matmuls on compute capability >= 9.0)")
+        if self.groups.hybrid:
+            return "the model has several KV cache groups (sliding-window layers)"
+        return None
+
+    def _decode_graphs_off_reason(self, engine: EngineConfig) -> str | None:
+        """Why decode steps run eagerly (None: they are replayed from CUDA graphs)."""
+        reason = self._graphs_off_reason(engine)
+        if reason is None and self.backends.decode.capabilities.cuda_graph == "never":
+            return f"decode backend {self.backends.decode.name} declares cuda_graph = never"
+        return reason
+
+    def _prefill_graphs_off_reason(self, engine: EngineConfig) -> str | None:
+        """Why prefill and mixed steps run eagerly (None: their pieces between attention calls
+        are replayed from CUDA graphs; attention itself always runs eagerly)."""
+        reason = self._graphs_off_reason(engine)
+        if reason is None and engine.prefill_graph_max_tokens == 0:
+            return "engine.prefill_graph_max_tokens = 0"
+        return reason
+
+    def _capture_decode(self, engine: EngineConfig, max_model_len: int, say: Callable[[str], None]) -> DecodeGraphs:
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.builders[0][0], self.backends.split,
+                              self.kv.num_blocks, self.block_size, max_model_len, engine.max_num_seqs, self.device)
+        try:
+            graphs.capture(say)
+        except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
+            raise RuntimeError(f"recording decode CUDA graphs with attention backend {self.backends.decode.name} "
+                               f"failed ({exc}); set engine.cuda_graphs = false to decode eagerly") from exc
+        return graphs
+
+    def _capture_pieces(self, engine: EngineConfig, say: Callable[[str], None]) -> PiecewiseGraphs:
+        max_tokens = min(engine.max_num_batched_tokens, engine.prefill_graph_max_tokens)
+        pieces = PiecewiseGraphs(self.model, max_tokens, self.device)
+        try:
+            pieces.capture(say)
+        except RuntimeError as exc:  # a failed body makes capture_end raise its own error: name the first
+            cause = exc.__context__ or exc
+            raise RuntimeError(f"recording prefill CUDA graphs of {type(self.model).__name__} up to {max_tokens} "
+                               f"tokens failed ({cause}); lower engine.prefill_graph_max_tokens (or "
+                               "engine.gpu_memory_fraction) if memory ran out, or set it to 0 to run "
+                               "prefill steps eagerly") from exc
+        return pieces
 
     def _role_builders(self) -> tuple[AttentionMetadataBuilder, AttentionMetadataBuilder]:
         decode = self.backends.decode.metadata_builder()
@@ -87,7 +147,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
-            causal=not getattr(self.model, "non_causal", False),
+            causal=self.capabilities.causal,
         )
         bs = self.block_size
         per_group = []
@@ -122,7 +182,7 @@ class ModelRunner:
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
         params = [c.seq.params for c in sampling]
         asked = [p.logprobs for p in params if p.logprobs is not None]
-        bias, allowed = bias_and_mask_from_params(params, self.model.arch.vocab_size, self.device)
+        bias, allowed = bias_and_mask_from_params(params, self.capabilities.vocab_size, self.device)
         return SamplingMetadata(
             temperature=self._h2d([p.temperature for p in params], torch.float32),
             top_k=self._h2d([max(p.top_k, 0) for p in params], torch.int64),
@@ -136,10 +196,9 @@ class ModelRunner:
         )
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
-    def forward(self, chunks: list[ScheduledChunk], output_rows: list[int] | None = None,
-                ) -> tuple[torch.Tensor, AttentionMetadata]:
+    def forward(self, chunks: list[ScheduledChunk], output_rows: list[int] | None = None) -> torch.Tensor:
         """Final hidden states of `output_rows` of the step's flat batch (all rows when None),
-        writing every row's KV, and the step's metadata."""
+        writing every row's KV."""
         with host_single_threaded():
             per_group, input_ids, positions = self._metadata(chunks)
             context = self._step_context(per_group)
@@ -147,24 +206,27 @@ class ModelRunner:
             ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):
             hidden = self.pieces.run(ids, pos, context)  # every row (a recorded graph has no row choice)
-            return hidden if rows is None else hidden[rows], per_group[0]
-        return self.model(ids, pos, context, rows), per_group[0]
+            return hidden if rows is None else hidden[rows]
+        return self.model(ids, pos, context, rows)
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk]) -> StepResult:
-        sampling = [c for c in chunks if c.samples]
+        sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
+        pooling = [c for c in chunks if c.samples and c.seq.pooling is not None]
         if self.graphs is not None and self.graphs.fits(chunks):
             with host_single_threaded():  # the replay itself is GPU work
                 hidden = self.graphs.run(chunks)  # every row is a sampling decode (fits() checked it)
+            embeddings: list[torch.Tensor] = []
         else:
-            # The last layer finishes only the rows that sample (a prefill's last token): its
-            # output projection and MLP skip the rest of the prompt. A step that samples nothing
-            # (a middle prefill chunk) runs whole: its output is unused.
-            ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-            rows = [end - 1 for end, c in zip(ends, chunks, strict=True) if c.samples]
-            hidden, _ = self.forward(chunks, rows if 0 < len(rows) < ends[-1] else None)
+            # The last layer finishes only the rows that sample (a prefill's last token) or are
+            # pooled (an embedding request's rows): its output projection and MLP skip the rest.
+            # A step that samples nothing (a middle prefill chunk) runs whole: its output is unused.
+            rows = _output_rows(chunks)
+            hidden = self.forward(chunks, rows if 0 < len(rows) < sum(c.num_tokens for c in chunks) else None)
+            hidden = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+            hidden, embeddings = self._pool(chunks, hidden)
         if not sampling:
-            return StepResult([], [])
+            return StepResult([], [], embeddings)
         logits = self.model.compute_logits(hidden)
         if all(_plain_greedy(c.seq.params) for c in sampling):
             out = greedy(logits)
@@ -185,7 +247,36 @@ class ModelRunner:
                 k = chunk.seq.params.logprobs
                 if k is not None:
                     logprobs[i] = dict(zip(ids[i][:k], values[i][:k], strict=True))
-        return StepResult(token_ids, logprobs)
+        return StepResult(token_ids, logprobs, embeddings)
+
+    def _pool(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(the sampling rows of `hidden`, one pooled vector per pooling chunk). `hidden` holds
+        the rows `_output_rows` chose, in chunk order."""
+        sample_rows: list[int] = []
+        embeddings = []
+        start = 0
+        for chunk in chunks:
+            if chunk.samples and chunk.seq.pooling is not None:
+                n = chunk.num_tokens
+                embeddings.append(pool(hidden[start : start + n], [0, n], chunk.seq.pooling)[0])
+                start += n
+            elif chunk.samples:
+                sample_rows.append(start)
+                start += 1
+        return (hidden if not embeddings else hidden[sample_rows]), embeddings
+
+
+def _output_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """Rows of the step's flat batch whose final hidden states are used: a sampling chunk's last
+    row, every row of a pooling chunk (an embedding request runs whole in one step)."""
+    rows: list[int] = []
+    start = 0
+    for chunk in chunks:
+        end = start + chunk.num_tokens
+        if chunk.samples:
+            rows += range(start, end) if chunk.seq.pooling is not None else [end - 1]
+        start = end
+    return rows
 
 
 def _plain_greedy(params: SamplingParams) -> bool:

@@ -3,9 +3,9 @@
 A prefill step of a small model on a fast GPU is bound by the host as much as a decode step:
 hundreds of launches behind Python (on the H200, a 512-token prefill of the 8-layer bench model
 was ~17 ms of host time against ~3 ms of GPU work). Attention cannot be recorded (its metadata
-is data-dependent and read on the host), everything else can: a model that declares its forward
-in pieces (`embed`, `before_attention`, `attend`, `after_attention`, `final_norm`, as
-DeepseekForCausalLM does) runs as L + 1 graphs around L eager attention calls:
+is data-dependent and read on the host), everything else can: a model's forward is made of
+pieces (`embed`, `before_attention`, `attend`, `after_attention`, `final_norm`: the contract in
+contracts/model.py), so it runs as L + 1 graphs around L eager attention calls:
 
     graph 0:   embed, before_attention(0)
     graph i:   after_attention(i - 1), before_attention(i)          (1 <= i < L)
@@ -17,7 +17,8 @@ attention (it sees the step's rows only), so they cost arithmetic, not correctne
 copies what it leaves behind into static buffers sized once for the largest step (the residual
 stream in two alternating buffers, the attention inputs, the final hidden states), so a graph
 holds no tensor of its own after capture: the pool holds one piece's temporaries, not
-layers x sizes of them. The pieces need no host sync (the engine checks `cuda_graph_safe`).
+layers x sizes of them. The pieces need no host sync (the engine checks the model's
+`cuda_graph_safe` capability).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from torch import nn
 
+from jackfield.contracts.model import ModelFamily
 from jackfield.models.attention import StepContext
 
 
@@ -39,26 +40,20 @@ def piece_sizes(max_tokens: int) -> list[int]:
     return [*sizes, max_tokens]
 
 
-def is_piecewise(model: nn.Module) -> bool:
-    """The model's own class declares (`forward_in_pieces`) that its forward is exactly its pieces
-    around the attention calls: num_attention_layers, attention_output_shape, embed,
-    before_attention, attend, after_attention, final_norm. Not inherited: a subclass that changes
-    the forward must not be replayed from its parent's pieces unless it says so itself."""
-    return bool(type(model).__dict__.get("forward_in_pieces", False))
-
-
 class PiecewiseGraphs:
     """Per recorded token count, the L + 1 graphs of the pieces between attention calls."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, device: torch.device, record: bool = True) -> None:
+    def __init__(self, model: ModelFamily, max_tokens: int, device: torch.device, record: bool = True) -> None:
         """record=False runs the same pieces over the same static buffers without graphs (on any
         device): the data flow of a replay, checkable where CUDA graphs are not."""
         self.model, self.max_tokens, self.device, self.record = model, max_tokens, device, record
         self.sizes = piece_sizes(max_tokens)
+        self.num_layers = model.capabilities.num_layers
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         # each attention call's output, which the next piece reads (zeros until the first step)
-        self.attn_out = torch.zeros(max_tokens, *model.attention_output_shape, dtype=model.dtype, device=device)
+        self.attn_out = torch.zeros(max_tokens, *model.attention_output_shape, dtype=model.capabilities.dtype,
+                                    device=device)
         # made at the first (largest, eager) run, when the pieces' output shapes are known
         self.residual: tuple[torch.Tensor, torch.Tensor] | None = None  # piece i writes [i % 2]
         self.attn_inputs: tuple[torch.Tensor, ...] = ()
@@ -85,7 +80,7 @@ class PiecewiseGraphs:
     def _keep(self, i: int, outputs: tuple[torch.Tensor, ...]) -> None:
         """Copy piece i's outputs into the static buffers (made from the first outputs seen)."""
         size = outputs[0].shape[0]
-        if i == self.model.num_attention_layers:
+        if i == self.num_layers:
             if self.hidden is None:
                 self.hidden = self._static_like(outputs[0])
             self.hidden[:size].copy_(outputs[0])
@@ -105,7 +100,7 @@ class PiecewiseGraphs:
         else:
             assert self.residual is not None
             y = model.after_attention(i - 1, self.residual[(i - 1) % 2][:size], self.attn_out[:size])
-        if i == model.num_attention_layers:
+        if i == self.num_layers:
             self._keep(i, (model.final_norm(y),))
         else:
             self._keep(i, (y, *model.before_attention(i, y, positions)))
@@ -115,7 +110,7 @@ class PiecewiseGraphs:
         """Every piece at `size` tokens in order, eagerly (graph_pool None) or each recorded into a
         graph; attention is not run: the pieces read the static attention buffer as it is."""
         recorded = []
-        for i in range(self.model.num_attention_layers + 1):
+        for i in range(self.num_layers + 1):
             if graph_pool is None:
                 self._piece(i, size, positions)
                 continue
@@ -140,7 +135,7 @@ class PiecewiseGraphs:
         else:  # a new positions view: the RoPE rows are gathered again, as graph 0's replay does
             positions_view = self.positions[:size]
             pieces = [partial(self._piece, i, size, positions_view)
-                      for i in range(self.model.num_attention_layers + 1)]
+                      for i in range(self.num_layers + 1)]
         *before_attention, last = pieces
         for i, piece in enumerate(before_attention):
             piece()

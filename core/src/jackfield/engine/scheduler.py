@@ -66,9 +66,11 @@ class Scheduler:
                 index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            hits = self.blocks.match_prefix(seq)
+            # An embedding request runs whole in one step (bidirectional attention needs every
+            # token at once; pooling needs every row's output), so no prefix hit serves it.
+            hits = self.blocks.match_prefix(seq) if seq.pooling is None else [[] for _ in self.blocks.windows]
             count = min(seq.num_tokens - len(hits[0]) * self.blocks.block_size, budget)
-            if not self.blocks.can_admit(count, hits):
+            if (seq.pooling is not None and count < seq.num_tokens) or not self.blocks.can_admit(count, hits):
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.blocks.admit(seq, hits)

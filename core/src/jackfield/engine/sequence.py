@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from jackfield.contracts.sampler import SamplingParams
 
 
@@ -25,12 +27,14 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     seed: int
+    pooling: str | None = None  # an embedding request: its rows pooled so ("mean", "last", "cls"), no tokens
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV cache group; [] when none held
     num_cached_prefix: int = 0  # tokens served by the prefix cache on the first admission
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    embedding: torch.Tensor | None = None  # an embedding request's pooled vector [hidden] float32
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

@@ -5,27 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from jackfield.contracts.attention import KVCacheDType
+from jackfield.contracts.model import ModelFamily
 from jackfield.models.attention import AttentionBackends
 from jackfield.models.hf_config import architecture_of, read_hf_config
 from jackfield.plugins import get_registry
 from jackfield.specs import resolve_factory
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[ModelFamily]:
     """The registered class for an HF architecture name (a miss lists what is registered)."""
     entry = get_registry().lookup("model", architecture)
     cls = resolve_factory(entry.spec.factory)
-    if not (isinstance(cls, type) and hasattr(cls, "from_pretrained")):
-        raise TypeError(f"model {architecture!r} factory {entry.spec.factory!r} is not a model class")
+    if not (isinstance(cls, type) and issubclass(cls, ModelFamily)):
+        raise TypeError(f"model {architecture!r}: factory {entry.spec.factory!r} of {entry.distribution} is not "
+                        "a subclass of jackfield.contracts.model.ModelFamily")
     return cls
 
 
 def load_model(model_dir: str | Path, backends: AttentionBackends, dtype: torch.dtype, device: torch.device | str,
-               kv_cache_dtype: KVCacheDType = "auto") -> nn.Module:
+               kv_cache_dtype: KVCacheDType = "auto") -> ModelFamily:
     """Build the registered family for `model_dir`'s architecture and load its weights."""
     hf_config = read_hf_config(model_dir)
     cls = model_class(architecture_of(hf_config))
-    return cls.from_pretrained(model_dir, hf_config, backends, dtype, device, kv_cache_dtype)  # type: ignore[attr-defined]
+    return cls.from_pretrained(model_dir, hf_config, backends, dtype, device, kv_cache_dtype)

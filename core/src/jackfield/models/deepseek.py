@@ -7,6 +7,7 @@ impl (which splits it into W_UK / W_UV), then dropped.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
+from jackfield.contracts.model import ModelCapabilities, ModelFamily
 from jackfield.models.attention import AttentionBackends, RoleImpls, StepContext
 from jackfield.models.hf_config import DeepseekArch, deepseek_arch, rope_inv_freq
 from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
@@ -162,16 +164,8 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(ModelFamily):
     """Built from the transformers config; `from_pretrained` loads a local checkpoint directory."""
-
-    @property
-    def cuda_graph_safe(self) -> bool:
-        """A decode forward without host syncs or data-dependent shapes, which the engine may record
-        in a CUDA graph (engine/cuda_graphs.py): true where the experts run as grouped matmuls (the
-        per-expert loop reads group sizes on the host). A subclass adding a sync overrides this."""
-        moe = any(isinstance(layer.mlp, DeepseekMoE) for layer in self.model.layers)
-        return not moe or grouped_mm_supported(self.model.embed_tokens.weight.device, self.dtype)
 
     def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
                  kv_cache_dtype: KVCacheDType = "auto") -> None:
@@ -191,24 +185,30 @@ class DeepseekForCausalLM(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype)
 
+    @functools.cached_property
+    def capabilities(self) -> ModelCapabilities:
+        a = self.arch
+        return ModelCapabilities(
+            vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_layers=a.num_layers,
+            max_model_len=a.max_position_embeddings, dtype=self.dtype, causal=not a.non_causal,
+            cuda_graph_safe=self._cuda_graph_safe(), num_mtp_layers=a.num_mtp_layers,
+        )
+
+    def _cuda_graph_safe(self) -> bool:
+        """True where the experts run as grouped matmuls (the per-expert loop reads group sizes
+        on the host)."""
+        moe = any(isinstance(layer.mlp, DeepseekMoE) for layer in self.model.layers)
+        return not moe or grouped_mm_supported(self.model.embed_tokens.weight.device, self.dtype)
+
     def make_attention(self, index: int, backends: AttentionBackends) -> MLAAttention:
         """Layer `index`'s attention (a family variant overrides this)."""
         attn_cls = ExpandedMLAAttention if self.arch.non_causal else MLAAttention
         return attn_cls(self.arch, index, self.attention_spec, backends, self.dtype)
 
     @property
-    def non_causal(self) -> bool:
-        """Bidirectional attention (an embedding model): the engine builds non-causal metadata."""
-        return self.arch.non_causal
-
-    @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:
         """One attention layer spec per KV cache the model writes (the engine allocates them)."""
         return [self.attention_spec] * self.arch.num_layers
-
-    @property
-    def max_model_len(self) -> int:
-        return self.arch.max_position_embeddings
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_config: PretrainedConfig, backends: AttentionBackends,
@@ -221,26 +221,6 @@ class DeepseekForCausalLM(nn.Module):
         for layer in model.model.layers:
             layer.self_attn.finish_loading()
         return model.eval()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states (normed) of `output_rows` [rows, D]
-        (all T rows when None). Every layer writes the KV of all T rows; the last one computes
-        its attention output projection and MLP for the output rows only."""
-        x = self.embed(input_ids)
-        last = self.num_attention_layers - 1
-        for i in range(last + 1):
-            attn_out = self.attend(i, step, self.before_attention(i, x, positions))
-            x = self.after_attention(i, x, attn_out, output_rows if i == last else None)
-        return self.final_norm(x)
-
-    # The forward in pieces around the attention calls (engine/piecewise_graphs.py replays the
-    # pieces between them from CUDA graphs). The forward above is made of these very pieces.
-    forward_in_pieces = True
-
-    @property
-    def num_attention_layers(self) -> int:
-        return self.arch.num_layers
 
     @property
     def attention_output_shape(self) -> tuple[int, int]:

@@ -130,9 +130,8 @@ class SparseMLAAttention(MLAAttention):
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
-    @property
-    def cuda_graph_safe(self) -> bool:
-        return False  # the indexer's top-k path is not checked for host syncs
+    def _cuda_graph_safe(self) -> bool:
+        return False  # the indexer's top-k path reads lengths on the host
 
     def __init__(
         self,

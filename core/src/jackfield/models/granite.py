@@ -11,6 +11,7 @@ are fused (gate ‖ up) or stacked (experts); GRANITE_WEIGHTS maps both the olde
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
+from jackfield.contracts.model import ModelCapabilities, ModelFamily
 from jackfield.models.attention import AttentionBackends, RoleImpls, StepContext
 from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
 from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
@@ -74,20 +76,26 @@ class GQAAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(h, dtype=dtype), False) if arch.sinks else None
         self.attn = RoleImpls(backends, spec)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, step: StepContext,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention over every row (each writes its KV); the output of `output_rows` (all when None)."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [T, H, hd], k and v [T, H_kv, hd] (q and k roped)."""
         a, t = self.arch, x.shape[0]
         q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
         k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
         v = self.v_proj(x).view(t, a.num_kv_heads, a.head_dim)
         if rope is not None:  # None: a NoPE layer
             q, k = rope(q, positions), rope(k, positions)
+        return q, k, v
+
+    def attend(self, step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention backend's part: writes every row's KV, returns [T, H, hd]."""
         sinks = {} if self.sinks is None else {"sinks": self.sinks.float()}
-        out = select_rows(self.attn.run(step, self.index, q, k, v, **sinks), output_rows)
-        return self.o_proj(out.reshape(out.shape[0], a.num_heads * a.head_dim))
+        return self.attn.run(step, self.index, q, k, v, **sinks)
+
+    def output(self, out: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj of the attention output's `output_rows` (all rows when None)."""
+        out = select_rows(out, output_rows)
+        return self.o_proj(out.reshape(out.shape[0], self.arch.num_heads * self.arch.head_dim))
 
 
 class GraniteMoE(nn.Module):
@@ -136,17 +144,14 @@ class DecoderLayer(nn.Module):
         out = self.block_sparse_moe(x)
         return out if self.shared_mlp is None else out + self.shared_mlp(x)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, step: StepContext,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The layer's output for `output_rows` of x (all rows when None)."""
-        attn = self.self_attn(self.input_layernorm(x), positions, rope, step, output_rows)
-        x = select_rows(x, output_rows) + attn * self.residual_multiplier
+    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor, output_rows: torch.Tensor | None = None,
+                        ) -> torch.Tensor:
+        """The layer's output for `output_rows` of x (all rows when None), from its attention output."""
+        x = select_rows(x, output_rows) + self.self_attn.output(attn_out, output_rows) * self.residual_multiplier
         return x + self._mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
 
 
-class GraniteForCausalLM(nn.Module):
+class GraniteForCausalLM(ModelFamily):
     """Serves every architecture `granite_arch` accepts; `from_pretrained` loads a local checkpoint."""
 
     def __init__(
@@ -195,9 +200,14 @@ class GraniteForCausalLM(nn.Module):
         """One attention layer spec per KV cache the model writes (the engine allocates them)."""
         return list(self.layer_specs)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.arch.max_position_embeddings
+    @functools.cached_property
+    def capabilities(self) -> ModelCapabilities:
+        a = self.arch
+        # cuda_graph_safe stays False until the standard-attention GPU path is measured with
+        # graphs (the engine then runs every Granite/Llama step eagerly, as before).
+        return ModelCapabilities(vocab_size=a.vocab_size, hidden_size=a.hidden_size,
+                                 num_layers=len(self.layer_specs), max_model_len=a.max_position_embeddings,
+                                 dtype=self.dtype)
 
     @classmethod
     def from_pretrained(
@@ -216,14 +226,25 @@ class GraniteForCausalLM(nn.Module):
         )
         return model.eval()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states (normed) of `output_rows` [rows, D]
-        (all T rows when None); the last layer computes its outputs for those rows only."""
-        x = F.embedding(input_ids, self.model.embed_tokens.weight) * self.arch.embedding_multiplier
-        last = len(self.model.layers) - 1
-        for i, (layer, rope) in enumerate(zip(self.model.layers, self.rope_of_layer, strict=True)):
-            x = layer(x, positions, None if rope is None else self.ropes[rope], step, output_rows if i == last else None)
+    @property
+    def attention_output_shape(self) -> tuple[int, int]:
+        return self.arch.num_heads, self.arch.head_dim
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.model.embed_tokens.weight) * self.arch.embedding_multiplier
+
+    def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        layer, rope = self.model.layers[i], self.rope_of_layer[i]
+        return layer.self_attn.project(layer.input_layernorm(x), positions, None if rope is None else self.ropes[rope])
+
+    def attend(self, i: int, step: StepContext, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.model.layers[i].self_attn.attend(step, *inputs)
+
+    def after_attention(self, i: int, x: torch.Tensor, attn_out: torch.Tensor,
+                        output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.layers[i].after_attention(x, attn_out, output_rows)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,183 @@
+"""The engine: backends chosen, model loaded, and the step loop over token ids.
+
+One step (docs/architecture.md, "The step loop"): the scheduler picks this step's chunks
+(decodes, prefill chunks, whole embedding prompts) -> the runner stages them, builds the
+attention metadata once, runs the forward, and samples (or pools) -> the engine appends tokens,
+commits full blocks to the prefix cache and finishes requests. Speculative verification, KV
+connector loads/saves and tensor parallelism enter at those points, nowhere else.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from jackfield.config import ConfigError, JackfieldConfig, unsupported_features
+from jackfield.contracts.sampler import Sampler, SamplingParams
+from jackfield.engine.block_manager import BlockManager, max_request_blocks
+from jackfield.engine.model_runner import ModelRunner
+from jackfield.engine.scheduler import Scheduler
+from jackfield.engine.sequence import Sequence
+from jackfield.engine.tokenizer import load_tokenizer
+from jackfield.models import load_model
+from jackfield.models.attention import AttentionBackends
+from jackfield.models.default_model import default_model_dir
+from jackfield.models.embedding import pooling_of
+from jackfield.plugins import get_registry
+from jackfield.requirements import attention_requirements, read_config_json, resolve_device, resolve_dtype
+from jackfield.sampling.processors import check_named_tokens
+from jackfield.selection import BackendChoice, resolve_attention
+from jackfield.specs import resolve_factory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class Engine:
+    def __init__(self, config: JackfieldConfig, say: Callable[[str], None]) -> None:
+        problems = unsupported_features(config)
+        if problems:
+            raise ConfigError(problems)
+        self.config = config
+        sampler = _sampler(config)  # a config naming a missing sampler fails before any loading
+        self.device = torch.device(resolve_device(config))
+        if config.model.path is None:
+            say("creating the embedded default model")
+        self.model_dir = Path(config.model.path) if config.model.path else default_model_dir()
+        config_json = read_config_json(self.model_dir)  # read once: requirements, eos, pooling
+        self.backend_choices: dict[str, BackendChoice] = resolve_attention(
+            config, attention_requirements(config_json, config))
+        backends = AttentionBackends(prefill=self.backend_choices["prefill"].backend,
+                                     decode=self.backend_choices["decode"].backend)
+        say(f"loading {self.model_dir}")
+        dtype = resolve_dtype(config, self.device.type)
+        self.model = load_model(self.model_dir, backends, dtype, self.device, config.attention.kv_cache_dtype)
+        self.capabilities = self.model.capabilities
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = _eos_ids(config_json, self.tokenizer)
+        self.pooling = pooling_of(config_json)
+        engine = config.engine
+        if engine.max_model_len is not None and engine.max_model_len > self.capabilities.max_model_len:
+            raise ConfigError([f"engine.max_model_len {engine.max_model_len} exceeds the model's "
+                               f"max_position_embeddings {self.capabilities.max_model_len}"])
+        self.max_model_len = engine.max_model_len or self.capabilities.max_model_len
+        self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say)
+        kv = self.runner.kv
+        # A bidirectional model's KV depends on later tokens: no prefix of it can be reused.
+        prefix_caching = engine.enable_prefix_caching and self.capabilities.causal
+        self.block_manager = BlockManager(kv.num_blocks, engine.block_size, prefix_caching, kv.groups.windows)
+        self.scheduler = Scheduler(self.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens)
+        self._seeds = random.Random(config.sampler.seed)
+        self._next_id = 0
+        if self.device.type == "cuda" and self.capabilities.causal:
+            say("warming up")
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One short sampled request through prefill and decode, so kernel compiles (Triton) and
+        library plan builds happen at start-up, not in the first request's time to first token.
+        It leaves nothing behind: it never fills a block (so the prefix cache keeps nothing), its
+        blocks are freed and request ids start at 0 again."""
+        length = min(self.config.engine.block_size, self.max_model_len) - 2
+        if length < 1:
+            return
+        self.add_request([0] * length, SamplingParams(temperature=1.0, seed=0, max_tokens=2, ignore_eos=True))
+        while self.scheduler.has_work():
+            self.step()
+        self._next_id = 0
+
+    def add_request(self, token_ids: list[int], params: SamplingParams, pooling: str | None = None) -> Sequence:
+        """Queue a request (pooling: an embedding request, run whole in one step)."""
+        self.check_request(token_ids, params, pooling)
+        seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
+        seq = Sequence(self._next_id, len(token_ids), list(token_ids), params, seed, pooling=pooling)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    def check_request(self, token_ids: list[int], params: SamplingParams, pooling: str | None = None) -> None:
+        """Every reason a request cannot run, raised before it touches the engine's state."""
+        vocab, engine = self.capabilities.vocab_size, self.config.engine
+        if not token_ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room under max_model_len "
+                             f"{self.max_model_len}")
+        if pooling is None and not self.capabilities.causal:
+            raise ValueError(f"{self.model_dir} is a bidirectional (is_causal=false) model: use LLM.embed, "
+                             "not generate")
+        if pooling is not None and len(token_ids) > engine.max_num_batched_tokens:
+            raise ValueError(f"a prompt of {len(token_ids)} tokens exceeds engine.max_num_batched_tokens "
+                             f"({engine.max_num_batched_tokens}): embedding runs each prompt whole in one step")
+        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        needed = max_request_blocks(self.runner.kv.groups.windows, engine.block_size, total,
+                                    engine.max_num_batched_tokens)
+        if needed > self.block_manager.num_usable:
+            raise ValueError(f"a request of {len(token_ids)} + {params.max_tokens} tokens needs {needed} KV blocks; "
+                             f"the cache has {self.block_manager.num_usable} (raise the KV budget)")
+        check_named_tokens(params, vocab)
+
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the requests it finished."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            raise RuntimeError("scheduler made no progress (a request cannot fit the KV cache)")
+        result = self.runner.step(chunks)
+        now = time.perf_counter()
+        finished = []
+        sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
+        pooled = iter(result.embeddings)
+        for chunk in chunks:
+            seq, samples = chunk.seq, chunk.samples  # `samples` reads num_computed: before the update
+            seq.num_computed += chunk.num_tokens
+            self.block_manager.commit(seq)
+            if not samples:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.pooling is not None:
+                seq.embedding = next(pooled)
+                reason: str | None = "pooled"
+            else:
+                token, logprobs = next(sampled)
+                seq.token_ids.append(token)
+                if logprobs is not None:
+                    seq.logprobs.append(logprobs)
+                reason = self._stop_reason(seq, token)
+            if reason:
+                seq.finish_time = now
+                self.scheduler.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+
+def _sampler(config: JackfieldConfig) -> Sampler:
+    try:
+        entry = get_registry().lookup("sampler", config.sampler.name)
+    except KeyError as exc:
+        raise ConfigError([f"sampler.name: {exc.args[0]}"]) from None
+    return resolve_factory(entry.spec.factory)()  # type: ignore[operator,return-value]
+
+
+def _eos_ids(config_json: dict[str, object], tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    eos = config_json.get("eos_token_id")
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return {int(i) for i in ids}
