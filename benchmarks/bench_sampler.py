@@ -7,7 +7,9 @@ Baselines from the same process: torch.multinomial(softmax(logits / T)) and the 
 and how many sub-blocks per row stage 2 recomputes. Then a sweep of launch shapes with each stage
 timed on its own (tokens must not change), a batch with greedy rows mixed in, and top-k 50 /
 top-p 0.9. Host-bound figures (eager calls, host time per call) are medians over repeats, with the
-kernels launched directly (launch.py) and through Triton's own dispatch, interleaved.
+kernels launched directly (jackfield.ops.launch) and through Triton's own dispatch, interleaved; the
+latter runs with a no-op Triton launch hook installed, which sends every launch there (as a
+profiler's hook does) and adds that hook's call to each launch.
 
     PYTHONPATH=core/src python3 benchmarks/bench_sampler.py [--no-sweep]
 """
@@ -23,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 from gpu_timing import host_us
-from jackfield.ops import launch
 from jackfield.sampling import sample
 from jackfield.sampling.filters_triton import filter_and_sample_triton
 from jackfield.sampling.gumbel_triton import (
@@ -84,16 +85,28 @@ def sync_wall_us(fn: Callable[[], object], calls: int = 200) -> float:
     return statistics.median(times)
 
 
+def no_hook(metadata: object) -> None:
+    """Installed as a Triton launch hook, it sends every launch through Triton's dispatch."""
+
+
+def through_triton_dispatch(measure: Callable[[], float]) -> float:
+    hooks = triton.knobs.runtime.launch_enter_hook
+    hooks.add(no_hook)
+    try:
+        return measure()
+    finally:
+        hooks.remove(no_hook)
+
+
 def direct_and_triton(measure: Callable[[], float]) -> tuple[float, float]:
     """Medians over REPEATS of `measure` with direct launches and through Triton's dispatch,
     interleaved so that both see the same host."""
-    figures: dict[bool, list[float]] = {True: [], False: []}
+    direct: list[float] = []
+    dispatched: list[float] = []
     for _ in range(REPEATS):
-        for direct in (True, False):
-            launch.direct_launch_enabled = direct
-            figures[direct].append(measure())
-    launch.direct_launch_enabled = True
-    return statistics.median(figures[True]), statistics.median(figures[False])
+        direct.append(measure())
+        dispatched.append(through_triton_dispatch(measure))
+    return statistics.median(direct), statistics.median(dispatched)
 
 
 def copy_bandwidth() -> float:

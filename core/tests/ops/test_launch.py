@@ -13,7 +13,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from jackfield.ops import launch
 from jackfield.ops.launch import DirectLauncher
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -60,7 +59,6 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DirectLauncher, 
     monkeypatch.setattr(launcher, "kernel", dispatch)
     monkeypatch.setattr(launcher, "_stream_of", lambda device: 1000 + device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(launch, "direct_launch_enabled", True)
     yield launcher, dispatch
 
 
@@ -121,15 +119,6 @@ def test_anything_triton_specializes_on_compiles_through_triton(recorded, monkey
     launcher((1,), *args, **kwargs)  # now kept under its own key
     assert len(dispatch.calls) == 2 and launcher.direct_launches == 1
     assert len(dispatch.compiled[1].runs) == 1 and not dispatch.compiled[0].runs
-
-
-def test_switched_off_every_launch_goes_through_triton(recorded, monkeypatch) -> None:
-    launcher, dispatch = recorded
-    monkeypatch.setattr(launch, "direct_launch_enabled", False)
-    x, out = fresh(32), torch.empty(32)
-    for _ in range(3):
-        launcher((2,), x, out, 32, 2.0, BLOCK=16, FLAG=False)
-    assert len(dispatch.calls) == 3 and launcher.direct_launches == 0
 
 
 def test_installed_launch_hooks_take_triton_s_path(recorded) -> None:

@@ -23,7 +23,6 @@ from jackfield_cpu_amx.backend import CpuAmxMLAImpl, compute_dtype
 from jackfield_cpu_amx.capabilities import AmxStatus, availability, is_amx_bmm_enabled, read_cpu_flags
 from jackfield_cpu_amx.native import (
     AVX512_FLAGS,
-    NATIVE_ENV,
     NativeKernel,
     decode_kernel_name,
     native_decode_kernel,
@@ -273,20 +272,13 @@ def test_layout_splits_keys_for_every_thread_and_checks_the_table() -> None:
 
 
 @pytest.mark.parametrize(
-    "env,enabled,flags,expect",
+    "enabled,flags,expect",
     [
-        ("0", True, AVX512_FLAGS, "turned off by JACKFIELD_CPU_AMX_NATIVE=0"),
-        (None, False, AVX512_FLAGS, "no AMX tiles (faked refusal)"),
-        (None, True, ("avx512f",), "the CPU lacks avx512bw, avx512vl, avx512_bf16"),
+        (False, AVX512_FLAGS, "no AMX tiles (faked refusal)"),
+        (True, ("avx512f",), "the CPU lacks avx512bw, avx512vl, avx512_bf16"),
     ],
 )
-def test_kernel_selection_says_why_not(
-    monkeypatch: pytest.MonkeyPatch, env: str | None, enabled: bool, flags: tuple[str, ...], expect: str
-) -> None:
-    if env is None:
-        monkeypatch.delenv(NATIVE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(NATIVE_ENV, env)
+def test_kernel_selection_says_why_not(enabled: bool, flags: tuple[str, ...], expect: str) -> None:
     kernel = select_native_kernel(AmxStatus(enabled, "faked refusal"), frozenset(flags))
     assert kernel == expect
     assert decode_kernel_name(kernel) == f"PyTorch flash kernel: {expect}"
@@ -295,7 +287,6 @@ def test_kernel_selection_says_why_not(
 def test_missing_compiler_keeps_the_pytorch_kernel_and_says_so(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.delenv(NATIVE_ENV, raising=False)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("JACKFIELD_CACHE", str(tmp_path))
     kernel = select_native_kernel(AmxStatus(True, "faked grant"), frozenset(AVX512_FLAGS))
@@ -313,7 +304,6 @@ def test_an_unusable_cache_or_library_keeps_the_pytorch_kernel(
 ) -> None:
     """Not only a failed compile: a cache that cannot be written (read-only home, a file in the
     way) or a library that will not load (noexec mount, truncated file) leave the PyTorch path."""
-    monkeypatch.delenv(NATIVE_ENV, raising=False)
     if failure == "cache is a file":
         (tmp_path / "file").write_text("")
         monkeypatch.setenv("JACKFIELD_CACHE", str(tmp_path / "file" / "below"))

@@ -3,8 +3,8 @@ takes, and the call through ctypes.
 
 The backend decodes with it when this process has the AMX tiles (capabilities.py), the source
 built, and the group fits (`unfit_reason`); otherwise with the PyTorch flash kernel
-(kernels.py), and `decode_kernel_name` says why. JACKFIELD_CPU_AMX_NATIVE=0 in the environment
-turns the native kernel off (read once per process), e.g. for an A/B on one machine.
+(kernels.py), and `decode_kernel_name` says why. An A/B of the two in one process passes a
+reason as `CpuAmxMLAImpl(native_kernel=...)`, which keeps that impl on the PyTorch kernels.
 
 The same source built with JF_EMULATE_TILES runs the kernel without AMX (tile operations as C
 loops) for tests on any AVX-512-BF16 CPU; the backend never picks that build itself.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -23,7 +22,6 @@ from jackfield_cpu_amx.capabilities import AmxStatus, detected_amx_status, read_
 from jackfield_cpu_amx.native_build import SOURCE_DIR, NativeBuildError, build_library
 from jackfield_cpu_amx.plan import NATIVE_MAX_Q_LEN, DecodeTables, NativeLayout
 
-NATIVE_ENV = "JACKFIELD_CPU_AMX_NATIVE"
 SOURCE = SOURCE_DIR / "mla_decode.c"
 # The AVX-512 subsets the source uses besides AMX (every AMX-BF16 CPU has them).
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -185,8 +183,6 @@ def unfit_reason(query: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
 
 def select_native_kernel(status: AmxStatus, cpu_flags: frozenset[str]) -> NativeKernel | str:
     """The AMX build of the kernel, or why the backend does without it."""
-    if os.environ.get(NATIVE_ENV, "1") == "0":
-        return f"turned off by {NATIVE_ENV}=0"
     if not status.enabled:
         return f"no AMX tiles ({status.reason})"
     missing = [flag for flag in AVX512_FLAGS if flag not in cpu_flags]
