@@ -37,3 +37,32 @@ def make_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MakeD
     reset_registry()
     for name in modules:
         sys.modules.pop(name, None)
+
+
+# The reference kernels registered a second time, under their own class and name.
+SECOND_REF = """
+import jackfield
+from jackfield.attention.torch_ref import TorchRefBackend
+from jackfield.builtins import TORCH_REF_CAPABILITIES
+from jackfield.specs import AttentionBackendSpec
+
+JACKFIELD_API = ">=1.0,<2"
+
+
+class SecondRef(TorchRefBackend):
+    name = "second_ref"
+
+
+@jackfield.hookimpl
+def register_attention_backends():
+    return [AttentionBackendSpec(name="second_ref", factory="second_ref_plugin:SecondRef",
+                                 capabilities=TORCH_REF_CAPABILITIES)]
+"""
+
+
+@pytest.fixture
+def second_ref(make_dist: MakeDist) -> str:
+    """Installs a backend "second_ref" (torch_ref's kernels, its own class), so the prefill and
+    decode roles can name different backends; returns its name."""
+    make_dist("jackfield-second-ref", "second_ref_plugin", SECOND_REF)
+    return "second_ref"

@@ -63,12 +63,30 @@ def test_mla_weights_are_checked_and_required() -> None:
         impl.process_weights_after_loading({"q_proj": torch.randn(2, 2)})
     with pytest.raises(ValueError, match=r"kv_b_proj must be \[16, 8\]"):
         impl.process_weights_after_loading({"kv_b_proj": torch.randn(8, 16)})
-    cache = allocate_kv_cache(MLA, 4, 2, torch.float32, "cpu")
-    with pytest.raises(RuntimeError, match="process_weights_after_loading"):
-        impl.forward(torch.randn(4, 2, 8), torch.randn(4, 8), torch.randn(4, 4), cache, _md())
+    cache = allocate_kv_cache(MLA, 4, 4, torch.float32, "cpu")
+    for role in (_md(num_decodes=0), _md((1, 1), num_decodes=2)):  # prefill (expanded), decode (absorbed)
+        t = role.num_tokens
+        with pytest.raises(RuntimeError, match="process_weights_after_loading"):
+            impl.forward(torch.randn(t, 2, 8), torch.randn(t, 8), torch.randn(t, 4), cache, role)
     impl.process_weights_after_loading({"kv_b_proj": torch.randn(16, 8)})
     with pytest.raises(ValueError, match=r"q must be \[T, 2, 8\]"):
         impl.forward(torch.randn(4, 2, 12), torch.randn(4, 8), torch.randn(4, 4), cache, _md())
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_mla_forward_refuses_decodes_and_prefills_together(sparse: bool) -> None:
+    """The engine divides an MLA batch by role; MLAImpl.forward serves one role and says so,
+    before it writes any KV."""
+    impl = TorchRefBackend.make_impl(MLA)
+    gen = torch.Generator().manual_seed(0)
+    impl.process_weights_after_loading({"kv_b_proj": torch.randn(16, 8, generator=gen)})
+    cache = allocate_kv_cache(MLA, 4, 2, torch.float32, "cpu").normal_(generator=gen)
+    before = cache.clone()
+    topk = {"topk_indices": torch.zeros(4, 2, dtype=torch.int32)} if sparse else {}
+    with pytest.raises(ValueError, match="one role's rows; got 1 decodes among 2 requests"):
+        impl.forward(torch.randn(4, 2, 8, generator=gen), torch.randn(4, 8, generator=gen),
+                     torch.randn(4, 4, generator=gen), cache, _md(), **topk)
+    assert torch.equal(cache, before)
 
 
 @pytest.mark.parametrize("layer", [MLA, MHA], ids=["mla", "mha"])
@@ -149,6 +167,7 @@ def test_split_decode_prefill() -> None:
     assert (
         prefill.block_table.tolist() == [[4, 5]] and prefill.num_decodes == 0 and prefill.max_query_len == 3
     )
+    assert decode.extra is not prefill.extra and decode.extra is not md.extra  # each half's own
     assert split_decode_prefill(md.replace(num_decodes=0, num_decode_tokens=0))[0] is None
     assert split_decode_prefill(md.replace(num_decodes=3, num_decode_tokens=6))[1] is None
     with pytest.raises(ValueError, match="disagree"):

@@ -1,5 +1,6 @@
-"""The MLA base memoizes per-step plans in metadata.extra, which split halves and `replace`d
-copies share: a plan is reused only for the very tensors and values it was built from."""
+"""The MLA base memoizes per-step plans (the expanded prefill's gather plan and visibility mask)
+in metadata.extra, which `replace`d copies share: a plan is reused only for the very tensors and
+values it was built from."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import torch
 from jackfield.attention import allocate_kv_cache
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
+from jackfield.models.attention import AttentionBackends, RoleImpls, StepContextBuilder
 
 BLOCK = 4
 Q_LENS, SEQ_LENS = [1, 2, 5], [6, 9, 5]  # a decode, a 2-token verify, a fresh prefill
@@ -148,8 +149,9 @@ def test_sparse_topk_attends_exactly_the_listed_positions() -> None:
 
 @pytest.mark.parametrize("num_decodes", [0, 1, 2, 3])
 def test_mla_forward_matches_expanded_float64_attention(num_decodes: int) -> None:
-    """Whatever rows go absorbed (decode) or expanded (prefill), forward equals the HF-style
-    computation: kv = kv_b_proj(kv_c) split into k_nope, v; k = k_nope ‖ k_pe; softmax(q·k)·v."""
+    """Whatever rows go absorbed (decode) or expanded (prefill), the layer's attention through the
+    engine's role split (StepContextBuilder, RoleImpls) equals the HF-style computation:
+    kv = kv_b_proj(kv_c) split into k_nope, v; k = k_nope ‖ k_pe; softmax(q·k)·v."""
     g = torch.Generator().manual_seed(2)
     h, lat, n, r, dv = 3, 16, 8, 4, 6
     layer = AttentionLayerSpec(
@@ -161,29 +163,32 @@ def test_mla_forward_matches_expanded_float64_attention(num_decodes: int) -> Non
         qk_rope_head_dim=r,
         v_head_dim=dv,
     )
-    impl = TorchRefBackend.make_impl(layer)
+    backends = AttentionBackends(prefill=TorchRefBackend, decode=TorchRefBackend)
+    impl = RoleImpls(backends, layer)
     w = torch.randn(h * (n + dv), lat, generator=g) * 0.3
     impl.process_weights_after_loading({"kv_b_proj": w})
     cache = allocate_kv_cache(layer, 8, BLOCK, torch.float32, "cpu")
-    md = _metadata(num_decodes=num_decodes)
+    step = StepContextBuilder(backends, [layer], [0]).build([cache], [_metadata(num_decodes=num_decodes)])
+    assert [part.role for part in step.parts(0)] == [*(["decode"] if num_decodes else []),
+                                                     *(["prefill"] if num_decodes < 3 else [])]
     kv_c = [torch.randn(s, lat, generator=g) for s in SEQ_LENS]
     k_pe = [torch.randn(s, r, generator=g) for s in SEQ_LENS]
     ctx = [TABLE[b][p // BLOCK] * BLOCK + p % BLOCK for b in range(3) for p in range(SEQ_LENS[b] - Q_LENS[b])]
     new = [torch.arange(s - q, s) for q, s in zip(Q_LENS, SEQ_LENS, strict=True)]
     old = [torch.arange(0, s - q) for q, s in zip(Q_LENS, SEQ_LENS, strict=True)]
-    impl.write_kv(
+    impl.decode_impl.write_kv(
         cache,
         torch.tensor(ctx),
         torch.cat([c[i] for c, i in zip(kv_c, old, strict=True)]),
         torch.cat([p[i] for p, i in zip(k_pe, old, strict=True)]),
     )
     q = torch.randn(8, h, n + r, generator=g)
-    out = impl.forward(
+    out = impl.run(
+        step,
+        0,
         q,
         torch.cat([c[i] for c, i in zip(kv_c, new, strict=True)]),
         torch.cat([p[i] for p, i in zip(k_pe, new, strict=True)]),
-        cache,
-        md,
     )
     keys, values = [], []
     for b in range(3):

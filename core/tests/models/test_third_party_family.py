@@ -87,7 +87,8 @@ def test_layer_taps_are_transformers_hidden_states(example_plugin, qwen2_dir) ->
     per_group, input_ids, positions = runner._metadata(chunks)
     taps = LayerTaps((0, 2, 5), caps.num_layers)
     with torch.no_grad():
-        hidden = model(torch.tensor(input_ids), positions, runner._step_context(per_group), None, taps)
+        step = runner.contexts.build(runner.kv_caches, per_group)
+        hidden = model(torch.tensor(input_ids), positions, step, None, taps)
         want = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states
     for layer, state in zip(taps.layers, taps.states, strict=True):
         assert state is not None and (state - want[layer][0]).abs().max().item() < 1e-4

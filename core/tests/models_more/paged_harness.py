@@ -11,7 +11,7 @@ import torch
 from jackfield.attention.kv_cache import allocate_kv_cache
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionMetadata
-from jackfield.models.attention import AttentionBackends, StepContext
+from jackfield.models.attention import AttentionBackends, StepContextBuilder
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -47,6 +47,8 @@ class PagedRun:
             allocate_kv_cache(layer, self.num_blocks, self.block_size, dtype, "cpu").normal_()
             for layer in self.model.kv_cache_layers
         ]
+        layers = self.model.kv_cache_layers
+        self.contexts = StepContextBuilder(TORCH_REF, layers, [0] * len(layers))  # the engine's split
         self.free = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables: list[list[int]] = []
         self.lens: list[int] = []
@@ -88,7 +90,7 @@ class PagedRun:
             num_decode_tokens=num_decodes,
             causal=self.causal,
         )
-        step = StepContext(self.caches, metadata=TorchRefBackend.metadata_builder().build(metadata))
+        step = self.contexts.build(self.caches, [metadata])
         with torch.inference_mode():
             return self.model(torch.tensor(ids), torch.tensor(positions), step)
 

@@ -15,26 +15,6 @@ from test_granite import build as build_granite
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
-# A second registration of the reference kernels (its own class), so prefill and decode roles differ.
-SECOND_REF = """
-import jackfield
-from jackfield.attention.torch_ref import TorchRefBackend
-from jackfield.builtins import TORCH_REF_CAPABILITIES
-from jackfield.specs import AttentionBackendSpec
-
-JACKFIELD_API = ">=1.0,<2"
-
-
-class SecondRef(TorchRefBackend):
-    name = "second_ref"
-
-
-@jackfield.hookimpl
-def register_attention_backends():
-    return [AttentionBackendSpec(name="second_ref", factory="second_ref_plugin:SecondRef",
-                                 capabilities=TORCH_REF_CAPABILITIES)]
-"""
-
 
 def assert_engine_matches_transformers(
     hf_model: torch.nn.Module, path: Path, prompts: list[list[int]], **roles: str
@@ -62,10 +42,9 @@ def test_deepseek_v32_sparse_through_the_engine(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["granite_swa", "v32"])
-def test_split_prefill_and_decode_backends(name: str, tmp_path: Path, make_dist) -> None:  # type: ignore[no-untyped-def]
+def test_split_prefill_and_decode_backends(name: str, tmp_path: Path, second_ref: str) -> None:
     """Mixed steps (decodes of one request beside prefill chunks of another) with a different
     backend per role: each half goes to its role's impl with its own metadata."""
-    make_dist("jackfield-second-ref", "second_ref_plugin", SECOND_REF)
     if name == "v32":
         hf_model, _ = build_v32(tmp_path, index_topk=4)
         path = tmp_path / "v32_4"
@@ -73,5 +52,5 @@ def test_split_prefill_and_decode_backends(name: str, tmp_path: Path, make_dist)
         hf_model, _ = build_granite(name, tmp_path)
         path = tmp_path / name
     assert_engine_matches_transformers(
-        hf_model, path, PROMPTS, prefill_backend="second_ref", decode_backend="torch_ref"
+        hf_model, path, PROMPTS, prefill_backend=second_ref, decode_backend="torch_ref"
     )

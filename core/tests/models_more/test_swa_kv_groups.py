@@ -114,8 +114,10 @@ def test_the_same_budget_runs_without_preemption(swa_model) -> None:  # type: ig
 def test_each_group_builds_its_metadata_once_a_step_and_each_layer_reads_its_group(swa_model) -> None:  # type: ignore[no-untyped-def]
     _, path, prompts = swa_model
     llm = _llm(path, 400 * LAYER_BLOCK_BYTES)
-    builds = [0] * len(llm.engine.runner.kv.groups.windows)
-    for group, (builder, _) in enumerate(llm.engine.runner.builders):
+    runner = llm.engine.runner
+    builds = [0] * len(runner.kv.groups.windows)
+    assert runner.contexts.by_role == [False] * 4  # MHA on one backend: one part per group
+    for group, (builder, _) in enumerate(runner.contexts.builders):
         build = builder.build
 
         def counted(common, for_capture=False, group=group, build=build):  # type: ignore[no-untyped-def]
@@ -129,9 +131,10 @@ def test_each_group_builds_its_metadata_once_a_step_and_each_layer_reads_its_gro
         llm.engine.step()
     assert builds == [30] * 4
     chunks = llm.engine.scheduler.schedule()
-    context = llm.engine.runner._step_context(llm.engine.runner._metadata(chunks)[0])
-    for layer, group in enumerate(llm.engine.runner.kv.groups.layer_group):
-        table = context.of_layer(layer).metadata.block_table  # type: ignore[union-attr]
+    context = runner.contexts.build(runner.kv_caches, runner._metadata(chunks)[0])
+    for layer, group in enumerate(runner.kv.groups.layer_group):
+        (part,) = context.parts(layer)
+        table = part.metadata.block_table
         for row, chunk in enumerate(chunks):
             want = chunk.seq.block_tables[group]
             assert table[row, : len(want)].tolist() == want

@@ -1,4 +1,7 @@
-"""Splitting one step's metadata into its decode and prefill halves (cheap slicing, no copies of plans)."""
+"""Splitting one step's metadata into its decode and prefill halves (cheap slicing, no copies).
+
+The engine divides a batch by role in one place (jackfield.models.attention.StepContextBuilder),
+which calls this before each half goes through its role's metadata builder."""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ def split_decode_prefill(
     """(decode half, prefill half); a half with no requests is None.
 
     Decodes are the first `num_decodes` requests and `num_decode_tokens` rows. Each half is
-    self-contained (its query_start_loc starts at 0). `extra` is passed to both halves unchanged:
-    a builder that plans per half keeps its plans for both there.
+    self-contained (its query_start_loc starts at 0) and has its own copy of `extra`, so what one
+    half's builder or impls keep there is not the other's.
     """
     num_reqs, nd, ndt = metadata.num_reqs, metadata.num_decodes, metadata.num_decode_tokens
     if not 0 <= nd <= num_reqs or int(metadata.query_start_loc_cpu[nd]) != ndt:
@@ -44,5 +47,5 @@ def _slice(md: AttentionMetadata, r0: int, r1: int, *, is_decode: bool) -> Atten
         num_decodes=r1 - r0 if is_decode else 0,
         num_decode_tokens=t1 - t0 if is_decode else 0,
         causal=md.causal,
-        extra=md.extra,
+        extra=dict(md.extra),
     )

@@ -5,7 +5,9 @@ The cache holds one latent record per token, kv_c [L] ‖ k_pe [R]. Two equivale
   absorbed (decode, sparse): q_lat = q_nope·W_UK ‖ q_pe attends over the records as keys and their
     kv_c as values (one shared kv "head"), then o = o_lat·W_UV. Cheap when queries are few.
   expanded (prefill): k = kv_c·W_UK^T ‖ k_pe, v = kv_c·W_UV per head, ordinary attention.
-Subclasses implement `attend` (the absorbed kernel) and may override `prefill` / `write_kv`.
+`forward` serves one role's rows (the engine divides an MLA batch by role): decode rows through
+`decode` (absorbed), prefill rows through `prefill` (expanded). Subclasses implement `attend` (the
+absorbed kernel) and may override the public hooks `decode`, `prefill`, `absorb_query`, `write_kv`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jackfield.attention.checks import check_cache, check_kv_scale, check_slot_mapping, check_written_rows
 from jackfield.attention.kv_cache import dequantize, quantize, write_slots
-from jackfield.attention.metadata import split_decode_prefill
 from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata
 
 T = TypeVar("T")
@@ -97,25 +98,29 @@ class MLAImpl(AttentionImpl):
         kv_scale: torch.Tensor | None = None,
         topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, H, N+R], kv_c [T, L], k_pe [T, R] -> [T, H, V] in q's dtype."""
+        """One role's rows: q [T, H, N+R], kv_c [T, L], k_pe [T, R] -> [T, H, V] in q's dtype.
+
+        Writes the rows' latent KV, then attends in the form their role calls for: `decode`
+        (absorbed) when every request is a decode (metadata.num_decodes == num_reqs) and for
+        sparse rows (`topk_indices`) of either role; `prefill` (expanded) when none is. The
+        engine divides an MLA batch by role before it gets here (jackfield.models.attention), so
+        a batch of decodes and prefills together is refused.
+        """
         lay = self.layer
         want = (q.shape[0], lay.num_heads, lay.qk_nope_head_dim + lay.qk_rope_head_dim)
         if q.dim() != 3 or tuple(q.shape[1:]) != want[1:]:
             raise ValueError(f"q must be [T, {want[1]}, {want[2]}] (H, N+R), got {list(q.shape)}")
+        num_decodes, num_reqs = metadata.num_decodes, metadata.num_reqs
+        if num_decodes not in (0, num_reqs):
+            raise ValueError(
+                f"MLAImpl.forward serves one role's rows; got {num_decodes} decodes among {num_reqs} "
+                "requests (divide the batch by role first, as "
+                "jackfield.models.attention.StepContextBuilder does)"
+            )
         self.write_kv(kv_cache, metadata.slot_mapping, kv_c, k_pe, kv_scale)
-        if topk_indices is not None:  # sparse MLA always runs absorbed
-            return self._absorbed(q, kv_cache, metadata, kv_scale, topk_indices)
-        nd = metadata.num_decode_tokens
-        if 0 < metadata.num_decodes == metadata.num_reqs and nd == q.shape[0]:
-            # decode-only: the metadata is its own decode half, no split to build
-            return self._absorbed(q, kv_cache, metadata, kv_scale, None)
-        decode, prefill = _memo(metadata, "mla_split", lambda: split_decode_prefill(metadata))
-        out = q.new_empty(q.shape[0], lay.num_heads, lay.v_head_dim)
-        if decode is not None:
-            out[:nd] = self._absorbed(q[:nd], kv_cache, decode, kv_scale, None)
-        if prefill is not None:
-            out[nd:] = self.prefill(q[nd:], kv_cache, prefill, kv_scale=kv_scale)
-        return out
+        if num_decodes or topk_indices is not None:
+            return self.decode(q, kv_cache, metadata, kv_scale=kv_scale, topk_indices=topk_indices)
+        return self.prefill(q, kv_cache, metadata, kv_scale=kv_scale)
 
     def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
         """[t, H, N+R] -> latent query [t, H, L+R] in q's dtype (the product in float32)."""
@@ -124,14 +129,20 @@ class MLAImpl(AttentionImpl):
         q_nope_lat = torch.bmm(q[..., :n].float().transpose(0, 1), w_uk).transpose(0, 1)  # heads batched
         return torch.cat([q_nope_lat.to(q.dtype), q[..., n:]], dim=-1)
 
-    def _absorbed(
+    def decode(
         self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        kv_scale: torch.Tensor | None,
-        topk_indices: torch.Tensor | None,
+        *,
+        kv_scale: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Absorbed-form attention of decode rows (and of sparse rows of either role) over the
+        cache, which already holds their KV: `attend` with the latent query (`absorb_query`),
+        then W_UV. A backend overrides this hook (or just `attend` and `absorb_query`) to apply
+        the weights its own way. q [T, H, N+R] -> [T, H, V] in q's dtype.
+        """
         _, w_uv = self._weights()
         o_lat = self.attend(
             self.absorb_query(q), kv_cache, metadata, kv_scale=kv_scale, topk_indices=topk_indices
@@ -254,8 +265,7 @@ class _PrefillPlan:
 def _memo(metadata: AttentionMetadata, key: str, build: Callable[[], T]) -> T:
     """`build()` once per step: every layer of a step shares metadata.extra, so the first layer's
     result is kept there, with the tensors it was built from. A hit needs those very tensors,
-    unmodified: metadata copied with other lengths (a split half, `replace`) shares `extra` but
-    builds its own."""
+    unmodified: metadata copied with other lengths (`replace`) shares `extra` but builds its own."""
     sources = (metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
                metadata.seq_lens_cpu, metadata.query_start_loc_cpu)
     if any(t.is_inference() for t in sources):  # no version counter to trust: build every time

@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
+from jackfield.contracts.attention import AttentionMetadata
 from jackfield.contracts.model import ModelFamily
 from jackfield.engine.scheduler import ScheduledChunk
-from jackfield.models.attention import StepContext
+from jackfield.models.attention import StepContext, StepContextBuilder
 from jackfield.ops.staging import CpuGpuBuffer, async_tensor_h2d
 
 
@@ -37,11 +37,11 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """One CUDA graph of the model's forward per captured batch size (decode rows only)."""
 
-    def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor], builder: AttentionMetadataBuilder,
-                 split_roles: bool, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+    def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor], contexts: StepContextBuilder,
+                 num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  device: torch.device) -> None:
-        self.model, self.kv_caches, self.builder = model, kv_caches, builder
-        self.split_roles = split_roles
+        """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's."""
+        self.model, self.kv_caches, self.contexts = model, kv_caches, contexts
         self.block_size, self.max_model_len = block_size, max_model_len
         self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
         self.sizes = capture_sizes(max_num_seqs)
@@ -132,7 +132,4 @@ class DecodeGraphs:
             num_decodes=size,
             num_decode_tokens=size,
         )
-        metadata = self.builder.build(common, for_capture=True)
-        if self.split_roles:
-            return StepContext(self.kv_caches, decode=metadata, num_decode_tokens=size)
-        return StepContext(self.kv_caches, metadata=metadata)
+        return self.contexts.build(self.kv_caches, [common], for_capture=True)

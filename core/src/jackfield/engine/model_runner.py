@@ -8,23 +8,21 @@ request's known tokens); an embedding request's rows are pooled instead.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from jackfield.attention.metadata import split_decode_prefill
 from jackfield.config import EngineConfig
-from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
+from jackfield.contracts.attention import AttentionMetadata
 from jackfield.contracts.model import ModelFamily
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.kv_cache import KVCache
 from jackfield.engine.piecewise_graphs import PiecewiseGraphs
 from jackfield.engine.scheduler import ScheduledChunk
-from jackfield.models.attention import AttentionBackends, StepContext
+from jackfield.models.attention import AttentionBackends, StepContextBuilder
 from jackfield.models.embedding import pool
 from jackfield.ops.staging import async_tensor_h2d, host_single_threaded
 from jackfield.sampling.processors import bias_and_mask_from_params
@@ -52,8 +50,7 @@ class ModelRunner:
         self.capabilities = model.capabilities
         self.kv = KVCache.allocate(model.kv_cache_layers, engine, max_model_len, self.capabilities.dtype, device)
         self.kv_caches, self.block_size, self.groups = self.kv.layer_caches, engine.block_size, self.kv.groups
-        # (decode, prefill) builders per KV cache group, as vLLM: a builder may reuse its buffers per build
-        self.builders = [self._role_builders() for _ in self.groups.windows]
+        self.contexts = StepContextBuilder(backends, model.kv_cache_layers, self.groups.layer_group)
         self.decode_graphs_off = self._decode_graphs_off_reason(engine)
         self.prefill_graphs_off = self._prefill_graphs_off_reason(engine)
         self.graphs = None if self.decode_graphs_off else self._capture_decode(engine, max_model_len, say)
@@ -91,8 +88,8 @@ class ModelRunner:
         return reason
 
     def _capture_decode(self, engine: EngineConfig, max_model_len: int, say: Callable[[str], None]) -> DecodeGraphs:
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.builders[0][0], self.backends.split,
-                              self.kv.num_blocks, self.block_size, max_model_len, engine.max_num_seqs, self.device)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.contexts, self.kv.num_blocks, self.block_size,
+                              max_model_len, engine.max_num_seqs, self.device)
         try:
             graphs.capture(say)
         except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
@@ -112,10 +109,6 @@ class ModelRunner:
                                "engine.gpu_memory_fraction) if memory ran out, or set it to 0 to run "
                                "prefill steps eagerly") from exc
         return pieces
-
-    def _role_builders(self) -> tuple[AttentionMetadataBuilder, AttentionMetadataBuilder]:
-        decode = self.backends.decode.metadata_builder()
-        return decode, self.backends.prefill.metadata_builder() if self.backends.split else decode
 
     def _h2d(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return async_tensor_h2d(data, dtype, self.device, pin_memory=True)
@@ -160,25 +153,6 @@ class ModelRunner:
                                                slot_mapping=self._h2d(slots, torch.int64), **shared))  # type: ignore[arg-type]
         return per_group, input_ids, positions
 
-    def _group_context(self, group: int, common: AttentionMetadata) -> StepContext:
-        """One group's context: its metadata through its builders (per role when split)."""
-        decode_builder, prefill_builder = self.builders[group]
-        if not self.backends.split:
-            return StepContext(self.kv_caches, metadata=decode_builder.build(common))
-        decode, prefill = split_decode_prefill(common)
-        return StepContext(
-            self.kv_caches,
-            decode=decode_builder.build(decode) if decode is not None else None,
-            prefill=prefill_builder.build(prefill) if prefill is not None else None,
-            num_decode_tokens=common.num_decode_tokens,
-        )
-
-    def _step_context(self, per_group: list[AttentionMetadata]) -> StepContext:
-        if not self.groups.hybrid:
-            return self._group_context(0, per_group[0])
-        contexts = tuple(self._group_context(g, common) for g, common in enumerate(per_group))
-        return dataclasses.replace(contexts[0], groups=contexts, layer_group=self.groups.layer_group)
-
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
         params = [c.seq.params for c in sampling]
         asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -201,7 +175,7 @@ class ModelRunner:
         writing every row's KV."""
         with host_single_threaded():
             per_group, input_ids, positions = self._metadata(chunks)
-            context = self._step_context(per_group)
+            context = self.contexts.build(self.kv_caches, per_group)
             rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
             ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):

@@ -18,20 +18,11 @@ from transformers import PretrainedConfig
 
 from jackfield.attention.checks import check_slot_mapping
 from jackfield.attention.kv_cache import request_slots, write_slots
-from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata, KVCacheDType
+from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata, KVCacheDType
 from jackfield.models.attention import AttentionBackends, StepContext
 from jackfield.models.deepseek import DeepseekForCausalLM, MLAAttention
 from jackfield.models.hf_config import DeepseekArch, rope_inv_freq
 from jackfield.models.layers import Linear, RotaryEmbedding, select_rows
-
-
-def step_parts(step: StepContext) -> list[tuple[slice, AttentionMetadata, bool]]:
-    """(rows, metadata, is_decode_role) for each half of the step that has requests."""
-    if step.metadata is not None:
-        return [(slice(None), step.metadata, True)]
-    nd = step.num_decode_tokens
-    parts = [(slice(0, nd), step.decode, True), (slice(nd, None), step.prefill, False)]
-    return [(rows, md, is_decode) for rows, md, is_decode in parts if md is not None]
 
 
 class Indexer(nn.Module):
@@ -120,11 +111,12 @@ class SparseMLAAttention(MLAAttention):
         q, kv_c, k_pe, q_latent = self.project(x, positions, rope)
         assert q_latent is not None
         cache = step.kv_caches[self.index]
-        key_cache = step.kv_caches[a.num_layers + self.index]
+        key_cache = step.kv_caches[a.num_layers + self.index]  # same blocks and slots as `cache`
         out = q.new_empty(t, a.num_heads, a.v_head_dim)
-        for rows, metadata, is_decode in step_parts(step):
+        # The engine's parts of the batch (its role halves, this layer's KV cache group): the
+        # indexer picks each part's top-k with that part's metadata, then its impl attends.
+        for rows, impl, metadata in self.attn.parts(step, self.index):
             topk = self.indexer(x[rows], q_latent[rows], positions[rows], index_rope, key_cache, metadata)
-            impl: AttentionImpl = self.attn.decode_impl if is_decode else self.attn.prefill_impl
             out[rows] = impl.forward(q[rows], kv_c[rows], k_pe[rows], cache, metadata, topk_indices=topk)  # type: ignore[attr-defined]
         return self.output(out, output_rows)
 

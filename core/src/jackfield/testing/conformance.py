@@ -20,7 +20,15 @@ import dataclasses
 import pytest
 import torch
 
-from jackfield.contracts.attention import AttentionBackend, AttentionRequirements, KVCacheDType
+from jackfield.attention.torch_ref import TorchRefBackend
+from jackfield.contracts.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionRequirements,
+    KVCacheDType,
+)
+from jackfield.models.attention import AttentionBackends, StepContextBuilder
 from jackfield.testing import checks
 from jackfield.testing.harness import ConformanceHarness
 from jackfield.testing.problems import make_batch, poisoned_cache, query_width, random_kv, sparse_topk
@@ -142,7 +150,7 @@ class AttentionConformance(ConformanceHarness):
             batch = make_batch(q_lens, seq_lens, 2, bs, self.device, gen)
             self.check_attend(backend, layer, batch, gen, what=f"sparse top-k, block_size={bs}", topk=8)
 
-    # ---- forward (write + attend, MLA decode/prefill split) ----------------------------------------
+    # ---- forward (write + attend, the batch divided by role as the engine divides it) -----------
     @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
     def test_forward_matches_reference(
         self, backend: type[AttentionBackend], kind: str, sparse: bool, gen: torch.Generator
@@ -165,10 +173,11 @@ class AttentionConformance(ConformanceHarness):
             want_cache = got_cache.clone()
             width = layer.qk_nope_head_dim + layer.qk_rope_head_dim if kind == "mla" else layer.head_size
             q = self.query(layer, batch.num_tokens, width, gen)
-            extra = {"topk_indices": sparse_topk(batch, 8, gen)} if sparse else {}
+            topk = sparse_topk(batch, 8, gen) if sparse else None
             checks.poison_allocator(self.device)
-            got = impl.forward(q, *new_kv, got_cache, batch.metadata, kv_scale=kv_scale, **extra)  # type: ignore[attr-defined]
-            want = ref.forward(q, *new_kv, want_cache, batch.metadata, kv_scale=kv_scale, **extra)  # type: ignore[attr-defined]
+            md = batch.metadata
+            got = forward_by_role(backend, impl, q, new_kv, got_cache, md, kv_scale, topk)
+            want = forward_by_role(TorchRefBackend, ref, q, new_kv, want_cache, md, kv_scale, topk)
             what = f"forward, kv_cache_dtype={kv_dtype}, q_lens={q_lens}"
             checks.assert_output_close(got, want, self.tolerances[self.dtype], what)
             checks.assert_cache_close(got_cache, want_cache, kv_scale, what)
@@ -252,3 +261,27 @@ class AttentionConformance(ConformanceHarness):
                 lambda: fp8_impl.write_kv(fp8_cache, slots, key, value), "fp8 write_kv without scale"
             )
             checks.assert_rejects(lambda: fp8_impl.attend(q, fp8_cache, md), "fp8 attend without scale")
+
+
+def forward_by_role(
+    backend: type[AttentionBackend],
+    impl: AttentionImpl,
+    q: torch.Tensor,
+    new_kv: tuple[torch.Tensor, torch.Tensor],
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_scale: torch.Tensor | None,
+    topk_indices: torch.Tensor | None,
+) -> torch.Tensor:
+    """`impl.forward` over a step's batch as a model layer runs it with `backend` in both roles:
+    divided where the engine divides it (MLA: by role), each part's metadata from the engine's
+    StepContextBuilder (so from the backend's own builder)."""
+    contexts = StepContextBuilder(AttentionBackends(backend, backend), [impl.layer], [0])
+    outs = []
+    for part in contexts.build([cache], [metadata]).parts(0):
+        rows = part.rows
+        sparse = {} if topk_indices is None else {"topk_indices": topk_indices[rows]}
+        outs.append(impl.forward(  # type: ignore[attr-defined]
+            q[rows], new_kv[0][rows], new_kv[1][rows], cache, part.metadata, kv_scale=kv_scale, **sparse
+        ))
+    return torch.cat(outs)
