@@ -8,6 +8,7 @@ import pytest
 import torch
 from cpu_amx_problems import make_layer, make_problem
 from jackfield.attention.torch_ref import TorchRefBackend
+from jackfield.testing.conformance import forward_by_role
 from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMLAImpl
 from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder
 
@@ -39,12 +40,15 @@ def test_forward_matches_torch_ref(path: str, dtype: torch.dtype, tol: float) ->
     ]
     metadata = problem.metadata.replace(slot_mapping=torch.tensor(slots))
     outs = []
-    for impl, md in (
-        (CpuAmxMLAImpl(layer, path=path), CpuAmxBackend.metadata_builder().build(metadata)),
-        (TorchRefBackend.make_impl(layer), metadata),
+    for backend, impl in (
+        (CpuAmxBackend, CpuAmxMLAImpl(layer, path=path)),
+        (TorchRefBackend, TorchRefBackend.make_impl(layer)),
     ):
         impl.process_weights_after_loading({"kv_b_proj": kv_b_proj})
-        outs.append(impl.forward(q, kv_c, k_pe, problem.kv_cache.clone(), md))
+        # as the engine runs the layer: decodes and prefills in separate calls, each half's
+        # metadata from its own builder
+        cache = problem.kv_cache.clone()
+        outs.append(forward_by_role(backend, impl, q, (kv_c, k_pe), cache, metadata, None, None))
     assert outs[0].dtype == dtype and not outs[0].isnan().any()
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
 

@@ -85,15 +85,17 @@ class CpuAmxMLAImpl(MLAImpl):
         q_lat = torch.bmm(q_nope, w_uk).transpose(0, 1)  # [t, H, L]
         return torch.cat([q_lat.to(q.dtype), q[..., n:]], dim=-1)
 
-    def _absorbed(
+    def decode(
         self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        kv_scale: torch.Tensor | None,
-        topk_indices: torch.Tensor | None,
+        *,
+        kv_scale: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # Overrides MLAImpl's float32 einsum with W_UV applied as one head-batched product.
+        """MLAImpl's absorbed decode with W_UV applied as one head-batched product in the compute
+        dtype (the base applies it in float32)."""
         dtype, _, w_uv = self._bmm_weights(q.dtype)
         o_lat = self.attend(
             self.absorb_query(q), kv_cache, metadata, kv_scale=kv_scale, topk_indices=topk_indices

@@ -16,7 +16,7 @@ built here, and a split of each request's keys memoized per (block size, heads, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
@@ -234,8 +234,8 @@ def _decode_tables(
 
 
 class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
-    """Builds the step's plans: for the whole batch and for its decode and prefill halves
-    (MLAImpl.forward hands `attend` one half; the conformance kit hands it the whole)."""
+    """Builds the plan of the metadata it is given: the engine divides an MLA batch by role and
+    builds each half with its role's own builder, so a build serves exactly one `attend` batch."""
 
     def __init__(
         self,
@@ -281,18 +281,9 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
             )
             for r0, r1 in groups
         ]
-        nd, ndt = common.num_decodes, common.num_decode_tokens
-        fused = self.fused_max_rows
         plans: dict[PlanKey, StepPlan] = {
-            plan_key(common): StepPlan(tuple(full), common.num_reqs, common.num_tokens, fused)
+            plan_key(common): StepPlan(tuple(full), common.num_reqs, common.num_tokens, self.fused_max_rows)
         }
-        if 0 < nd < common.num_reqs:
-            decode = tuple(g for g in full if g.req_start < nd)
-            prefill = tuple(_shifted(g, nd, ndt) for g in full if g.req_start >= nd)
-            plans[(nd, ndt, nd)] = StepPlan(decode, nd, ndt, fused)
-            plans[(common.num_reqs - nd, common.num_tokens - ndt, 0)] = StepPlan(
-                prefill, common.num_reqs - nd, common.num_tokens - ndt, fused
-            )
         scratch = Scratch() if for_capture else self.scratch
         return common.replace(extra={**common.extra, PLANS_KEY: plans, "cpu_amx_scratch": scratch})
 
@@ -313,9 +304,3 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
             groups.append((start, len(q_lens)))
         return [(r0, r1) for r0, r1 in groups if q_lens[r0] > 0]
 
-
-def _shifted(group: RequestGroup, req_offset: int, token_offset: int) -> RequestGroup:
-    # Shares the memoized gather layouts: they depend on the requests, not on where they sit.
-    return replace(
-        group, req_start=group.req_start - req_offset, token_start=group.token_start - token_offset
-    )
