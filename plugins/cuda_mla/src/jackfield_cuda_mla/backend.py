@@ -1,7 +1,8 @@
 """The cuda_mla backend: Triton kernels behind jackfield's MLA impl base.
 
-The base (`jackfield.attention.MLAImpl`) owns the weight split, query absorption and the
-decode/prefill routing; this impl supplies the absorbed decode (`attend`) and `write_kv`.
+The base (`jackfield.attention.MLAImpl`) owns the weight split, query absorption and both forms
+(its `decode` hook around `attend`, its expanded `prefill`); this impl supplies the absorbed
+kernel (`attend`) and `write_kv`.
 """
 
 from __future__ import annotations
