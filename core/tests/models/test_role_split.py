@@ -1,11 +1,13 @@
-"""The one split (jackfield.models.attention.StepContextBuilder): when a step's batch is divided by
-role, which builder builds each half, and which impl gets each half's rows."""
+"""The one split (jackfield.attention.metadata.GroupMetadataBuilder, per KV cache group of the
+engine's StepContextBuilder): when a step's batch is divided by role, which builder builds each
+half, and which impl gets each half's rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from jackfield import LLM, SamplingParams
+from jackfield.attention.metadata import GroupMetadataBuilder
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
 from jackfield.engine.scheduler import ScheduledChunk
@@ -48,12 +50,11 @@ def _fresh_log() -> None:
 
 
 def test_mla_on_one_backend_is_divided_by_role_each_half_by_its_own_builder() -> None:
-    contexts = StepContextBuilder(AttentionBackends(Recording, Recording), [MLA, MLA], [0, 0])
-    assert contexts.by_role == [True]
-    decode_builder, prefill_builder = contexts.builders[0]
+    group = GroupMetadataBuilder(Recording, Recording, [MLA, MLA])
+    assert group.by_role
+    decode_builder, prefill_builder = group.decode, group.prefill
     assert decode_builder is not prefill_builder  # a builder may reuse its buffers per build
-    common = _batch(num_decodes=2)
-    decode, prefill = contexts.build([], [common]).parts(1)
+    decode, prefill = group.build(_batch(num_decodes=2))
     assert (decode.role, decode.rows, decode.metadata.num_reqs, decode.metadata.num_decodes) == (
         "decode", slice(0, 2), 2, 2)
     assert (prefill.role, prefill.rows, prefill.metadata.num_reqs, prefill.metadata.num_decodes) == (
@@ -67,42 +68,46 @@ def test_mla_on_one_backend_is_divided_by_role_each_half_by_its_own_builder() ->
 def test_a_step_of_one_role_is_built_once_unsliced(num_decodes: int, role: str) -> None:
     """Decode-only steps (the hot path, and every CUDA-graph capture) and prefill-only steps:
     one build of the step's own metadata by that role's builder, no split."""
-    contexts = StepContextBuilder(AttentionBackends(Recording, Recording), [MLA], [0])
+    group = GroupMetadataBuilder(Recording, Recording, [MLA])
     common = _batch(num_decodes)
-    (part,) = contexts.build([], [common], for_capture=role == "decode").parts(0)
-    want_builder = contexts.builders[0][0 if role == "decode" else 1]
+    (part,) = group.build(common, for_capture=role == "decode")
+    want_builder = group.decode if role == "decode" else group.prefill
     assert part.role == role and part.rows == slice(None)
     assert RecordingBuilder.log == [(want_builder, common)]
 
 
 def test_mha_on_one_backend_is_one_part_with_one_metadata() -> None:
-    contexts = StepContextBuilder(AttentionBackends(Recording, Recording), [MHA, MHA], [0, 0])
-    assert contexts.by_role == [False]
+    group = GroupMetadataBuilder(Recording, Recording, [MHA, MHA])
+    assert not group.by_role and group.prefill is group.decode
     common = _batch(num_decodes=2)
-    (part,) = contexts.build([], [common]).parts(0)
+    (part,) = group.build(common)
     assert part.role is None and part.rows == slice(None)
-    assert RecordingBuilder.log == [(contexts.builders[0][0], common)]
+    assert RecordingBuilder.log == [(group.decode, common)]
 
 
 def test_mha_on_two_backends_is_divided() -> None:
     class Other(Recording):
         name = "other"
 
-    contexts = StepContextBuilder(AttentionBackends(prefill=Other, decode=Recording), [MHA], [0])
-    assert contexts.by_role == [True]
-    parts = contexts.build([], [_batch(num_decodes=1)]).parts(0)
+    group = GroupMetadataBuilder(decode=Recording, prefill=Other, layers=[MHA])
+    assert group.by_role
+    parts = group.build(_batch(num_decodes=1))
     assert [p.role for p in parts] == ["decode", "prefill"]
+    assert [type(built) for built, _ in RecordingBuilder.log] == [RecordingBuilder, RecordingBuilder]
+    assert RecordingBuilder.log[0][0] is group.decode and RecordingBuilder.log[1][0] is group.prefill
 
 
 def test_kv_groups_are_decided_and_read_per_group() -> None:
     """Layers read their own group's parts; each group has its own builders."""
-    contexts = StepContextBuilder(AttentionBackends(Recording, Recording), [MHA, MHA, MHA], [0, 1, 0])
-    assert contexts.by_role == [False, False] and contexts.builders[0][0] is not contexts.builders[1][0]
-    first, second = _batch(2), _batch(2)
-    step = contexts.build([], [first, second])
-    assert step.parts(0)[0].metadata.extra["built_by"] is contexts.builders[0][0]
-    assert step.parts(1)[0].metadata.extra["built_by"] is contexts.builders[1][0]
+    contexts = StepContextBuilder(AttentionBackends(Recording, Recording), [MHA, MLA, MHA], [0, 1, 0])
+    full, latent = contexts.groups
+    assert not full.by_role and latent.by_role and full.decode is not latent.decode
+    step = contexts.build([], [_batch(2), _batch(2)])
+    assert step.parts(0)[0].metadata.extra["built_by"] is full.decode
+    assert [p.metadata.extra["built_by"] for p in step.parts(1)] == [latent.decode, latent.prefill]
     assert step.parts(2) == step.parts(0)
+    with pytest.raises(ValueError, match="1 metadata for 2 KV cache groups"):
+        contexts.build([], [_batch(2)])
 
 
 def _reference_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -117,7 +122,8 @@ def test_roles_on_two_backends_each_get_their_half_once_a_step(checkpoint, secon
     directory, reference = checkpoint("v3")
     llm = LLM(directory, prefill_backend=second_ref, decode_backend="torch_ref", block_size=16)
     engine = llm.engine
-    decode_builder, prefill_builder = engine.runner.contexts.builders[0]
+    (group,) = engine.runner.contexts.groups
+    decode_builder, prefill_builder = group.decode, group.prefill
     assert decode_builder is not prefill_builder
     builds: list[tuple[str, int, int]] = []
     calls: list[tuple[int, str, int, int]] = []

@@ -116,8 +116,8 @@ def test_each_group_builds_its_metadata_once_a_step_and_each_layer_reads_its_gro
     llm = _llm(path, 400 * LAYER_BLOCK_BYTES)
     runner = llm.engine.runner
     builds = [0] * len(runner.kv.groups.windows)
-    assert runner.contexts.by_role == [False] * 4  # MHA on one backend: one part per group
-    for group, (builder, _) in enumerate(runner.contexts.builders):
+    assert [g.by_role for g in runner.contexts.groups] == [False] * 4  # MHA on one backend: one part
+    for group, builder in enumerate(g.decode for g in runner.contexts.groups):
         build = builder.build
 
         def counted(common, for_capture=False, group=group, build=build):  # type: ignore[no-untyped-def]

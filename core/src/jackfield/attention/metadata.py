@@ -1,11 +1,68 @@
-"""Splitting one step's metadata into its decode and prefill halves (cheap slicing, no copies).
+"""A step's metadata divided by role: the one rule that decides whether a KV cache group's batch
+is divided (`GroupMetadataBuilder`) and the slicing into decode and prefill halves.
 
-The engine divides a batch by role in one place (jackfield.models.attention.StepContextBuilder),
-which calls this before each half goes through its role's metadata builder."""
+The engine builds every step's metadata through GroupMetadataBuilder (one per KV cache group, in
+jackfield.models.attention.StepContextBuilder), and so does the conformance kit's forward test.
+"""
 
 from __future__ import annotations
 
-from jackfield.contracts.attention import AttentionMetadata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from jackfield.contracts.attention import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+)
+
+Role = Literal["decode", "prefill"]
+EVERY_ROW = slice(None)
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """Rows of one step's batch that one impl serves, and their metadata."""
+
+    rows: slice  # EVERY_ROW when this part is the whole batch
+    metadata: AttentionMetadata
+    role: Role | None  # the role whose impl serves the rows; None: one impl serves both roles
+
+
+class GroupMetadataBuilder:
+    """One KV cache group's metadata builders, and the one place its batch is divided by role.
+
+    It divides the batch when the roles name different backends, or when the group's layers are
+    MLA (kv_lora_rank > 0): an MLA impl computes decode rows in the absorbed form and prefill rows
+    in the expanded one, so each role's rows come with their own metadata. An MHA group served by
+    one backend gets one metadata for the whole batch.
+    """
+
+    def __init__(self, decode: type[AttentionBackend], prefill: type[AttentionBackend],
+                 layers: Sequence[AttentionLayerSpec]) -> None:
+        self.by_role = prefill is not decode or any(layer.kv_lora_rank > 0 for layer in layers)
+        # A divided group has a builder per role even on one backend: a builder may reuse its
+        # buffers per build (as vLLM's), so one builder never builds both halves of a step.
+        self.decode: AttentionMetadataBuilder = decode.metadata_builder()
+        self.prefill: AttentionMetadataBuilder = prefill.metadata_builder() if self.by_role else self.decode
+
+    def build(self, common: AttentionMetadata, for_capture: bool = False) -> tuple[BatchPart, ...]:
+        """The parts of the group's batch (decodes first), each built by its role's builder."""
+        if not self.by_role:
+            return (BatchPart(EVERY_ROW, self.decode.build(common, for_capture), None),)
+        # A step of one role is its own half: one build, no slicing (decode-only steps are the
+        # hot path, and every CUDA-graph capture).
+        if common.num_decodes == common.num_reqs:
+            return (BatchPart(EVERY_ROW, self.decode.build(common, for_capture), "decode"),)
+        if common.num_decodes == 0:
+            return (BatchPart(EVERY_ROW, self.prefill.build(common, for_capture), "prefill"),)
+        decode, prefill = split_decode_prefill(common)
+        assert decode is not None and prefill is not None  # both roles have requests
+        nd = common.num_decode_tokens
+        return (BatchPart(slice(0, nd), self.decode.build(decode, for_capture), "decode"),
+                BatchPart(slice(nd, None), self.prefill.build(prefill, for_capture), "prefill"))
 
 
 def split_decode_prefill(

@@ -103,8 +103,8 @@ class MLAImpl(AttentionImpl):
         Writes the rows' latent KV, then attends in the form their role calls for: `decode`
         (absorbed) when every request is a decode (metadata.num_decodes == num_reqs) and for
         sparse rows (`topk_indices`) of either role; `prefill` (expanded) when none is. The
-        engine divides an MLA batch by role before it gets here (jackfield.models.attention), so
-        a batch of decodes and prefills together is refused.
+        engine divides an MLA batch by role before it gets here (GroupMetadataBuilder in
+        jackfield.attention.metadata), so a batch of decodes and prefills together is refused.
         """
         lay = self.layer
         want = (q.shape[0], lay.num_heads, lay.qk_nope_head_dim + lay.qk_rope_head_dim)
@@ -115,7 +115,7 @@ class MLAImpl(AttentionImpl):
             raise ValueError(
                 f"MLAImpl.forward serves one role's rows; got {num_decodes} decodes among {num_reqs} "
                 "requests (divide the batch by role first, as "
-                "jackfield.models.attention.StepContextBuilder does)"
+                "jackfield.attention.metadata.GroupMetadataBuilder does)"
             )
         self.write_kv(kv_cache, metadata.slot_mapping, kv_c, k_pe, kv_scale)
         if num_decodes or topk_indices is not None:

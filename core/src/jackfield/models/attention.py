@@ -1,35 +1,30 @@
 """The attention layer a model family uses, and the per-step context every layer reads.
 
 A step's batch is divided by role (decode rows first, then prefill rows) in one place,
-`StepContextBuilder`: per KV cache group it builds either one metadata for the whole batch or
-one per role half, each half through its role's own metadata builder. It divides a group when
-the roles name different backends, or when the group's layers are MLA (there the role picks the
-math: the absorbed form for decode rows, the expanded form for prefill rows). A layer holds one
-impl per role (`RoleImpls`) and sends each part of the batch to its role's impl. A model with KV
-cache groups (sliding-window layers beside full ones) has one set of parts per group: each layer
-reads its group's (their block tables and slots differ; positions and lengths do not).
+`jackfield.attention.metadata.GroupMetadataBuilder`: per KV cache group it builds either one
+metadata for the whole batch or one per role half, each half through its role's own metadata
+builder. `StepContextBuilder` holds one per group and builds the StepContext every layer reads.
+A layer holds one impl per role (`RoleImpls`), the only dispatcher of rows to impls: it sends each
+part of the batch to its role's impl. A model with KV cache groups (sliding-window layers beside
+full ones) has one set of parts per group: each layer reads its group's (their block tables and
+slots differ; positions and lengths do not).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
-from jackfield.attention.metadata import split_decode_prefill
+from jackfield.attention.metadata import BatchPart, GroupMetadataBuilder, Role
 from jackfield.contracts.attention import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadata,
-    AttentionMetadataBuilder,
 )
-
-Role = Literal["decode", "prefill"]
-EVERY_ROW = slice(None)
 
 
 @dataclass(frozen=True)
@@ -45,15 +40,6 @@ class AttentionBackends:
 
 
 @dataclass(frozen=True)
-class BatchPart:
-    """Rows of one step's batch that one impl serves, and their metadata."""
-
-    rows: slice  # EVERY_ROW when this part is the whole batch
-    metadata: AttentionMetadata
-    role: Role | None  # the role whose impl serves the rows; None: one impl serves both roles
-
-
-@dataclass(frozen=True)
 class StepContext:
     """One step's attention metadata, as parts of the batch per KV cache group, and the caches."""
 
@@ -66,16 +52,10 @@ class StepContext:
         return self.groups[self.layer_group[layer_index] if self.layer_group else 0]
 
 
-def splits_by_role(backends: AttentionBackends, layers: Sequence[AttentionLayerSpec]) -> bool:
-    """Whether a KV cache group's batch is divided by role: when the roles name different
-    backends, or when the group's layers are MLA (kv_lora_rank > 0), whose impls compute decode
-    and prefill rows in different forms. An MHA group served by one backend is one part."""
-    return backends.split or any(layer.kv_lora_rank > 0 for layer in layers)
-
-
 class StepContextBuilder:
-    """Builds each step's StepContext from its per-group common metadata: the one place a batch
-    is divided by role. Used for every step the runner runs and for the decode CUDA-graph capture."""
+    """Builds each step's StepContext from its per-group common metadata, each group through its
+    GroupMetadataBuilder (which divides the batch by role). Used for every step the runner runs
+    and for the decode CUDA-graph capture."""
 
     def __init__(self, backends: AttentionBackends, layers: Sequence[AttentionLayerSpec],
                  layer_group: Sequence[int]) -> None:
@@ -85,37 +65,15 @@ class StepContextBuilder:
         group_layers: list[list[AttentionLayerSpec]] = [[] for _ in range(num_groups)]
         for layer, group in zip(layers, layer_group, strict=True):
             group_layers[group].append(layer)
-        self.by_role = [splits_by_role(backends, group) for group in group_layers]
-        # (decode, prefill) builders per group. A divided group has one builder per role, even on
-        # one backend: a builder may reuse its buffers per build (as vLLM's), so one builder never
-        # builds both halves of a step.
-        self.builders: list[tuple[AttentionMetadataBuilder, AttentionMetadataBuilder]] = []
-        for by_role in self.by_role:
-            decode = backends.decode.metadata_builder()
-            self.builders.append((decode, backends.prefill.metadata_builder() if by_role else decode))
+        self.groups = [GroupMetadataBuilder(backends.decode, backends.prefill, g) for g in group_layers]
 
     def build(self, kv_caches: list[torch.Tensor], per_group: Sequence[AttentionMetadata],
               for_capture: bool = False) -> StepContext:
         """The step's context from each group's common metadata (decodes first)."""
-        if len(per_group) != len(self.builders):
-            raise ValueError(f"{len(per_group)} metadata for {len(self.builders)} KV cache groups")
-        parts = tuple(self._parts(g, common, for_capture) for g, common in enumerate(per_group))
+        if len(per_group) != len(self.groups):
+            raise ValueError(f"{len(per_group)} metadata for {len(self.groups)} KV cache groups")
+        parts = tuple(g.build(common, for_capture) for g, common in zip(self.groups, per_group, strict=True))
         return StepContext(kv_caches, parts, self.layer_group)
-
-    def _parts(self, group: int, common: AttentionMetadata, for_capture: bool) -> tuple[BatchPart, ...]:
-        decode_builder, prefill_builder = self.builders[group]
-        if not self.by_role[group]:
-            return (BatchPart(EVERY_ROW, decode_builder.build(common, for_capture), None),)
-        # A step of one role is its own half: no slicing (decode-only steps are the hot path).
-        if common.num_decodes == common.num_reqs:
-            return (BatchPart(EVERY_ROW, decode_builder.build(common, for_capture), "decode"),)
-        if common.num_decodes == 0:
-            return (BatchPart(EVERY_ROW, prefill_builder.build(common, for_capture), "prefill"),)
-        decode, prefill = split_decode_prefill(common)
-        assert decode is not None and prefill is not None  # both roles have requests
-        nd = common.num_decode_tokens
-        return (BatchPart(slice(0, nd), decode_builder.build(decode, for_capture), "decode"),
-                BatchPart(slice(nd, None), prefill_builder.build(prefill, for_capture), "prefill"))
 
 
 class RoleImpls(nn.Module):

@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 
+from jackfield.attention.metadata import GroupMetadataBuilder
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import (
     AttentionBackend,
@@ -28,7 +29,6 @@ from jackfield.contracts.attention import (
     AttentionRequirements,
     KVCacheDType,
 )
-from jackfield.models.attention import AttentionBackends, StepContextBuilder
 from jackfield.testing import checks
 from jackfield.testing.harness import ConformanceHarness
 from jackfield.testing.problems import make_batch, poisoned_cache, query_width, random_kv, sparse_topk
@@ -274,11 +274,10 @@ def forward_by_role(
     topk_indices: torch.Tensor | None,
 ) -> torch.Tensor:
     """`impl.forward` over a step's batch as a model layer runs it with `backend` in both roles:
-    divided where the engine divides it (MLA: by role), each part's metadata from the engine's
-    StepContextBuilder (so from the backend's own builder)."""
-    contexts = StepContextBuilder(AttentionBackends(backend, backend), [impl.layer], [0])
+    divided where the engine divides it (MLA: by role), each part's metadata built as the
+    engine builds it (GroupMetadataBuilder: the backend's own builder per role)."""
     outs = []
-    for part in contexts.build([cache], [metadata]).parts(0):
+    for part in GroupMetadataBuilder(backend, backend, [impl.layer]).build(metadata):
         rows = part.rows
         sparse = {} if topk_indices is None else {"topk_indices": topk_indices[rows]}
         outs.append(impl.forward(  # type: ignore[attr-defined]
