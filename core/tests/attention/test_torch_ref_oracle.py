@@ -10,8 +10,8 @@ import pytest
 import torch
 from jackfield.attention import allocate_kv_cache
 from jackfield.attention.torch_ref import TorchRefBackend
-from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
-from jackfield.models.attention import AttentionBackends, RoleImpls, StepContextBuilder
+from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, AttentionMetadata
+from jackfield.models.attention import RoleImpls, StepContextBuilder
 
 BLOCK = 4
 Q_LENS, SEQ_LENS = [1, 2, 5], [6, 9, 5]  # a decode, a 2-token verify, a fresh prefill

@@ -9,10 +9,10 @@ import torch
 from jackfield import LLM, SamplingParams
 from jackfield.attention.metadata import GroupMetadataBuilder
 from jackfield.attention.torch_ref import TorchRefBackend
-from jackfield.contracts.attention import AttentionMetadata, AttentionMetadataBuilder
+from jackfield.contracts.attention import AttentionBackends, AttentionMetadata, AttentionMetadataBuilder
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.engine.sequence import Sequence
-from jackfield.models.attention import AttentionBackends, RoleImpls, StepContextBuilder
+from jackfield.models.attention import RoleImpls, StepContextBuilder
 from jackfield.testing.problems import make_batch, mha_layer, mla_layer
 
 SEED = 4

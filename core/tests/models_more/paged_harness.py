@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from jackfield.attention.kv_cache import allocate_kv_cache
 from jackfield.attention.torch_ref import TorchRefBackend
-from jackfield.contracts.attention import AttentionMetadata
-from jackfield.models.attention import AttentionBackends, StepContextBuilder
+from jackfield.contracts.attention import AttentionBackends, AttentionMetadata
+from jackfield.models.attention import StepContextBuilder
 from torch import nn
 from transformers import PreTrainedModel
 

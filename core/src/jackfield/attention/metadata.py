@@ -8,27 +8,16 @@ jackfield.models.attention.StepContextBuilder), and so does the conformance kit'
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 from jackfield.contracts.attention import (
     AttentionBackend,
     AttentionLayerSpec,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    BatchPart,
 )
 
-Role = Literal["decode", "prefill"]
 EVERY_ROW = slice(None)
-
-
-@dataclass(frozen=True)
-class BatchPart:
-    """Rows of one step's batch that one impl serves, and their metadata."""
-
-    rows: slice  # EVERY_ROW when this part is the whole batch
-    metadata: AttentionMetadata
-    role: Role | None  # the role whose impl serves the rows; None: one impl serves both roles
 
 
 class GroupMetadataBuilder:

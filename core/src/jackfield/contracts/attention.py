@@ -267,3 +267,40 @@ class AttentionBackend(ABC):
     @classmethod
     @abstractmethod
     def make_impl(cls, layer: AttentionLayerSpec) -> AttentionImpl: ...
+
+
+Role = Literal["decode", "prefill"]
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """Rows of one step's batch that one impl serves, and their metadata."""
+
+    rows: slice  # EVERY_ROW when this part is the whole batch
+    metadata: AttentionMetadata
+    role: Role | None  # the role whose impl serves the rows; None: one impl serves both roles
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """One step's attention metadata, as parts of the batch per KV cache group, and the caches."""
+
+    kv_caches: list[torch.Tensor]
+    groups: tuple[tuple[BatchPart, ...], ...]  # per KV cache group: its batch's parts, decode rows first
+    layer_group: tuple[int, ...] = ()  # per layer: its index in `groups` (empty: one group)
+
+    def parts(self, layer_index: int) -> tuple[BatchPart, ...]:
+        """The parts of the batch as `layer_index` sees them (its KV cache group's metadata)."""
+        return self.groups[self.layer_group[layer_index] if self.layer_group else 0]
+
+
+@dataclass(frozen=True)
+class AttentionBackends:
+    """The backend chosen for each role of the target model."""
+
+    prefill: type[AttentionBackend]
+    decode: type[AttentionBackend]
+
+    @property
+    def split(self) -> bool:
+        return self.prefill is not self.decode

@@ -27,12 +27,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
+from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
 
-if TYPE_CHECKING:  # the step context and backends live in jackfield.models (they import this module)
+if TYPE_CHECKING:  # transformers is imported by the families that need it, not by the contract
     from transformers import PretrainedConfig
-
-    from jackfield.models.attention import AttentionBackends, StepContext
 
 
 @dataclass(frozen=True)

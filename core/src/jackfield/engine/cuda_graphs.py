@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from jackfield.contracts.attention import AttentionMetadata
+from jackfield.contracts.attention import AttentionMetadata, StepContext
 from jackfield.contracts.model import ModelFamily
 from jackfield.engine.scheduler import ScheduledChunk
-from jackfield.models.attention import StepContext, StepContextBuilder
+from jackfield.models.attention import StepContextBuilder
 from jackfield.ops.staging import CpuGpuBuffer, async_tensor_h2d
 
 

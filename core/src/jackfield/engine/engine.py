@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from jackfield.config import ConfigError, JackfieldConfig, unsupported_features
+from jackfield.contracts.attention import AttentionBackends
 from jackfield.contracts.sampler import Sampler, SamplingParams
 from jackfield.engine.block_manager import BlockManager, max_request_blocks
 from jackfield.engine.model_runner import ModelRunner
@@ -25,7 +26,6 @@ from jackfield.engine.scheduler import Scheduler
 from jackfield.engine.sequence import Sequence
 from jackfield.engine.tokenizer import load_tokenizer
 from jackfield.models import load_model
-from jackfield.models.attention import AttentionBackends
 from jackfield.models.default_model import default_model_dir
 from jackfield.models.embedding import pooling_of
 from jackfield.plugins import get_registry

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from jackfield.config import EngineConfig
-from jackfield.contracts.attention import AttentionMetadata
+from jackfield.contracts.attention import AttentionBackends, AttentionMetadata
 from jackfield.contracts.model import ModelFamily
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.kv_cache import KVCache
 from jackfield.engine.piecewise_graphs import PiecewiseGraphs
 from jackfield.engine.scheduler import ScheduledChunk
-from jackfield.models.attention import AttentionBackends, StepContextBuilder
+from jackfield.models.attention import StepContextBuilder
 from jackfield.models.embedding import pool
 from jackfield.ops.staging import async_tensor_h2d, host_single_threaded
 from jackfield.sampling.processors import bias_and_mask_from_params
@@ -186,7 +186,6 @@ class ModelRunner:
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk]) -> StepResult:
         sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
-        pooling = [c for c in chunks if c.samples and c.seq.pooling is not None]
         if self.graphs is not None and self.graphs.fits(chunks):
             with host_single_threaded():  # the replay itself is GPU work
                 hidden = self.graphs.run(chunks)  # every row is a sampling decode (fits() checked it)

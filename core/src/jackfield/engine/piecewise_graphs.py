@@ -28,8 +28,8 @@ from functools import partial
 
 import torch
 
+from jackfield.contracts.attention import StepContext
 from jackfield.contracts.model import ModelFamily
-from jackfield.models.attention import StepContext
 
 
 def piece_sizes(max_tokens: int) -> list[int]:

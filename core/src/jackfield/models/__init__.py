@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from jackfield.contracts.attention import KVCacheDType
+
+from jackfield.contracts.attention import AttentionBackends, KVCacheDType
 from jackfield.contracts.model import ModelFamily
-from jackfield.models.attention import AttentionBackends
 from jackfield.models.hf_config import architecture_of, read_hf_config
 from jackfield.plugins import get_registry
 from jackfield.specs import resolve_factory

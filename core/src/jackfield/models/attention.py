@@ -13,43 +13,19 @@ slots differ; positions and lengths do not).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from jackfield.attention.metadata import BatchPart, GroupMetadataBuilder, Role
+from jackfield.attention.metadata import GroupMetadataBuilder
 from jackfield.contracts.attention import (
-    AttentionBackend,
+    AttentionBackends,
     AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadata,
+    Role,
+    StepContext,
 )
-
-
-@dataclass(frozen=True)
-class AttentionBackends:
-    """The backend chosen for each role of the target model."""
-
-    prefill: type[AttentionBackend]
-    decode: type[AttentionBackend]
-
-    @property
-    def split(self) -> bool:
-        return self.prefill is not self.decode
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """One step's attention metadata, as parts of the batch per KV cache group, and the caches."""
-
-    kv_caches: list[torch.Tensor]
-    groups: tuple[tuple[BatchPart, ...], ...]  # per KV cache group: its batch's parts, decode rows first
-    layer_group: tuple[int, ...] = ()  # per layer: its index in `groups` (empty: one group)
-
-    def parts(self, layer_index: int) -> tuple[BatchPart, ...]:
-        """The parts of the batch as `layer_index` sees them (its KV cache group's metadata)."""
-        return self.groups[self.layer_group[layer_index] if self.layer_group else 0]
 
 
 class StepContextBuilder:

@@ -18,8 +18,13 @@ from transformers import PretrainedConfig
 
 from jackfield.attention.checks import check_slot_mapping
 from jackfield.attention.kv_cache import request_slots, write_slots
-from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata, KVCacheDType
-from jackfield.models.attention import AttentionBackends, StepContext
+from jackfield.contracts.attention import (
+    AttentionBackends,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    KVCacheDType,
+    StepContext,
+)
 from jackfield.models.deepseek import DeepseekForCausalLM, MLAAttention
 from jackfield.models.hf_config import DeepseekArch, rope_inv_freq
 from jackfield.models.layers import Linear, RotaryEmbedding, select_rows

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from jackfield.contracts.attention import AttentionLayerSpec, KVCacheDType
+from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
 from jackfield.contracts.model import ModelCapabilities, ModelFamily
-from jackfield.models.attention import AttentionBackends, RoleImpls, StepContext
+from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import rope_inv_freq
 from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
 from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
