@@ -27,7 +27,7 @@ from jackfield.contracts.attention import (
 )
 from jackfield.models.deepseek import DeepseekForCausalLM, MLAAttention
 from jackfield.models.hf_config import DeepseekArch, rope_inv_freq
-from jackfield.models.layers import Linear, RotaryEmbedding, select_rows
+from jackfield.models.layers import Linear, RotaryEmbedding
 
 
 class Indexer(nn.Module):
@@ -50,29 +50,29 @@ class Indexer(nn.Module):
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         return torch.cat((rope(x[..., : self.rope_dim], positions), x[..., self.rope_dim :]), dim=-1)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        key_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Write this step's indexer keys, then top-k indices [T, K] int32 (request-local key
-        positions, -1 where a query sees fewer than K keys)."""
+    def project(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """From the layer's normed input x: the indexer queries [T, H_I, D_I] and keys [T, D_I]
+        (roped) and the head weights [T, H_I] float32."""
         t = x.shape[0]
         q = self._rope(self.wq_b(q_latent).view(t, self.heads, self.dim), positions, rope)
         k = F.layer_norm(
             self.wk(x).float(), (self.dim,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6
         )
         k = self._rope(k.to(x.dtype).unsqueeze(1), positions, rope).squeeze(1)
+        head_weights = F.linear(x.float(), self.weights_proj.weight) * self.heads**-0.5
+        return q, k, head_weights
+
+    def top_k(self, q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor,
+              metadata: AttentionMetadata) -> torch.Tensor:
+        """Write the rows' indexer keys, then top-k indices [T, K] int32 (request-local key
+        positions, -1 where a query sees fewer than K keys)."""
+        t = q.shape[0]
         flat = key_cache.flatten(0, 1)
         check_slot_mapping(metadata.slot_mapping, t, flat.shape[0])
         write_slots(flat, metadata.slot_mapping, k.to(key_cache.dtype))
-        head_weights = F.linear(x.float(), self.weights_proj.weight) * self.heads**-0.5  # [T, H]
         width = min(self.topk, metadata.max_seq_len)
-        out = torch.full((t, width), -1, dtype=torch.int32, device=x.device)
+        out = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
         qsl = metadata.query_start_loc_cpu.tolist()
         for b, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
             q0, q1 = qsl[b], qsl[b + 1]
@@ -81,8 +81,8 @@ class Indexer(nn.Module):
             keys = flat[request_slots(metadata.block_table[b], seq_len, key_cache.shape[1])].float()  # [S, D]
             scores = F.relu(torch.einsum("qhd,sd->qhs", q[q0:q1].float(), keys) * self.dim**-0.5)
             scores = torch.einsum("qh,qhs->qs", head_weights[q0:q1], scores)
-            query_pos = torch.arange(seq_len - (q1 - q0), seq_len, device=x.device)[:, None]
-            visible = torch.arange(seq_len, device=x.device)[None, :] <= query_pos
+            query_pos = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)[:, None]
+            visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos
             best = scores.masked_fill(~visible, float("-inf")).topk(min(width, seq_len), dim=-1)
             indices = torch.where(torch.isfinite(best.values), best.indices, -1)
             out[q0:q1, : indices.shape[1]] = indices.to(torch.int32)
@@ -103,32 +103,31 @@ class SparseMLAAttention(MLAAttention):
         super().__init__(arch, index, spec, backends, dtype)
         self.indexer = Indexer(arch, dtype)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        step: StepContext,
-        index_rope: RotaryEmbedding,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        a, t = self.arch, x.shape[0]
+    def project_sparse(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                       index_rope: RotaryEmbedding) -> tuple[torch.Tensor, ...]:
+        """The attention's inputs from the normed x: q, kv_c, k_pe, then the indexer's q, k and
+        head weights."""
         q, kv_c, k_pe, q_latent = self.project(x, positions, rope)
         assert q_latent is not None
+        return (q, kv_c, k_pe, *self.indexer.project(x, q_latent, positions, index_rope))
+
+    def attend(self, step: StepContext, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,  # type: ignore[override]
+               index_q: torch.Tensor, index_k: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        a = self.arch
         cache = step.kv_caches[self.index]
         key_cache = step.kv_caches[a.num_layers + self.index]  # same blocks and slots as `cache`
-        out = q.new_empty(t, a.num_heads, a.v_head_dim)
+        out = q.new_empty(q.shape[0], a.num_heads, a.v_head_dim)
         # The engine's parts of the batch (its role halves, this layer's KV cache group): the
         # indexer picks each part's top-k with that part's metadata, then its impl attends.
         for rows, impl, metadata in self.attn.parts(step, self.index):
-            topk = self.indexer(x[rows], q_latent[rows], positions[rows], index_rope, key_cache, metadata)
+            topk = self.indexer.top_k(index_q[rows], index_k[rows], head_weights[rows], key_cache, metadata)
             out[rows] = impl.forward(q[rows], kv_c[rows], k_pe[rows], cache, metadata, topk_indices=topk)  # type: ignore[attr-defined]
-        return self.output(out, output_rows)
+        return out
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
     def _cuda_graph_safe(self) -> bool:
-        return False  # the indexer's top-k path reads lengths on the host
+        return False  # the indexer's top-k (in attend) reads lengths on the host: no decode graphs
 
     def __init__(
         self,
@@ -158,13 +157,6 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
         """The L latent caches, then the L indexer-key caches (same blocks and slots)."""
         return [self.attention_spec] * self.arch.num_layers + [self.index_key_spec] * self.arch.num_layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
-            rows = output_rows if i == last else None
-            attn = layer.self_attn(layer.input_layernorm(x), positions, self.rope, step, self.index_rope, rows)
-            x = select_rows(x, rows) + attn
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.norm(x)
+    def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        layer = self.model.layers[i]
+        return layer.self_attn.project_sparse(layer.input_layernorm(x), positions, self.rope, self.index_rope)
