@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -27,6 +28,7 @@ class LLM:
         self.config = resolve_config(config, model, overrides)
         self.engine = Engine(self.config, progress or (lambda _: None))
         self.tokenizer = self.engine.tokenizer
+        self._lock = threading.Lock()  # one call steps the engine at a time (calls from threads queue)
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
@@ -53,16 +55,23 @@ class LLM:
     def _run(self, requests: list[tuple[list[int], SamplingParams]], pooling: str | None,
              progress: Callable[[int, int], None] | None) -> list[Sequence]:
         """Every request validated before any is queued (a bad one leaves the engine untouched),
-        then steps until all finish."""
+        then steps until all finish. If a step fails, this call's requests are aborted (their
+        blocks freed) before the error propagates, so the engine serves the next call."""
         engine = self.engine
         for ids, params in requests:
             engine.check_request(ids, params, pooling)
-        seqs = [engine.add_request(ids, params, pooling) for ids, params in requests]
-        done = 0
-        while engine.scheduler.has_work():
-            done += len(engine.step())
-            if progress:
-                progress(done, len(seqs))
+        with self._lock:
+            seqs = [engine.add_request(ids, params, pooling) for ids, params in requests]
+            done = 0
+            try:
+                while engine.scheduler.has_work():
+                    done += len(engine.step())
+                    if progress:
+                        progress(done, len(seqs))
+            except BaseException:
+                for seq in seqs:
+                    engine.scheduler.abort(seq)
+                raise
         return seqs
 
     def _encode(self, prompt: Prompt) -> list[int]:

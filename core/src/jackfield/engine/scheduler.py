@@ -98,3 +98,15 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is (queued or running) and free its blocks."""
+        if seq.status == Status.FINISHED:
+            return
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = "abort"
