@@ -26,9 +26,8 @@ def visibility_mask(
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """[q_len, k_len] bool: which keys each query row sees."""
-    if q_len > k_len and causal:
-        raise ValueError(f"causal attention needs k_len >= q_len, got q_len={q_len}, k_len={k_len}")
+    """[q_len, k_len] bool: which keys each query row sees (causal rows at negative positions,
+    where q_len > k_len, see none)."""
     q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
     k_pos = torch.arange(k_len, device=device)[None, :]
     visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
@@ -146,7 +145,7 @@ def paged_attention(
     MLA's latent cache [num_blocks, block_size, L + R] is both: key_cache = cache[:, :, None] and
     value_cache = cache[:, :, None, :L]. Cached values are multiplied by kv_scale (fp8 caches).
     topk_indices [T, k] (request-local positions, -1 for none) replace causality and the window.
-    A request without keys (a padded row) gives out 0 and lse -inf.
+    Rows that see no key (a request without keys: a padded row) give out 0 and lse -inf.
     Returns out [T, H, Dv] and lse [T, H].
     """
     dtype = compute_dtype(query)
@@ -157,7 +156,7 @@ def paged_attention(
     qsl = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         q0, q1 = qsl[b], qsl[b + 1]
-        if q0 == q1 or seq_len == 0:
+        if q0 == q1:
             continue
         pos = torch.arange(seq_len, device=key_cache.device)
         blocks, offsets = block_table[b, pos // block_size].long(), pos % block_size
