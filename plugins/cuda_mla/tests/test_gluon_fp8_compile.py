@@ -33,15 +33,13 @@ import triton
 hopper = pytest.importorskip(
     "triton.experimental.gluon.language.nvidia.hopper", reason="this Triton has no Gluon Hopper module"
 )
-import test_gluon_few_compile as few_compile  # noqa: E402
 from jackfield_cuda_mla.kernels import decode_gluon_fp8 as regs  # noqa: E402
+from jackfield_cuda_mla.testing import sm90  # noqa: E402
 from triton._C.libtriton import ir  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(few_compile.CUOBJDUMP), reason="this Triton ships no cuobjdump"
-)
-RANK, ROPE, PAGE = 512, 64, 64
+pytestmark = pytest.mark.skipif(not os.path.exists(sm90.CUOBJDUMP), reason="this Triton ships no cuobjdump")
+RANK, ROPE, PAGE = sm90.RANK, sm90.ROPE, sm90.PAGE
 
 
 def compile_sm90(block_m: int) -> tuple[str, int]:
@@ -49,11 +47,11 @@ def compile_sm90(block_m: int) -> tuple[str, int]:
     constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, SPLITS=1, CAUSAL=True)
     constants["SLOTS"] = regs.ring_tiles(RANK, ROPE, block_m)
     kernel = regs.mla_decode_fp8_register_operands
-    return few_compile.sm90_sass(kernel, True, constants, f"fp8_regs_{block_m}")
+    return sm90.sm90_sass(kernel, True, constants, f"fp8_regs_{block_m}")
 
 
 def counts(sass: str, shared: int, block_m: int) -> dict:
-    got = few_compile.count(sass, shared, block_m)
+    got = sm90.count(sass, shared, block_m)
     got.update(
         register_a=len(re.findall(rf"\bHGMMA\.64x{block_m}x16\.F32 R\d+, R\d+, gdesc", sass)),
         key_loads=len(re.findall(r"\bLDS\.128\b", sass)),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from jackfield_cuda_mla.kernels import decode, mla_decode
 from jackfield_cuda_mla.kernels.decode import DecodeConfig, default_config
-from mla_reference import decode_reference
+from jackfield_cuda_mla.testing import decode_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,16 +83,7 @@ def assert_matches_reference(batch: dict, causal: bool, config: DecodeConfig, sp
         out=out,
         lse=lse,
     )
-    ref_out, ref_lse = decode_reference(
-        batch["query"],
-        batch["kv_cache"],
-        batch["block_table"],
-        batch["seq_lens"],
-        batch["query_start_loc"],
-        (RANK + ROPE) ** -0.5,
-        RANK,
-        causal=causal,
-    )
+    ref_out, ref_lse = decode_reference(batch, (RANK + ROPE) ** -0.5, RANK, causal=causal)
     out, lse = out.cpu().double(), lse.cpu().double()
     assert not out.isnan().any()
     # Per row: a long request's outputs are averages far smaller than a one-key row's

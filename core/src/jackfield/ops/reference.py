@@ -72,9 +72,9 @@ def dense_attention(
         raise ValueError(f"query heads {num_heads} are not a multiple of kv heads {num_kv_heads}")
     group = num_heads // num_kv_heads
     dtype = compute_dtype(q)
-    kf = k.to(dtype).repeat_interleave(group, dim=1)  # [tk, H, D]
-    vf = v.to(dtype).repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), kf) * scale
+    # Query heads as [kv head, group] (head h = kv * group + g): no copy of K/V per query head.
+    qg = q.to(dtype).unflatten(1, (num_kv_heads, group))
+    scores = torch.einsum("qngd,knd->ngqk", qg, k.to(dtype)).flatten(0, 1) * scale  # [H, tq, tk]
     mask = visible[None] if visible.dim() == 2 else visible.permute(1, 0, 2)  # [1|H, tq, tk]
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, tq]; -inf where nothing is visible
@@ -83,7 +83,7 @@ def dense_attention(
         lse = torch.where(seen_any, torch.logaddexp(lse, sinks.to(dtype)[:, None]), lse)
     # exp(-inf - 0) = 0 keeps empty rows at exactly 0 instead of NaN.
     probs = torch.exp(scores - torch.where(seen_any, lse, 0.0)[..., None])
-    out = torch.einsum("hqk,khd->qhd", probs, vf)
+    out = torch.einsum("ngqk,knd->qngd", probs.unflatten(0, (num_kv_heads, group)), v.to(dtype)).flatten(1, 2)
     return out, lse.transpose(0, 1).contiguous()
 
 
