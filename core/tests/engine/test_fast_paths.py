@@ -12,7 +12,7 @@ from jackfield import LLM, SamplingParams
 from jackfield.attention.torch_ref import TorchRefMLAImpl
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
 from jackfield.models.moe import Experts, use_grouped_mm
-from jackfield.ops.reference import varlen_attention
+from jackfield.testing.problems import expanded_mla_reference
 
 
 def _experts_reference(
@@ -146,27 +146,7 @@ def test_mla_prefill_matches_expanded_float64_attention(
     )
     q = torch.randn(sum(q_lens), H, N + R)
     got = impl.prefill(q, cache, metadata)
-    # Expanded form from the checkpoint's kv_b_proj, one request at a time, in float64.
-    w = kv_b.double().view(H, N + V, L)
-    ks, vs = [], []
-    for b, s in enumerate(seq_lens):
-        pos = torch.arange(s)
-        rec = cache.flatten(0, 1)[table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK].double()
-        ks.append(
-            torch.cat(
-                [torch.einsum("sl,hnl->shn", rec[:, :L], w[:, :N]), rec[:, None, L:].expand(-1, H, -1)], -1
-            )
-        )
-        vs.append(torch.einsum("sl,hvl->shv", rec[:, :L], w[:, N:]))
-    want, _ = varlen_attention(
-        q.double(),
-        torch.cat(ks),
-        torch.cat(vs),
-        qsl.tolist(),
-        [0, *torch.tensor(seq_lens).cumsum(0).tolist()],
-        SPEC.scale,
-        causal=causal,
-    )
+    want = expanded_mla_reference(q, cache, metadata, kv_b, SPEC)  # from the checkpoint's kv_b_proj
     assert got.shape == (sum(q_lens), H, V) and got.dtype == q.dtype
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)
 
