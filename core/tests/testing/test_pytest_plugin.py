@@ -71,7 +71,8 @@ def test_seeds_are_printed_and_reproduce_the_draws(tmp_path: Path) -> None:
     assert header, first.stdout
     session = header.group(1)
     # the failing test's report names the session seed and its own
-    assert re.search(rf"jackfield seed -+\nJACKFIELD_TEST_SEED={session} \(this test's seed: \d+\)", first.stdout)
+    section = rf"jackfield seed -+\nJACKFIELD_TEST_SEED={session} \(this test's seed: \d+\)"
+    assert re.search(section, first.stdout)
     again = _run_seeded(tmp_path, session, "-k", "records")  # another selection, same draws
     assert _draws(again) == _draws(first) and len(_draws(first)) == 1
     other = _run_seeded(tmp_path, str(int(session) + 1))
