@@ -66,7 +66,6 @@ def test_bf16_experts_take_routing_weights_of_any_float_dtype(tokens: int) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 64, 300])
 def test_grouped_experts_match_float64_on_cuda(tokens: int) -> None:
     torch.manual_seed(tokens)
@@ -82,7 +81,6 @@ def test_grouped_experts_match_float64_on_cuda(tokens: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_experts_are_as_accurate_as_the_looped_path_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 on CUDA: the grouped matmul's error against float64 is no worse than the per-expert
     F.linear path's (what transformers runs), at a realistic width. (On the H200 the engine's

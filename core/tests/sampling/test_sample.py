@@ -216,7 +216,6 @@ def test_bad_inputs_are_rejected(change: dict, message: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_tensors_on_another_device_are_rejected() -> None:
     args = _valid()
     args["seeds"] = args["seeds"].cpu()
@@ -241,7 +240,6 @@ def test_impl_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_bit_exact_at_benchmark_size_on_gpu() -> None:
     batch = make_batch(256, 129280, seed=0)
     assert resolve_impl("auto", batch["logits"].device) == "triton"
@@ -254,7 +252,6 @@ def test_bit_exact_at_benchmark_size_on_gpu() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_direct_launches_match_triton_s_own_launches_on_gpu(
     monkeypatch: pytest.MonkeyPatch, rng_seed: int
 ) -> None:

@@ -42,7 +42,6 @@ class TestCudaMLAInterpreted(AttentionConformance):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 class TestCudaMLAOnGPU(AttentionConformance):
     backend_cls = CudaMLABackend
     device = "cuda"

@@ -8,7 +8,7 @@ from jackfield_cuda_mla.kernels import mla_decode, mla_kv_insert
 from jackfield_cuda_mla.kernels.decode import DecodeConfig
 from jackfield_cuda_mla.testing import decode_reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 RANK, ROPE, PAGE, HEADS = 512, 64, 64, 16
 FP8 = torch.float8_e4m3fn
 

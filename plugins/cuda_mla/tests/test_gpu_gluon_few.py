@@ -14,7 +14,6 @@ from jackfield_cuda_mla.testing import decode_reference
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(decode.decode_gluon_few is None, reason="this Triton has no usable Gluon"),
 ]
 RANK, ROPE, PAGE, HEADS = 512, 64, 64, 16

@@ -15,7 +15,6 @@ from jackfield_cuda_mla.testing import decode_reference
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(decode.decode_gluon_many is None, reason="this Triton has no usable Gluon"),
     pytest.mark.skipif(
         torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
