@@ -17,17 +17,8 @@ from jackfield.plugins import Registered, load_registry
 from jackfield.requirements import attention_requirements
 from jackfield.selection import SelectionError, select_attention_backend
 from jackfield.specs import AttentionBackendSpec
-from jackfield.testing.checkpoints import DEEPSEEK, pooled_reference, write_deepseek
+from jackfield.testing.checkpoints import DEEPSEEK, LLAMA, pooled_reference, write_deepseek
 from transformers import DeepseekV3Config, DeepseekV32Config, GraniteConfig, GraniteSWAConfig, LlamaConfig
-
-GQA = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=40,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 
 
 def requirements(config: object) -> AttentionRequirements:
@@ -49,7 +40,7 @@ def plain_mha_registry():  # type: ignore[no-untyped-def]
 
 
 def test_llama_and_granite_need_nothing_special() -> None:
-    for config in (LlamaConfig(**GQA), GraniteConfig(**GQA)):
+    for config in (LlamaConfig(**LLAMA), GraniteConfig(**LLAMA)):
         req = requirements(config)
         assert (req.kind, req.head_size, req.sliding_window, req.sinks, req.non_causal) == (
             "mha",
@@ -62,14 +53,14 @@ def test_llama_and_granite_need_nothing_special() -> None:
 
 
 def test_granite_swa_backend_without_windows_or_sinks_is_rejected_with_both_reasons() -> None:
-    req = requirements(GraniteSWAConfig(**GQA, sliding_window=3))
+    req = requirements(GraniteSWAConfig(**LLAMA, sliding_window=3))
     assert req.sliding_window and req.sinks
     with pytest.raises(SelectionError) as err:
         select_attention_backend(req, "plain_mha", registry=plain_mha_registry())
     assert "sliding_window not supported" in str(err.value) and "sinks not supported" in str(err.value)
     assert "would work: torch_ref" in str(err.value)
     # every layer full: no window needed, sinks still are (they are part of the architecture)
-    full = requirements(GraniteSWAConfig(**GQA, layer_types=["full_attention"] * 4))
+    full = requirements(GraniteSWAConfig(**LLAMA, layer_types=["full_attention"] * 4))
     assert not full.sliding_window and full.sinks
 
 
