@@ -18,8 +18,15 @@ from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
 from jackfield.testing.problems import expanded_mla_reference
 
 H, L, N, R, V, BLOCK = 8, 64, 32, 16, 32, 16  # v narrower than k: the padded-v SDPA call
-SPEC = AttentionLayerSpec(num_heads=H, head_size=L + R, scale=1 / math.sqrt(N + R), kv_lora_rank=L,
-                          qk_nope_head_dim=N, qk_rope_head_dim=R, v_head_dim=V)
+SPEC = AttentionLayerSpec(
+    num_heads=H,
+    head_size=L + R,
+    scale=1 / math.sqrt(N + R),
+    kv_lora_rank=L,
+    qk_nope_head_dim=N,
+    qk_rope_head_dim=R,
+    v_head_dim=V,
+)
 
 
 def _metadata(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> AttentionMetadata:
@@ -33,9 +40,14 @@ def _metadata(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> A
         start += width
     qsl = torch.tensor([0, *q_lens]).cumsum(0).int()
     return AttentionMetadata(
-        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens).int(), block_table=table,
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), query_start_loc_cpu=qsl,
-        seq_lens_cpu=torch.tensor(seq_lens).int(), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens).int(),
+        block_table=table,
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=torch.tensor(seq_lens).int(),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
         causal=True,
     )
 
@@ -47,8 +59,7 @@ def _metadata(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> A
         ([96, 64], [192, 160]),  # chunked continuations: the visibility mask
     ],
 )
-@pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bf16_prefill_rounds_the_attention_output_once(
     q_lens: list[int], seq_lens: list[int], device: str, rng_seed: int
 ) -> None:
@@ -61,9 +72,12 @@ def test_bf16_prefill_rounds_the_attention_output_once(
     # Queries twice the keys' scale: peaked softmax rows, whose probabilities' rounding shows.
     q = (2 * torch.randn(sum(q_lens), H, N + R, generator=gen)).bfloat16()
 
-    on_device = metadata.replace(**{
-        name: getattr(metadata, name).to(device)
-        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")})
+    on_device = metadata.replace(
+        **{
+            name: getattr(metadata, name).to(device)
+            for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+        }
+    )
     impl.process_weights_after_loading({"kv_b_proj": kv_b.to(device)})
     got = impl.prefill(q.to(device), cache.to(device), on_device).cpu()
     want = expanded_mla_reference(q, cache, metadata, kv_b, SPEC, rounded_to=torch.bfloat16)

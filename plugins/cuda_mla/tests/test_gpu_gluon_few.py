@@ -175,4 +175,3 @@ def test_row_max_that_jumps_after_settled_tiles(
         flat[row] = (key / scale).clamp(-448, 448).to(flat.dtype)
     run_and_check(batch, causal=True, num_splits=num_splits)
     assert gluon_launches == expected_kernel(fp8, HEADS)
-
