@@ -14,42 +14,10 @@ import math
 import pytest
 import torch
 from jackfield.attention.torch_ref import TorchRefMLAImpl
-from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
-from jackfield.testing.problems import expanded_mla_reference
+from jackfield.testing.problems import expanded_mla_reference, make_batch, mla_layer
 
 H, L, N, R, V, BLOCK = 8, 64, 32, 16, 32, 16  # v narrower than k: the padded-v SDPA call
-SPEC = AttentionLayerSpec(
-    num_heads=H,
-    head_size=L + R,
-    scale=1 / math.sqrt(N + R),
-    kv_lora_rank=L,
-    qk_nope_head_dim=N,
-    qk_rope_head_dim=R,
-    v_head_dim=V,
-)
-
-
-def _metadata(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> AttentionMetadata:
-    """Each request's blocks at random places of one cache."""
-    widths = [-(-s // BLOCK) for s in seq_lens]
-    free = torch.randperm(sum(widths), generator=gen).int()
-    table = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
-    start = 0
-    for b, width in enumerate(widths):
-        table[b, :width] = free[start : start + width]
-        start += width
-    qsl = torch.tensor([0, *q_lens]).cumsum(0).int()
-    return AttentionMetadata(
-        query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens).int(),
-        block_table=table,
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=torch.tensor(seq_lens).int(),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        causal=True,
-    )
+SPEC = mla_layer(num_heads=H, kv_lora_rank=L, qk_rope_head_dim=R, qk_nope_head_dim=N, v_head_dim=V)
 
 
 @pytest.mark.parametrize(
@@ -67,8 +35,9 @@ def test_bf16_prefill_rounds_the_attention_output_once(
     impl = TorchRefMLAImpl(SPEC)
     kv_b = (torch.randn(H * (N + V), L, generator=gen) / math.sqrt(L)).bfloat16()
     impl.process_weights_after_loading({"kv_b_proj": kv_b})
-    metadata = _metadata(q_lens, seq_lens, gen)
-    cache = torch.randn(int(metadata.block_table.max()) + 1, BLOCK, L + R, generator=gen).bfloat16()
+    batch = make_batch(q_lens, seq_lens, 0, BLOCK, "cpu", gen, spare_blocks=0)  # requests' blocks shuffled
+    metadata = batch.metadata
+    cache = torch.randn(batch.num_blocks, BLOCK, L + R, generator=gen).bfloat16()
     # Queries twice the keys' scale: peaked softmax rows, whose probabilities' rounding shows.
     q = (2 * torch.randn(sum(q_lens), H, N + R, generator=gen)).bfloat16()
 

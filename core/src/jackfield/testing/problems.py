@@ -84,7 +84,7 @@ def make_batch(
     num_blocks = sum(blocks_per_req) + spare_blocks
     order = torch.randperm(num_blocks, generator=generator).tolist()
     # Block 0 always holds a request's KV: MLAImpl.prefill pads keys with slot 0 and a NaN there
-    # survives its mask (pinned, as a known defect, by test_fast_paths.py's strict xfail), which
+    # survives its mask (pinned, as a known defect, by a strict xfail in test_fast_paths.py), which
     # would fail MLA forward cases only when the shuffle left block 0 spare.
     order.remove(0)
     order.insert(int(torch.randint(0, max(1, sum(blocks_per_req)), (), generator=generator)), 0)
