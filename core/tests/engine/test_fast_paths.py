@@ -4,15 +4,13 @@ continuations, bidirectional), and the step's non-finite-logit check."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from jackfield import LLM, SamplingParams
 from jackfield.attention.torch_ref import TorchRefMLAImpl
-from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
+from jackfield.contracts.attention import AttentionMetadata
 from jackfield.models.moe import Experts, use_grouped_mm
-from jackfield.ops.reference import varlen_attention
+from jackfield.testing.problems import expanded_mla_reference, mla_layer
 
 
 def _experts_reference(
@@ -66,7 +64,6 @@ def test_bf16_experts_take_routing_weights_of_any_float_dtype(tokens: int) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 64, 300])
 def test_grouped_experts_match_float64_on_cuda(tokens: int) -> None:
     torch.manual_seed(tokens)
@@ -82,7 +79,6 @@ def test_grouped_experts_match_float64_on_cuda(tokens: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_experts_are_as_accurate_as_the_looped_path_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 on CUDA: the grouped matmul's error against float64 is no worse than the per-expert
     F.linear path's (what transformers runs), at a realistic width. (On the H200 the engine's
@@ -98,19 +94,13 @@ def test_grouped_experts_are_as_accurate_as_the_looped_path_on_cuda(monkeypatch:
     monkeypatch.setattr("jackfield.models.moe.use_grouped_mm", lambda rows: False)
     looped = experts(x, weights, ids).double().cpu()
     grouped_err, looped_err = ((y - want).abs().mean().item() for y in (grouped, looped))
-    assert grouped_err <= 1.5 * looped_err, f"mean |error|: grouped {grouped_err:.3g}, looped {looped_err:.3g}"
+    assert grouped_err <= 1.5 * looped_err, (
+        f"mean |error|: grouped {grouped_err:.3g}, looped {looped_err:.3g}"
+    )
 
 
 H, L, N, R, V, BLOCK = 3, 16, 8, 4, 6, 4
-SPEC = AttentionLayerSpec(
-    num_heads=H,
-    head_size=L + R,
-    scale=1 / math.sqrt(N + R),
-    kv_lora_rank=L,
-    qk_nope_head_dim=N,
-    qk_rope_head_dim=R,
-    v_head_dim=V,
-)
+SPEC = mla_layer(num_heads=H, kv_lora_rank=L, qk_rope_head_dim=R, qk_nope_head_dim=N, v_head_dim=V)
 
 
 @pytest.mark.parametrize(
@@ -118,20 +108,24 @@ SPEC = AttentionLayerSpec(
     [
         ([5, 11, 2], [5, 11, 2], True),  # whole prompts of mixed lengths: the plain causal call
         ([3, 1, 6], [9, 5, 6], True),  # chunked continuations: the visibility mask
-        ([4, 7], [4, 7], False),
-    ],  # bidirectional
+        ([4, 7], [4, 7], False),  # bidirectional
+    ],
 )
+@pytest.mark.parametrize("unowned", ["random", "nan"])
 def test_mla_prefill_matches_expanded_float64_attention(
-    q_lens: list[int], seq_lens: list[int], causal: bool
+    q_lens: list[int], seq_lens: list[int], causal: bool, unowned: str, rng_seed: int
 ) -> None:
-    torch.manual_seed(len(q_lens) + sum(seq_lens))
+    """Block 0, where padded keys point, belongs to no request: random values, or NaN, which the
+    output must not notice."""
+    g = torch.Generator().manual_seed(rng_seed)
     impl = TorchRefMLAImpl(SPEC)
-    kv_b = torch.randn(H * (N + V), L)
+    kv_b = torch.randn(H * (N + V), L, generator=g)
     impl.process_weights_after_loading({"kv_b_proj": kv_b})
     width = max(-(-s // BLOCK) for s in seq_lens)
-    num_blocks = len(seq_lens) * width + 1
-    cache = torch.randn(num_blocks, BLOCK, L + R)
-    table = torch.randperm(num_blocks)[: len(seq_lens) * width].view(len(seq_lens), width).int()
+    cache = torch.randn(1 + len(seq_lens) * width, BLOCK, L + R, generator=g)
+    if unowned == "nan":
+        cache[0] = float("nan")
+    table = (1 + torch.randperm(len(seq_lens) * width, generator=g)).view(len(seq_lens), width).int()
     qsl = torch.tensor([0, *q_lens]).cumsum(0).int()
     metadata = AttentionMetadata(
         query_start_loc=qsl,
@@ -144,31 +138,12 @@ def test_mla_prefill_matches_expanded_float64_attention(
         max_seq_len=max(seq_lens),
         causal=causal,
     )
-    q = torch.randn(sum(q_lens), H, N + R)
+    q = torch.randn(sum(q_lens), H, N + R, generator=g)
     got = impl.prefill(q, cache, metadata)
-    # Expanded form from the checkpoint's kv_b_proj, one request at a time, in float64.
-    w = kv_b.double().view(H, N + V, L)
-    ks, vs = [], []
-    for b, s in enumerate(seq_lens):
-        pos = torch.arange(s)
-        rec = cache.flatten(0, 1)[table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK].double()
-        ks.append(
-            torch.cat(
-                [torch.einsum("sl,hnl->shn", rec[:, :L], w[:, :N]), rec[:, None, L:].expand(-1, H, -1)], -1
-            )
-        )
-        vs.append(torch.einsum("sl,hvl->shv", rec[:, :L], w[:, N:]))
-    want, _ = varlen_attention(
-        q.double(),
-        torch.cat(ks),
-        torch.cat(vs),
-        qsl.tolist(),
-        [0, *torch.tensor(seq_lens).cumsum(0).tolist()],
-        SPEC.scale,
-        causal=causal,
-    )
+    want = expanded_mla_reference(q, cache, metadata, kv_b, SPEC)  # from the checkpoint's kv_b_proj
     assert got.shape == (sum(q_lens), H, V) and got.dtype == q.dtype
-    torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(got).all(), "a value no request owns reached the output"
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_mla_prefill_rejects_a_short_block_table() -> None:

@@ -14,49 +14,10 @@ import math
 import pytest
 import torch
 from jackfield.attention.torch_ref import TorchRefMLAImpl
-from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
+from jackfield.testing.problems import expanded_mla_reference, make_batch, mla_layer
 
 H, L, N, R, V, BLOCK = 8, 64, 32, 16, 32, 16  # v narrower than k: the padded-v SDPA call
-SPEC = AttentionLayerSpec(num_heads=H, head_size=L + R, scale=1 / math.sqrt(N + R), kv_lora_rank=L,
-                          qk_nope_head_dim=N, qk_rope_head_dim=R, v_head_dim=V)
-
-
-def _metadata(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> AttentionMetadata:
-    """Each request's blocks at random places of one cache."""
-    widths = [-(-s // BLOCK) for s in seq_lens]
-    free = torch.randperm(sum(widths), generator=gen).int()
-    table = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
-    start = 0
-    for b, width in enumerate(widths):
-        table[b, :width] = free[start : start + width]
-        start += width
-    qsl = torch.tensor([0, *q_lens]).cumsum(0).int()
-    return AttentionMetadata(
-        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens).int(), block_table=table,
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), query_start_loc_cpu=qsl,
-        seq_lens_cpu=torch.tensor(seq_lens).int(), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        causal=True,
-    )
-
-
-def _float64_attention(q: torch.Tensor, cache: torch.Tensor, kv_b: torch.Tensor, metadata: AttentionMetadata,
-                       ) -> torch.Tensor:
-    """Causal expanded attention per request in float64; k_nope and v rounded to bf16 first."""
-    w = kv_b.double().view(H, N + V, L)
-    qsl = metadata.query_start_loc_cpu.tolist()
-    outs = []
-    for b, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
-        pos = torch.arange(seq_len)
-        rec = cache.flatten(0, 1)[metadata.block_table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK].double()
-        k_nope = torch.einsum("sl,hnl->shn", rec[:, :L], w[:, :N]).bfloat16().double()
-        v = torch.einsum("sl,hvl->shv", rec[:, :L], w[:, N:]).bfloat16().double()
-        k = torch.cat([k_nope, rec[:, None, L:].expand(-1, H, -1)], dim=-1)
-        rows = q[qsl[b] : qsl[b + 1]].double()
-        q_pos = torch.arange(seq_len - rows.shape[0], seq_len)
-        scores = torch.einsum("qhd,khd->hqk", rows, k) * SPEC.scale
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        outs.append(torch.einsum("hqk,khv->qhv", scores.softmax(dim=-1), v))
-    return torch.cat(outs)
+SPEC = mla_layer(num_heads=H, kv_lora_rank=L, qk_rope_head_dim=R, qk_nope_head_dim=N, v_head_dim=V)
 
 
 @pytest.mark.parametrize(
@@ -66,27 +27,29 @@ def _float64_attention(q: torch.Tensor, cache: torch.Tensor, kv_b: torch.Tensor,
         ([96, 64], [192, 160]),  # chunked continuations: the visibility mask
     ],
 )
-@pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bf16_prefill_rounds_the_attention_output_once(
-    q_lens: list[int], seq_lens: list[int], device: str
+    q_lens: list[int], seq_lens: list[int], device: str, rng_seed: int
 ) -> None:
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gen = torch.Generator().manual_seed(rng_seed)
     impl = TorchRefMLAImpl(SPEC)
     kv_b = (torch.randn(H * (N + V), L, generator=gen) / math.sqrt(L)).bfloat16()
     impl.process_weights_after_loading({"kv_b_proj": kv_b})
-    metadata = _metadata(q_lens, seq_lens, gen)
-    cache = torch.randn(int(metadata.block_table.max()) + 1, BLOCK, L + R, generator=gen).bfloat16()
+    batch = make_batch(q_lens, seq_lens, 0, BLOCK, "cpu", gen, spare_blocks=0)  # requests' blocks shuffled
+    metadata = batch.metadata
+    cache = torch.randn(batch.num_blocks, BLOCK, L + R, generator=gen).bfloat16()
     # Queries twice the keys' scale: peaked softmax rows, whose probabilities' rounding shows.
     q = (2 * torch.randn(sum(q_lens), H, N + R, generator=gen)).bfloat16()
 
-    on_device = metadata.replace(**{
-        name: getattr(metadata, name).to(device)
-        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")})
+    on_device = metadata.replace(
+        **{
+            name: getattr(metadata, name).to(device)
+            for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+        }
+    )
     impl.process_weights_after_loading({"kv_b_proj": kv_b.to(device)})
     got = impl.prefill(q.to(device), cache.to(device), on_device).cpu()
-    want = _float64_attention(q, cache, kv_b, metadata)
+    want = expanded_mla_reference(q, cache, metadata, kv_b, SPEC, rounded_to=torch.bfloat16)
 
     assert got.shape == (sum(q_lens), H, V) and got.dtype == torch.bfloat16
 

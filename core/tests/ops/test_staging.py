@@ -37,7 +37,6 @@ def test_cpu_gpu_buffer_rejects_bad_row_count() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cpu_gpu_buffer_on_cuda_is_pinned_and_copies() -> None:
     buf = CpuGpuBuffer(8, dtype=torch.int32, device="cuda")
     assert buf.cpu.is_pinned() and buf.gpu.device.type == "cuda"

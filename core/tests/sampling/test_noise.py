@@ -210,7 +210,6 @@ def test_uniform_transforms_property(lo: int, hi: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_noise_bits_identical_on_cpu_and_cuda() -> None:
     seeds = torch.randint(0, 2**63 - 1, (64, 1))
     pos = torch.randint(0, 2**31, (64, 1))

@@ -92,10 +92,10 @@ def _fmix_last(h: int) -> int:
     return h ^ (h >> 16)
 
 
-def test_token_table_is_the_token_half_of_the_hash() -> None:
+def test_token_table_is_the_token_half_of_the_hash(rng_seed: int) -> None:
     """Entry t is rotl(scramble(t), 13); with the row half rotl(h3, 13) (h3: the state after the
     seed and position words) XOR then *5 + c and fmix give murmur3_hash32 for fresh messages."""
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    g = torch.Generator().manual_seed(rng_seed)
     table = token_table(70_000, torch.device("cpu"))
     tokens = torch.cat([torch.randint(0, 70_000, (200,), generator=g), torch.tensor([0, 1, 69_999])])
     seeds = torch.randint(0, 2**63 - 1, tokens.shape, generator=g)
@@ -163,10 +163,10 @@ def winner_in_every_sub_block(vocab: int, sub: int, seed: int) -> tuple[dict, li
         LaunchShape(sub_block=64, step=64, rows_per_program=1, sub_blocks_per_program=4),
     ],
 )
-def test_launch_shapes_find_the_winner_in_any_sub_block(shape: LaunchShape) -> None:
+def test_launch_shapes_find_the_winner_in_any_sub_block(shape: LaunchShape, rng_seed: int) -> None:
     """The winner sits in each sub-block in turn (first, inner, the partial last one); row groups
     mix sampled, greedy and all -inf rows: Triton == torch bit for bit, for every shape."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = rng_seed
     b, winners = winner_in_every_sub_block(vocab=64 * 6 + 13, sub=shape.sub_block, seed=seed)
     maxima = gumbel_triton.approx_maxima(**b, cutoff=None, shape=shape).cpu().double()
     exact = gumbel_argmax_torch_scores(**{k: v.cpu() for k, v in b.items()})
@@ -268,13 +268,13 @@ def greedy_row(vocab: int, seed: int, scale: float) -> torch.Tensor:
 
 @needs_triton_here
 @pytest.mark.parametrize("scale", [1e-25, 1e-19, 3.0, 1e17, 1e20])
-def test_greedy_rows_near_ties_tiny_and_huge_logits(scale: float) -> None:
+def test_greedy_rows_near_ties_tiny_and_huge_logits(scale: float, rng_seed: int) -> None:
     """Greedy rows go through stage 1 as 2^64 x - log2(t): the noise outweighs logits below
     ~2^-59 (scale 1e-19 and 1e-25), logits past 2^62 overflow the bound's range (1e20), and
     logits one ulp apart in different sub-blocks are only ordered by stage 2. Rows: random; the
     maximum repeated in a later sub-block (a tie: the lower index wins); the maximum one ulp
     higher in a later sub-block (it wins); all equal."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = rng_seed
     vocab = 64 * 5 + 7
     logits = greedy_row(vocab, seed, scale).repeat(4, 1)
     first = int(logits[0].abs().argmax())

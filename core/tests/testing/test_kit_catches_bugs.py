@@ -1,6 +1,10 @@
 """The kit must fail real bugs: each broken torch_ref variant below trips the test meant for it."""
 
 import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +12,7 @@ from jackfield.attention.kv_cache import write_slots
 from jackfield.attention.torch_ref import TorchRefBackend, TorchRefMHAImpl, TorchRefMLAImpl
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionOutput
 from jackfield.testing import AttentionConformance
+from jackfield.testing.harness import Case
 
 FAILED = (AssertionError, pytest.fail.Exception)
 
@@ -78,37 +83,42 @@ class DropsPrefillContext(TorchRefMLAImpl):
 
 
 class Kit(AttentionConformance):
-    dtype = torch.float32
+    dtypes = (torch.float32,)
+
+
+def mha(variant: str = "") -> Case:
+    return Case("mha", torch.float32, "auto", variant)
 
 
 @pytest.fixture
-def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
+def gen(rng_seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(rng_seed)
 
 
 @pytest.mark.parametrize(
-    "impl, test, args",
+    "impl, test, case",
     [
-        (ShuffledBlocks, "test_attend_matches_reference", (True,)),
-        (ReadsWholeBlocks, "test_attend_matches_reference", (True,)),
-        (IgnoresWindow, "test_attend_sliding_window", (5,)),
-        (IgnoresSinks, "test_attend_sinks", ()),
-        (LseOffByOne, "test_attend_matches_reference", (True,)),
-        (ScribblesOnCache, "test_attend_matches_reference", (True,)),
-        (UncheckedWrite, "test_write_kv_matches_reference", ()),
-        (UncheckedWrite, "test_bad_inputs_are_rejected_at_the_entry", ()),
+        (ShuffledBlocks, "test_attend_matches_reference", mha("causal")),
+        (ReadsWholeBlocks, "test_attend_matches_reference", mha("causal")),
+        (IgnoresWindow, "test_attend_matches_reference", mha("sliding_window=5")),
+        (IgnoresSinks, "test_attend_matches_reference", mha("sinks")),
+        (LseOffByOne, "test_attend_matches_reference", mha("causal")),
+        (ScribblesOnCache, "test_attend_matches_reference", mha("causal")),
+        (UncheckedWrite, "test_write_kv_matches_reference", Case("mha", torch.float32, "fp8_e4m3")),
+        (UncheckedWrite, "test_bad_inputs_are_rejected_at_the_entry", mha()),
     ],
+    ids=lambda v: v.id if isinstance(v, Case) else getattr(v, "__name__", str(v)),
 )
-def test_broken_mha_backend_fails_the_kit(impl: type, test: str, args: tuple, gen: torch.Generator) -> None:
+def test_broken_mha_backend_fails_the_kit(impl: type, test: str, case: Case, gen: torch.Generator) -> None:
     backend = _backend(f"broken_{impl.__name__}", impl)
     with pytest.raises(FAILED):
-        getattr(Kit(), test)(backend, "mha", *args, gen)
+        getattr(Kit(), test)(backend, case, gen)
 
 
 def test_broken_mla_prefill_fails_forward(gen: torch.Generator) -> None:
     backend = _backend("broken_mla", TorchRefMHAImpl, DropsPrefillContext)
     with pytest.raises(FAILED):
-        Kit().test_forward_matches_reference(backend, "mla", False, gen)
+        Kit().test_forward_matches_reference(backend, Case("mla", torch.float32, "auto", "dense"), gen)
 
 
 def test_graph_claim_of_a_backend_that_reads_host_lengths_fails(gen: torch.Generator) -> None:
@@ -116,22 +126,77 @@ def test_graph_claim_of_a_backend_that_reads_host_lengths_fails(gen: torch.Gener
     claim of cuda_graph support must not survive the kit."""
     caps = dataclasses.replace(TorchRefBackend.capabilities, cuda_graph="uniform_decode")
     claims = type("claims_graphs", (TorchRefBackend,), {"name": "claims_graphs", "capabilities": caps})
+    case = Case("mla", torch.float32, "auto", "cuda_graph_decode")
+    assert case in Kit().cases(claims)["test_forward_matches_reference"]
     with pytest.raises(FAILED):
-        Kit().test_graph_style_decode_with_padded_rows(claims, "mla", gen)
+        Kit().test_forward_matches_reference(claims, case, gen)
 
 
-def test_overclaiming_validate_fails(gen: torch.Generator) -> None:
+def test_overclaiming_validate_fails() -> None:
     class SaysYes(TorchRefBackend):
-        capabilities = TorchRefBackend.capabilities.__class__(
-            **{**TorchRefBackend.capabilities.__dict__, "sinks": False}
-        )
+        capabilities = dataclasses.replace(TorchRefBackend.capabilities, sinks=False)
 
         @classmethod
         def validate(cls, req):
             return []
 
     with pytest.raises(FAILED, match="sinks"):
-        Kit().test_validate_rejects_what_capabilities_do_not_claim(SaysYes, "mha")
+        Kit().test_validate_rejects_what_capabilities_do_not_claim(SaysYes, mha())
+
+
+def test_underclaiming_validate_fails() -> None:
+    """A validate() that refuses a feature the record claims fails the kit too."""
+
+    class SaysNoToSinks(TorchRefBackend):
+        @classmethod
+        def validate(cls, req):
+            return ["sinks not supported"] if req.sinks else []
+
+    with pytest.raises(FAILED):
+        Kit().test_validate_accepts_what_capabilities_claim(SaysNoToSinks, mha())
+
+
+BROKEN_SUITE = """
+import torch
+from jackfield.attention.torch_ref import TorchRefBackend, TorchRefMHAImpl, TorchRefMLAImpl
+from jackfield.testing import AttentionConformance
+from jackfield.testing.harness import Case
+
+
+class IgnoresSinks(TorchRefMHAImpl):
+    def attend(self, query, kv_cache, metadata, *, sinks=None, **kw):
+        return super().attend(query, kv_cache, metadata, **kw)
+
+
+class Broken(TorchRefBackend):
+    name = "broken"
+
+    @classmethod
+    def make_impl(cls, layer):
+        return TorchRefMLAImpl(layer) if layer.kv_lora_rank else IgnoresSinks(layer)
+
+
+class TestBroken(AttentionConformance):
+    backend_cls = Broken
+    dtypes = (torch.float32,)
+"""
+
+
+def test_pytest_fails_the_generated_suite_of_a_broken_backend(tmp_path: Path) -> None:
+    """Through pytest itself: the suite the kit generates for a backend whose MHA attend drops the
+    sinks runs with nothing skipped and fails exactly the MHA sinks case."""
+    (tmp_path / "test_broken.py").write_text(BROKEN_SUITE)
+    pytest_args = ["-q", "-p", "no:cacheprovider", "-k", "attend and not mla", str(tmp_path)]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", *pytest_args], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        "FAILED test_broken.py::TestBroken::test_attend_matches_reference[mha-float32-kv_auto-sinks]"
+        in result.stdout
+    )
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"1 failed, \d+ passed, \d+ deselected in .*", summary), summary
 
 
 def test_registry_lookup_and_unknown_name() -> None:

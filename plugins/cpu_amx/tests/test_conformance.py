@@ -10,16 +10,9 @@ from jackfield_cpu_amx.backend import CpuAmxBackend
 from jackfield_cpu_amx.capabilities import AmxStatus
 
 
-class TestCpuAmxBfloat16(AttentionConformance):
+class TestCpuAmx(AttentionConformance):
     backend_cls = CpuAmxBackend
     device = "cpu"
-    dtype = torch.bfloat16
-
-
-class TestCpuAmxFloat32(AttentionConformance):
-    backend_cls = CpuAmxBackend
-    device = "cpu"
-    dtype = torch.float32
 
 
 class TestCpuAmxFloat32OnTheAmxPath(AttentionConformance):
@@ -28,7 +21,7 @@ class TestCpuAmxFloat32OnTheAmxPath(AttentionConformance):
 
     backend_cls = CpuAmxBackend
     device = "cpu"
-    dtype = torch.float32
+    dtypes = (torch.float32,)
 
     @pytest.fixture(autouse=True)
     def _fake_amx_detection(self, monkeypatch: pytest.MonkeyPatch) -> None:

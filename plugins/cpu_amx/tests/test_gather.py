@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from cpu_amx_problems import make_layer, make_problem
+from jackfield.testing.problems import mla_layer
 from jackfield_cpu_amx.kernels import gather_group_cache
 from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder, Scratch, plan_key
+from jackfield_cpu_amx.testing import make_problem
 
 
 @pytest.mark.parametrize(
@@ -20,7 +21,7 @@ from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder, Scratch, pl
     ],
 )
 def test_gather_copies_the_planned_blocks_bit_exactly(block_size, kv_lora_rank, rope, dtype) -> None:
-    layer = make_layer(num_heads=2, kv_lora_rank=kv_lora_rank, rope=rope)
+    layer = mla_layer(num_heads=2, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope)
     problem = make_problem(layer, [1, 1], [block_size + 3, 2 * block_size], block_size, dtype, seed=4)
     md = CpuAmxMetadataBuilder(1 << 20, block_size).build(problem.metadata)
     (group,) = md.extra[PLANS_KEY][plan_key(md)].groups
@@ -47,7 +48,7 @@ def test_gather_copies_the_planned_blocks_bit_exactly(block_size, kv_lora_rank, 
 )
 def test_chunks_by_thread_count(monkeypatch, num_reqs, seq_len, threads, num_chunks) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    problem = make_problem(make_layer(num_heads=2), [1] * num_reqs, [seq_len] * num_reqs, 64, torch.float32)
+    problem = make_problem(mla_layer(num_heads=2), [1] * num_reqs, [seq_len] * num_reqs, 64, torch.float32)
     md = CpuAmxMetadataBuilder(group_keys=1 << 20).build(problem.metadata)
     (group,) = md.extra[PLANS_KEY][plan_key(md)].groups
     assert group.key_chunks(64).num_chunks == num_chunks
@@ -56,7 +57,7 @@ def test_chunks_by_thread_count(monkeypatch, num_reqs, seq_len, threads, num_chu
 def test_a_plan_whose_groups_miss_query_rows_is_rejected() -> None:
     """attend() writes its outputs only through the groups (it does not poison them first), so a
     plan must tile the query rows: a dropped group, or groups out of place, fail at construction."""
-    problem = make_problem(make_layer(num_heads=4), [1, 1, 3, 2], [9, 14, 6, 8], 4, torch.float32, seed=5)
+    problem = make_problem(mla_layer(num_heads=4), [1, 1, 3, 2], [9, 14, 6, 8], 4, torch.float32, seed=5)
     built = CpuAmxMetadataBuilder(group_keys=1).build(problem.metadata)
     plan = built.extra[PLANS_KEY][plan_key(built)]
     assert len(plan.groups) == 4  # one request each: every later group starts where the last ended

@@ -6,11 +6,12 @@ import dataclasses
 
 import pytest
 import torch
-from cpu_amx_problems import make_layer, make_problem
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.testing.conformance import forward_by_role
+from jackfield.testing.problems import mla_layer
 from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMLAImpl
 from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder
+from jackfield_cpu_amx.testing import make_problem
 
 
 @pytest.mark.parametrize(
@@ -23,7 +24,7 @@ from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder
 )
 def test_forward_matches_torch_ref(path: str, dtype: torch.dtype, tol: float) -> None:
     """Decodes (absorbed, W_UK/W_UV as head-batched products) then prefills, vs the reference layer."""
-    layer = make_layer(num_heads=8)
+    layer = mla_layer(num_heads=8)
     problem = make_problem(layer, [1, 2, 6, 4], [9, 21, 6, 13], 4, dtype, num_decodes=2, seed=11)
     gen = torch.Generator().manual_seed(5)
     kv_b_proj = torch.randn(8 * (32 + 32), 64, generator=gen) / 8
@@ -55,7 +56,7 @@ def test_forward_matches_torch_ref(path: str, dtype: torch.dtype, tol: float) ->
 
 @pytest.fixture
 def decode_case():
-    layer = make_layer(num_heads=4)
+    layer = mla_layer(num_heads=4)
     problem = make_problem(layer, [1, 1], [10, 6], 4, torch.float32, seed=2)
     impl = CpuAmxMLAImpl(layer, path="avx512_fp32")
     return impl, problem, CpuAmxBackend.metadata_builder().build(problem.metadata)
@@ -116,7 +117,7 @@ def test_rejects_wrong_query_shape_and_dtype(decode_case) -> None:
 
 def test_make_impl_refuses_mha_layers() -> None:
     with pytest.raises(ValueError, match="MLA layers only"):
-        CpuAmxBackend.make_impl(dataclasses.replace(make_layer(4), kv_lora_rank=0))
+        CpuAmxBackend.make_impl(dataclasses.replace(mla_layer(4), kv_lora_rank=0))
 
 
 def test_weights_must_be_loaded_before_forward(decode_case) -> None:

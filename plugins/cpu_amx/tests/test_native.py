@@ -18,7 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
-from cpu_amx_problems import Problem, make_layer, make_problem, reference_attend
+from jackfield.testing.problems import mla_layer
 from jackfield_cpu_amx.backend import CpuAmxMLAImpl, compute_dtype
 from jackfield_cpu_amx.capabilities import AmxStatus, availability, is_amx_bmm_enabled, read_cpu_flags
 from jackfield_cpu_amx.native import (
@@ -35,6 +35,7 @@ from jackfield_cpu_amx.plan import (
     RequestGroup,
     plan_key,
 )
+from jackfield_cpu_amx.testing import Problem, make_problem, reference_attend
 
 MISSING_AVX512 = [flag for flag in AVX512_FLAGS if flag not in read_cpu_flags()]
 needs_avx512_bf16 = pytest.mark.skipif(
@@ -136,7 +137,7 @@ def test_emulated_kernel_matches_float64(
     """Ragged requests: one key (so with q_len > 1 and causal, rows that see no key), a length
     not a multiple of the block or the 64-key chunk, exactly two blocks, several chunks;
     scattered blocks, NaN in every slot nobody owns."""
-    layer = make_layer(num_heads, kv_lora_rank=kv_lora_rank, rope=rope)
+    layer = mla_layer(num_heads, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope)
     seq_lens = [1, 37, 2 * block_size, 150]
     problem = make_problem(
         layer, [q_len] * 4, seq_lens, block_size, torch.bfloat16, causal=causal, seed=q_len
@@ -155,7 +156,7 @@ def test_backend_decodes_through_the_kernel_and_prefills_without(
     """The impl given the (emulated) kernel: decode groups go to it with the step's tables, the
     prefill group to the flash kernel; the whole batch matches the float64 reference."""
     problem = make_problem(
-        make_layer(16, rope=32),
+        mla_layer(16, qk_rope_head_dim=32),
         [1, 3, 12],
         [70, 33, 40],
         16,
@@ -194,7 +195,9 @@ def test_groups_the_kernel_cannot_take_stay_on_pytorch(
     """Each shape outside the kernel's: the reason names it, the kernel is not called, and the
     result still matches the reference (PyTorch path)."""
     q_len, block_size = change.get("q_len", 2), change.get("block_size", 16)
-    layer = make_layer(16, kv_lora_rank=change.get("kv_lora_rank", 64), rope=change.get("rope", 32))
+    layer = mla_layer(
+        16, kv_lora_rank=change.get("kv_lora_rank", 64), qk_rope_head_dim=change.get("rope", 32)
+    )
     dtype = change.get("dtype", torch.bfloat16)
     problem = make_problem(layer, [q_len, q_len], [30, 17], block_size, dtype, seed=6)
     impl = CpuAmxMLAImpl(layer, path=change.get("path", "amx_bf16"), native_kernel=emulated)
@@ -213,7 +216,7 @@ def test_groups_the_kernel_cannot_take_stay_on_pytorch(
 def test_kernel_checks_its_arguments(emulated: NativeKernel) -> None:
     """Pointers go to C unchecked there: every mismatch is a ValueError here, before the call."""
     problem = make_problem(
-        make_layer(16, kv_lora_rank=64, rope=32), [1, 1], [30, 17], 16, torch.bfloat16, seed=2
+        mla_layer(16, kv_lora_rank=64, qk_rope_head_dim=32), [1, 1], [30, 17], 16, torch.bfloat16, seed=2
     )
     group = only_group(problem)
     tables, lay = group.decode_tables, problem.layer
@@ -233,7 +236,12 @@ def test_kernel_checks_its_arguments(emulated: NativeKernel) -> None:
         "the layout is for blocks": (q, cache[: layout.block_span[1]], layout, out, lse),
         "of 32 keys, the cache has": (q, cache, dataclasses.replace(layout, block_size=32), out, lse),
         "built for other tables": (
-            q, cache, dataclasses.replace(layout, tables=dataclasses.replace(tables)), out, lse),
+            q,
+            cache,
+            dataclasses.replace(layout, tables=dataclasses.replace(tables)),
+            out,
+            lse,
+        ),
     }
     for message, (query, kv_cache, lay_out, o, s) in bad_calls.items():
         with pytest.raises(ValueError, match=message):
@@ -257,7 +265,7 @@ def test_layout_splits_keys_for_every_thread_and_checks_the_table() -> None:
     """Splits of equal whole 64-key chunks, as short as allowed while there are at most as many
     as NATIVE_ITEMS_PER_THREAD per thread asks for (items: request x 16-row group x split),
     together covering the longest request; a table too narrow for a seq_len is an error."""
-    problem = make_problem(make_layer(20), [1, 1, 1], [300, 5, 129], 16, torch.bfloat16, seed=1)
+    problem = make_problem(mla_layer(20), [1, 1, 1], [300, 5, 129], 16, torch.bfloat16, seed=1)
     group = only_group(problem)
     for threads, expect_splits in ((1, 1), (3, 2), (6, 3), (16, 5), (100, 5)):  # 300 keys: 5 chunks
         layout = group.native_layout(16, 20, threads)
@@ -294,7 +302,7 @@ def test_missing_compiler_keeps_the_pytorch_kernel_and_says_so(
         isinstance(kernel, str) and kernel.startswith("native build failed") and "/nonexistent/cc" in kernel
     )
     assert decode_kernel_name(kernel).startswith("PyTorch flash kernel: native build failed")
-    impl = CpuAmxMLAImpl(make_layer(16), path="amx_bf16", native_kernel=kernel)
+    impl = CpuAmxMLAImpl(mla_layer(16), path="amx_bf16", native_kernel=kernel)
     assert impl.native_unfit_reason(None, None, None) == kernel  # type: ignore[arg-type]
 
 
@@ -332,7 +340,7 @@ def test_amx_kernel_matches_float64_at_benchmark_width(
     amx: NativeKernel, num_heads: int, q_len: int, num_threads: int
 ) -> None:
     """kv_lora_rank 512 + rope 64, block 64, ragged lengths, NaN in unowned slots, on the tiles."""
-    layer = make_layer(num_heads, kv_lora_rank=512, rope=64, nope=128, v=128)
+    layer = mla_layer(num_heads, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
     problem = make_problem(layer, [q_len] * 3, [700, 1, 129], 64, torch.bfloat16, seed=num_heads + q_len)
     poison_unowned_slots(problem)
     group = only_group(problem)

@@ -1,5 +1,6 @@
-"""The core conformance kit against torch_ref: on the GPU (bf16, full shapes) and, in CI, on the CPU
-under TRITON_INTERPRET=1 (fp16, small shapes) through the same impl with only the probe relaxed."""
+"""The core conformance kit against torch_ref: on the GPU (full shapes, every declared dtype) and, in
+CI, on the CPU under TRITON_INTERPRET=1 (fp16, small shapes) through the same impl with only the
+probe relaxed."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from jackfield_cuda_mla.backend import CudaMLABackend
 class InterpretedCudaMLABackend(CudaMLABackend):
     """cuda_mla's kernels in Triton's CPU interpreter: same impl, CPU device, the probe says yes.
 
-    Only the "auto" cache: the interpreter rounds fp32 -> bf16 / fp8 casts loosely (truncation, a
-    dropped carry), so converting caches are compared bit-exactly on the GPU class below instead.
+    Only fp16 activations (the interpreter mishandles bf16 tl.dot) and the "auto" cache: the
+    interpreter rounds fp32 -> bf16 / fp8 casts loosely (truncation, a dropped carry), so converting
+    caches are compared bit-exactly on the GPU class below instead.
     """
 
     capabilities = dataclasses.replace(
-        CudaMLABackend.capabilities, devices=("cpu",), kv_cache_dtypes=("auto",)
+        CudaMLABackend.capabilities,
+        devices=("cpu",),
+        activation_dtypes=(torch.float16,),
+        kv_cache_dtypes=("auto",),
     )
 
     @classmethod
@@ -34,15 +39,12 @@ class InterpretedCudaMLABackend(CudaMLABackend):
 class TestCudaMLAInterpreted(AttentionConformance):
     backend_cls = InterpretedCudaMLABackend
     device = "cpu"
-    dtype = torch.float16  # the interpreter mishandles bf16 tl.dot
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 class TestCudaMLAOnGPU(AttentionConformance):
     backend_cls = CudaMLABackend
     device = "cuda"
-    dtype = torch.bfloat16
     num_heads = 16
     kv_lora_rank = 512
     qk_rope_head_dim = 64

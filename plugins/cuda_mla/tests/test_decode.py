@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from jackfield.ops.merge import merge_attn_states
-from jackfield_cuda_mla.kernels import mla_decode
+from jackfield_cuda_mla.kernels import decode, mla_decode
 from jackfield_cuda_mla.kernels.decode import DecodeConfig
-from mla_reference import decode_reference
+from jackfield_cuda_mla.testing import decode_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RANK, ROPE, PAGE, HEADS = 64, 16, 16, 4
@@ -79,20 +79,7 @@ def run_decode(
 
 
 def reference(batch: dict, causal: bool = True, topk: torch.Tensor | None = None, rank: int = RANK):
-    cpu = {k: (v.cpu() if v is not None else None) for k, v in batch.items()}
-    scale = 1.0 if cpu["kv_scale"] is None else float(cpu["kv_scale"])
-    return decode_reference(
-        cpu["query"],
-        cpu["kv_cache"],
-        cpu["block_table"],
-        cpu["seq_lens"],
-        cpu["query_start_loc"],
-        0.125,
-        rank,
-        causal=causal,
-        kv_scale=scale,
-        topk_indices=None if topk is None else topk.cpu(),
-    )
+    return decode_reference(batch, 0.125, rank, causal=causal, topk_indices=topk)
 
 
 def assert_close(
@@ -112,6 +99,17 @@ def test_dense_decode_matches_float64(dtype: torch.dtype, causal: bool, splits: 
     batch = make_batch([37, 80, 5, 16, 64], [1, 8, 2, 3, 1], dtype)
     out, lse = run_decode(batch, causal, num_splits=splits)
     assert_close(out, lse, *reference(batch, causal), TOL[dtype])
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_without_gluon_every_call_takes_the_triton_kernel(monkeypatch: pytest.MonkeyPatch, splits) -> None:
+    """A Triton without the Gluon kernels (e.g. 3.5): decode.py holds None for both modules, and a
+    config that asks for Gluon still decodes, on the tl kernel."""
+    monkeypatch.setattr(decode, "decode_gluon_few", None)
+    monkeypatch.setattr(decode, "decode_gluon_many", None)
+    batch = make_batch([37, 80], [1, 2], torch.float16)
+    out, lse = run_decode(batch, True, num_splits=splits, config=DecodeConfig(16, 16, 4, 1, gluon=True))
+    assert_close(out, lse, *reference(batch, True), 2e-3)
 
 
 def test_many_heads_span_several_row_blocks() -> None:

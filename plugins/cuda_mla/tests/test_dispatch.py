@@ -10,7 +10,6 @@ import pytest
 import torch
 from jackfield_cuda_mla.kernels import decode
 from jackfield_cuda_mla.kernels.decode import DecodeConfig, default_config, gluon_supported
-from test_decode import assert_close, make_batch, reference, run_decode
 
 FP8 = torch.float8_e4m3fn
 RANK, ROPE, PAGE = 512, 64, 64
@@ -23,17 +22,6 @@ needs_gluon_fp8 = pytest.mark.skipif(
 def test_gluon_runs_only_on_the_triton_releases_it_is_built_for() -> None:
     assert [gluon_supported(v) for v in ("3.6.0", "3.7.1", "3.9.0", "3.6.0rc1+git2f3a")] == [True] * 4
     assert not any(gluon_supported(v) for v in ("3.5.1", "3.2.0", "3.10.0", "4.0.0", "nightly"))
-
-
-@pytest.mark.parametrize("splits", [None, 2])
-def test_without_gluon_every_call_takes_the_triton_kernel(monkeypatch: pytest.MonkeyPatch, splits) -> None:
-    """A Triton without the Gluon kernels (e.g. 3.5): decode.py holds None for both modules, and a
-    config that asks for Gluon still decodes, on the tl kernel."""
-    monkeypatch.setattr(decode, "decode_gluon_few", None)
-    monkeypatch.setattr(decode, "decode_gluon_many", None)
-    batch = make_batch([37, 80], [1, 2], torch.float16)
-    out, lse = run_decode(batch, True, num_splits=splits, config=DecodeConfig(16, 16, 4, 1, gluon=True))
-    assert_close(out, lse, *reference(batch, True), 2e-3)
 
 
 @pytest.fixture

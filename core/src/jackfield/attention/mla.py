@@ -180,6 +180,8 @@ class MLAImpl(AttentionImpl):
         context = kv_cache.flatten(0, 1)[plan.slots]  # [B, S, L+R]
         # Expanded in the activation dtype (float32 on the CPU, bf16 on GPUs: the checkpoint's own).
         context = context if context.dtype == q.dtype else dequantize(context, kv_scale).to(q.dtype)
+        if plan.padding is not None:  # padded keys read slot 0: zero them (a NaN there survives a mask in P.V)
+            context.masked_fill_(plan.padding[..., None], 0)
         kv_c, k_pe = context[..., : lay.kv_lora_rank], context[..., lay.kv_lora_rank :]
         h, n, width = lay.num_heads, lay.qk_nope_head_dim, lay.qk_nope_head_dim + lay.qk_rope_head_dim
         b, s = kv_c.shape[:2]
@@ -258,6 +260,7 @@ class _PrefillPlan:
     """What every layer's expanded prefill of one step shares (built by the first layer)."""
 
     slots: torch.Tensor  # [B, S] cache rows of each request's context (0 past its seq_len)
+    padding: torch.Tensor | None  # [B, S] True past a request's seq_len (None: every request is S long)
     rows: torch.Tensor | None  # [T] each packed query row's place in the padded [B * max_q] batch
     whole_prompts: bool  # every request is its whole prompt (a plain causal SDPA call)
 
@@ -285,12 +288,14 @@ def _memo(metadata: AttentionMetadata, key: str, build: Callable[[], T]) -> T:
 def _prefill_plan(metadata: AttentionMetadata, block_size: int, num_rows: int) -> _PrefillPlan:
     pos = torch.arange(metadata.max_seq_len, device=metadata.block_table.device)
     slots = metadata.block_table[:, pos // block_size].long() * block_size + pos % block_size
-    slots = torch.where(pos < metadata.seq_lens[:, None], slots, 0)
+    valid = pos < metadata.seq_lens[:, None]
+    slots = torch.where(valid, slots, 0)
+    padding = None if bool((metadata.seq_lens_cpu == metadata.max_seq_len).all()) else ~valid
     q_lens = metadata.query_start_loc_cpu.diff()
     whole_prompts = bool((q_lens == metadata.seq_lens_cpu).all())
     uniform = num_rows == metadata.num_reqs * metadata.max_query_len  # no request is short
     rows = None if uniform else _padded_rows(metadata.query_start_loc, num_rows, metadata.max_query_len)
-    return _PrefillPlan(slots, rows, whole_prompts)
+    return _PrefillPlan(slots, padding, rows, whole_prompts)
 
 
 def _padded_rows(query_start_loc: torch.Tensor, num_rows: int, max_q: int) -> torch.Tensor:

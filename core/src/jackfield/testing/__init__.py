@@ -1,7 +1,15 @@
-"""Conformance kit for backend authors: `AttentionConformance` and random paged problems.
+"""What backend and model authors test with, shipped with jackfield.
 
-Imported lazily: the pytest plugin (`jackfield.testing.pytest_plugin`) loads at every pytest start
-and must not pull in torch or the backends.
+- `AttentionConformance` (conformance.py, harness.py, checks.py): a backend against torch_ref,
+  generated from its capability record;
+- problems.py: random paged-attention problems, and the expanded-MLA float64 reference;
+- checkpoints.py: tiny random checkpoints of the built-in families, written by transformers;
+- paged.py: a Jackfield model run by hand over paged caches;
+- pytest_plugin.py (entry point `jackfield`): the `gpu` marker and per-test seeds.
+The float64 oracle itself is `jackfield.ops.reference`.
+
+Imported lazily: the pytest plugin loads at every pytest start and must not pull in torch or the
+backends.
 """
 
 from __future__ import annotations

@@ -5,17 +5,21 @@
     class TestMyBackend(AttentionConformance):
         backend_name = "my_mla"   # looked up in the plugin registry, or set backend_cls
         device = "cuda"
-        dtype = torch.bfloat16
 
-Each feature is tested only where the backend's capabilities claim it; what they do not claim must
-be rejected by `validate()` with a reason naming the feature. Caches start NaN-poisoned, so reading
-a slot the metadata does not own shows up as NaN. Shapes are small enough for CPU; override the
-class attributes (e.g. kv_lora_rank = 512, qk_rope_head_dim = 64) to match a kernel.
+The tests are generated from the backend's capability record (`cases`): every kind, activation
+dtype and kv-cache dtype it declares, and each feature it claims (non-causal attention, sliding
+windows, sinks, sparse top-k, CUDA-graph decode). Nothing is generated that would have to skip;
+only facts of the machine do (no CUDA, the backend unavailable here). What the record does not
+claim, `validate()` must reject with a reason naming it. Caches start NaN-poisoned, so reading a
+slot the metadata does not own shows up as NaN. Shapes are small enough for CPU; override the
+class attributes (e.g. kv_lora_rank = 512, qk_rope_head_dim = 64) to match a kernel, and `dtypes`
+to run a subset of the declared activation dtypes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 
 import pytest
 import torch
@@ -27,40 +31,85 @@ from jackfield.contracts.attention import (
     AttentionImpl,
     AttentionMetadata,
     AttentionRequirements,
-    KVCacheDType,
 )
 from jackfield.testing import checks
-from jackfield.testing.harness import ConformanceHarness
+from jackfield.testing.harness import Case, ConformanceHarness
 from jackfield.testing.problems import make_batch, poisoned_cache, query_width, random_kv, sparse_topk
+
+FEATURES = ("sliding_window", "sinks", "sparse_topk", "non_causal", "dcp")
+WINDOWS = (1, 5)
 
 
 class AttentionConformance(ConformanceHarness):
-    def base_kv_dtype(self, backend: type[AttentionBackend]) -> KVCacheDType:
-        dtypes = backend.capabilities.kv_cache_dtypes
-        return "auto" if "auto" in dtypes else dtypes[0]
+    # ---- generation ----------------------------------------------------------------------------
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "case" in metafunc.fixturenames:
+            cases = self.cases(self.declared_backend())[metafunc.function.__name__]
+            metafunc.parametrize("case", cases, ids=[case.id for case in cases])
 
-    def requirements(self, backend: type[AttentionBackend], kind: str) -> AttentionRequirements:
+    def cases(self, backend: type[AttentionBackend]) -> dict[str, list[Case]]:
+        """Each test's cases, from the capability record alone: kv-cache dtypes cross the masks
+        and the dense forward; each claimed feature runs on the base kv-cache dtype."""
+        caps = backend.capabilities
+        masks = ["causal", *(["non_causal"] if caps.non_causal else [])]
+        features = [f"sliding_window={w}" for w in WINDOWS] if caps.sliding_window else []
+        features += [name for name in ("sinks", "sparse_topk") if getattr(caps, name)]
+        out: dict[str, list[Case]] = defaultdict(list)
+        for kind in caps.kinds:
+            for dtype in self.declared_dtypes(backend):
+                for kv_cache_dtype in caps.kv_cache_dtypes:
+                    case = Case(kind, dtype, kv_cache_dtype)
+                    out["test_validate_accepts_what_capabilities_claim"].append(case)
+                    out["test_write_kv_matches_reference"].append(case)
+                    out["test_attend_matches_reference"] += [
+                        dataclasses.replace(case, variant=m) for m in masks
+                    ]
+                    out["test_forward_matches_reference"].append(dataclasses.replace(case, variant="dense"))
+                base = Case(kind, dtype, self.base_kv_dtype(backend))
+                out["test_attend_matches_reference"] += [
+                    dataclasses.replace(base, variant=f) for f in features
+                ]
+                if kind == "mla" and caps.sparse_topk:
+                    out["test_forward_matches_reference"].append(
+                        dataclasses.replace(base, variant="sparse_topk")
+                    )
+                if caps.cuda_graph != "never":
+                    out["test_forward_matches_reference"].append(
+                        dataclasses.replace(base, variant="cuda_graph_decode")
+                    )
+                out["test_validate_rejects_what_capabilities_do_not_claim"].append(base)
+                out["test_bad_inputs_are_rejected_at_the_entry"].append(base)
+        return dict(out)  # every test has a case: kinds and dtypes are never empty
+
+    def requirements(self, backend: type[AttentionBackend], case: Case) -> AttentionRequirements:
         return AttentionRequirements(
-            kind=kind,  # type: ignore[arg-type]
-            dtype=self.dtype,
-            head_size=self.layer(kind).head_size,
+            kind=case.kind,
+            dtype=case.dtype,
+            head_size=self.layer(case.kind).head_size,
             block_size=self.block_size_list(backend)[0],
             device=torch.device(self.device).type,
-            kv_cache_dtype=self.base_kv_dtype(backend),
+            kv_cache_dtype=case.kv_cache_dtype,
         )
 
-    # ---- capabilities ----------------------------------------------------------------------
-    def test_validate_accepts_the_baseline(self, backend: type[AttentionBackend], kind: str) -> None:
-        assert backend.validate(self.requirements(backend, kind)) == []
+    # ---- capabilities --------------------------------------------------------------------------
+    def test_validate_accepts_what_capabilities_claim(
+        self, backend: type[AttentionBackend], case: Case
+    ) -> None:
+        """The baseline, then every claimed feature and the longest claimed decode at once."""
+        caps, base = backend.capabilities, self.requirements(backend, case)
+        assert backend.validate(base) == [], f"validate({case.id})"
+        claimed = {name: True for name in FEATURES if getattr(caps, name)}
+        if claimed.get("non_causal") and not backend.supports_non_causal(self.device):
+            del claimed["non_causal"]  # a fact of this machine, which validate reports
+        everything = dataclasses.replace(base, max_decode_query_len=caps.max_decode_query_len, **claimed)
+        assert backend.validate(everything) == [], f"validate({case.id} with {sorted(claimed)})"
 
     def test_validate_rejects_what_capabilities_do_not_claim(
-        self, backend: type[AttentionBackend], kind: str
+        self, backend: type[AttentionBackend], case: Case
     ) -> None:
-        caps, base = backend.capabilities, self.requirements(backend, kind)
+        caps, base = backend.capabilities, self.requirements(backend, case)
         cases: list[tuple[dict[str, object], str]] = [
-            ({feature: True}, feature)
-            for feature in ("sliding_window", "sinks", "sparse_topk", "non_causal", "dcp")
-            if not getattr(caps, feature)
+            ({feature: True}, feature) for feature in FEATURES if not getattr(caps, feature)
         ]
         cases += [
             ({"max_decode_query_len": caps.max_decode_query_len + 1}, "decode query length"),
@@ -69,7 +118,7 @@ class AttentionConformance(ConformanceHarness):
         ]
         if "fp8_e4m3" not in caps.kv_cache_dtypes:
             cases.append(({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype"))
-        other_kind = "mha" if kind == "mla" else "mla"
+        other_kind = "mha" if case.kind == "mla" else "mla"
         if other_kind not in caps.kinds:
             cases.append(({"kind": other_kind}, "kind"))
         if caps.block_size_multiple > 1:
@@ -82,125 +131,93 @@ class AttentionConformance(ConformanceHarness):
                 f"validate({change}) gave {reasons}, none mentions {word!r}"
             )
 
-    # ---- KV writes ---------------------------------------------------------------------------
+    # ---- KV writes -----------------------------------------------------------------------------
     def test_write_kv_matches_reference(
-        self, backend: type[AttentionBackend], kind: str, gen: torch.Generator
+        self, backend: type[AttentionBackend], case: Case, gen: torch.Generator
     ) -> None:
-        for kv_dtype in backend.capabilities.kv_cache_dtypes:
-            layer = self.layer(kind, kv_dtype)
-            impl, ref = self.impls(backend, layer, gen)
-            bs = self.block_size_list(backend)[0]
-            batch = make_batch([1, 3, 7], [5, 3 * bs + 1, 9], 1, bs, self.device, gen)
-            slots = batch.metadata.slot_mapping.clone()
-            slots[torch.randperm(slots.numel(), generator=gen)[:3].to(slots.device)] = -1  # padding rows
-            key, value = random_kv(layer, batch.num_tokens, self.dtype, self.device, gen)
-            kv_scale = self.kv_scale(kv_dtype)
-            got, want = (
-                poisoned_cache(layer, batch, self.dtype, self.device),
-                poisoned_cache(layer, batch, self.dtype, self.device),
-            )
-            impl.write_kv(got, slots, key, value, kv_scale)
-            ref.write_kv(want, slots, key, value, kv_scale)
-            checks.assert_cache_close(got, want, kv_scale, f"write_kv, kv_cache_dtype={kv_dtype}")
+        layer = self.layer(case.kind, case.kv_cache_dtype)
+        impl, ref = self.impls(backend, layer, case.dtype, gen)
+        bs = self.block_size_list(backend)[0]
+        batch = make_batch([1, 3, 7], [5, 3 * bs + 1, 9], 1, bs, self.device, gen)
+        slots = batch.metadata.slot_mapping.clone()
+        slots[torch.randperm(slots.numel(), generator=gen)[:3].to(slots.device)] = -1  # padding rows
+        key, value = random_kv(layer, batch.num_tokens, case.dtype, self.device, gen)
+        kv_scale = self.kv_scale(case.kv_cache_dtype)
+        got, want = (
+            poisoned_cache(layer, batch, case.dtype, self.device),
+            poisoned_cache(layer, batch, case.dtype, self.device),
+        )
+        impl.write_kv(got, slots, key, value, kv_scale)
+        ref.write_kv(want, slots, key, value, kv_scale)
+        checks.assert_cache_close(got, want, kv_scale, f"write_kv, {case.id}")
 
     # ---- attend --------------------------------------------------------------------------------
-    @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
     def test_attend_matches_reference(
-        self, backend: type[AttentionBackend], kind: str, causal: bool, gen: torch.Generator
+        self, backend: type[AttentionBackend], case: Case, gen: torch.Generator
     ) -> None:
-        if not causal and not (backend.capabilities.non_causal and backend.supports_non_causal(self.device)):
-            pytest.skip("non-causal attention not supported")
-        layer = self.layer(kind, self.base_kv_dtype(backend))
-        for what, batch in self.batches(backend, kind, gen, causal=causal):
-            self.check_attend(backend, layer, batch, gen, what=what)
-
-    def test_attend_fp8_cache(self, backend: type[AttentionBackend], kind: str, gen: torch.Generator) -> None:
-        if "fp8_e4m3" not in backend.capabilities.kv_cache_dtypes:
-            pytest.skip("fp8_e4m3 cache not supported")
-        layer = self.layer(kind, "fp8_e4m3")
-        for what, batch in self.batches(backend, kind, gen):
-            self.check_attend(backend, layer, batch, gen, what=f"fp8 cache, {what}")
-
-    @pytest.mark.parametrize("window", [1, 5])
-    def test_attend_sliding_window(
-        self, backend: type[AttentionBackend], kind: str, window: int, gen: torch.Generator
-    ) -> None:
-        if not backend.capabilities.sliding_window:
-            pytest.skip("sliding window not supported")
-        layer = self.layer(kind, self.base_kv_dtype(backend), sliding_window=window)
-        for what, batch in self.batches(backend, kind, gen):
-            self.check_attend(backend, layer, batch, gen, what=f"window {window}, {what}")
-
-    def test_attend_sinks(self, backend: type[AttentionBackend], kind: str, gen: torch.Generator) -> None:
-        if not backend.capabilities.sinks:
-            pytest.skip("sinks not supported")
-        layer = self.layer(kind, self.base_kv_dtype(backend))
-        sinks = torch.randn(layer.num_heads, generator=gen).to(self.device)
-        for what, batch in self.batches(backend, kind, gen):
-            self.check_attend(backend, layer, batch, gen, what=f"sinks, {what}", sinks=sinks)
-
-    def test_attend_sparse_topk(
-        self, backend: type[AttentionBackend], kind: str, gen: torch.Generator
-    ) -> None:
-        if not backend.capabilities.sparse_topk:
-            pytest.skip("sparse top-k not supported")
-        layer = self.layer(kind, self.base_kv_dtype(backend))
-        for bs in self.block_size_list(backend):
-            q_lens, seq_lens = [1, 1, 3, 6], [2 * bs + 1, 4, 3 + bs, 6]
-            batch = make_batch(q_lens, seq_lens, 2, bs, self.device, gen)
-            self.check_attend(backend, layer, batch, gen, what=f"sparse top-k, block_size={bs}", topk=8)
+        """variant: "causal" / "non_causal" masks, "sliding_window=<w>", "sinks", "sparse_topk"."""
+        if case.variant == "non_causal" and not backend.supports_non_causal(self.device):
+            pytest.skip(f"{backend.name} attends non-causally on another device, not on {self.device}")
+        window = int(case.variant.removeprefix("sliding_window=")) if "window" in case.variant else None
+        layer = self.layer(case.kind, case.kv_cache_dtype, sliding_window=window)
+        if case.variant == "sparse_topk":
+            for bs in self.block_size_list(backend):
+                q_lens, seq_lens = [1, 1, 3, 6], [2 * bs + 1, 4, 3 + bs, 6]
+                batch = make_batch(q_lens, seq_lens, 2, bs, self.device, gen)
+                self.check_attend(
+                    backend, layer, batch, case.dtype, gen, what=f"{case.id}, block_size={bs}", topk=8
+                )
+            return
+        sinks = (
+            torch.randn(layer.num_heads, generator=gen).to(self.device) if case.variant == "sinks" else None
+        )
+        for what, batch in self.batches(backend, case.kind, gen, causal=case.variant != "non_causal"):
+            self.check_attend(backend, layer, batch, case.dtype, gen, what=f"{case.id}, {what}", sinks=sinks)
 
     # ---- forward (write + attend, the batch divided by role as the engine divides it) -----------
-    @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
     def test_forward_matches_reference(
-        self, backend: type[AttentionBackend], kind: str, sparse: bool, gen: torch.Generator
+        self, backend: type[AttentionBackend], case: Case, gen: torch.Generator
     ) -> None:
-        caps = backend.capabilities
-        if sparse and not (kind == "mla" and caps.sparse_topk):
-            pytest.skip("sparse forward is an MLA feature the backend does not claim")
-        max_q = min(caps.max_decode_query_len, 3)
-        for kv_dtype in {
-            self.base_kv_dtype(backend),
-            *(["fp8_e4m3"] if "fp8_e4m3" in caps.kv_cache_dtypes else []),
-        }:
-            layer = self.layer(kind, kv_dtype)
-            impl, ref = self.impls(backend, layer, gen)
-            bs = self.block_size_list(backend)[0]
-            q_lens = [max_q, 1, 5, 9]  # two decodes, then a fresh prefill and a chunked one
-            batch = make_batch(q_lens, [max_q + 2 * bs, 3, 5, 9 + bs + 3], 2, bs, self.device, gen)
-            kv_scale = self.kv_scale(kv_dtype)
-            got_cache, new_kv = self.filled(layer, batch, kv_scale, gen)
-            want_cache = got_cache.clone()
-            width = layer.qk_nope_head_dim + layer.qk_rope_head_dim if kind == "mla" else layer.head_size
-            q = self.query(layer, batch.num_tokens, width, gen)
-            topk = sparse_topk(batch, 8, gen) if sparse else None
-            checks.poison_allocator(self.device)
-            md = batch.metadata
-            got = forward_by_role(backend, impl, q, new_kv, got_cache, md, kv_scale, topk)
-            want = forward_by_role(TorchRefBackend, ref, q, new_kv, want_cache, md, kv_scale, topk)
-            what = f"forward, kv_cache_dtype={kv_dtype}, q_lens={q_lens}"
-            checks.assert_output_close(got, want, self.tolerances[self.dtype], what)
-            checks.assert_cache_close(got_cache, want_cache, kv_scale, what)
+        """variant: "dense", "sparse_topk" (MLA), "cuda_graph_decode" (what the claim promises)."""
+        if case.variant == "cuda_graph_decode":
+            self.check_graph_style_decode(backend, case, gen)
+            return
+        max_q = min(backend.capabilities.max_decode_query_len, 3)
+        layer = self.layer(case.kind, case.kv_cache_dtype)
+        impl, ref = self.impls(backend, layer, case.dtype, gen)
+        bs = self.block_size_list(backend)[0]
+        q_lens = [max_q, 1, 5, 9]  # two decodes, then a fresh prefill and a chunked one
+        batch = make_batch(q_lens, [max_q + 2 * bs, 3, 5, 9 + bs + 3], 2, bs, self.device, gen)
+        kv_scale = self.kv_scale(case.kv_cache_dtype)
+        got_cache, new_kv = self.filled(layer, batch, case.dtype, kv_scale, gen)
+        want_cache = got_cache.clone()
+        width = layer.qk_nope_head_dim + layer.qk_rope_head_dim if case.kind == "mla" else layer.head_size
+        q = self.query(layer, batch.num_tokens, width, case.dtype, gen)
+        topk = sparse_topk(batch, 8, gen) if case.variant == "sparse_topk" else None
+        checks.poison_allocator(self.device)
+        md = batch.metadata
+        got = forward_by_role(backend, impl, q, new_kv, got_cache, md, kv_scale, topk)
+        want = forward_by_role(TorchRefBackend, ref, q, new_kv, want_cache, md, kv_scale, topk)
+        what = f"forward, {case.id}, q_lens={q_lens}"
+        checks.assert_output_close(got, want, self.tolerances[case.dtype], what)
+        checks.assert_cache_close(got_cache, want_cache, kv_scale, what)
 
-    # ---- CUDA-graph decode (what capabilities.cuda_graph promises) ------------------------------
-    def test_graph_style_decode_with_padded_rows(
-        self, backend: type[AttentionBackend], kind: str, gen: torch.Generator
+    def check_graph_style_decode(
+        self, backend: type[AttentionBackend], case: Case, gen: torch.Generator
     ) -> None:
         """A decode step as a CUDA-graph replay sees it: Python lengths are upper bounds (the
         engine's max_model_len), a padded row has seq_len 0 and slot -1. Real rows must match
         the reference, the padded row must give exactly 0 and write nothing."""
-        if backend.capabilities.cuda_graph == "never":
-            pytest.skip("the backend does not claim CUDA-graph decode")
-        layer = self.layer(kind, self.base_kv_dtype(backend))
-        impl, ref = self.impls(backend, layer, gen)
+        layer = self.layer(case.kind, case.kv_cache_dtype)
+        impl, ref = self.impls(backend, layer, case.dtype, gen)
         bs = self.block_size_list(backend)[0]
         batch = make_batch([1, 1, 1], [5, 2 * bs + 3, 9], 3, bs, self.device, gen)
         kv_scale = self.kv_scale(layer.kv_cache_dtype)
-        got_cache, (key, value) = self.filled(layer, batch, kv_scale, gen)
+        got_cache, (key, value) = self.filled(layer, batch, case.dtype, kv_scale, gen)
         want_cache = got_cache.clone()
-        width = layer.qk_nope_head_dim + layer.qk_rope_head_dim if kind == "mla" else layer.head_size
-        q = self.query(layer, 4, width, gen)  # the fourth row is padding
-        pad_kv = random_kv(layer, 1, self.dtype, self.device, gen)
+        width = layer.qk_nope_head_dim + layer.qk_rope_head_dim if case.kind == "mla" else layer.head_size
+        q = self.query(layer, 4, width, case.dtype, gen)  # the fourth row is padding
+        pad_key, pad_value = random_kv(layer, 1, case.dtype, self.device, gen)
         md = batch.metadata
         bound = md.block_table.shape[1] * bs
         padded = dataclasses.replace(
@@ -218,27 +235,26 @@ class AttentionConformance(ConformanceHarness):
         )
         padded = backend.metadata_builder().build(padded, for_capture=True)
         checks.poison_allocator(self.device)
-        got = impl.forward(  # type: ignore[attr-defined]
-            q, torch.cat([key, pad_kv[0]]), torch.cat([value, pad_kv[1]]), got_cache, padded, kv_scale=kv_scale
-        )
+        keys, values = torch.cat([key, pad_key]), torch.cat([value, pad_value])
+        got = impl.forward(q, keys, values, got_cache, padded, kv_scale=kv_scale)  # type: ignore[attr-defined]
         want = ref.forward(q[:3], key, value, want_cache, md, kv_scale=kv_scale)  # type: ignore[attr-defined]
-        what = "graph-style decode (upper-bound lengths, one padded row)"
-        checks.assert_output_close(got[:3], want, self.tolerances[self.dtype], what)
+        what = f"graph-style decode (upper-bound lengths, one padded row), {case.id}"
+        checks.assert_output_close(got[:3], want, self.tolerances[case.dtype], what)
         assert torch.equal(got[3], torch.zeros_like(got[3])), f"{what}: the padded row is not exactly 0"
         checks.assert_cache_close(got_cache, want_cache, kv_scale, f"{what}: cache")
 
-    # ---- fail closed -------------------------------------------------------------------------------
+    # ---- fail closed ---------------------------------------------------------------------------
     def test_bad_inputs_are_rejected_at_the_entry(
-        self, backend: type[AttentionBackend], kind: str, gen: torch.Generator
+        self, backend: type[AttentionBackend], case: Case, gen: torch.Generator
     ) -> None:
         caps = backend.capabilities
-        layer = self.layer(kind, self.base_kv_dtype(backend))
-        impl, _ = self.impls(backend, layer, gen)
+        layer = self.layer(case.kind, case.kv_cache_dtype)
+        impl, _ = self.impls(backend, layer, case.dtype, gen)
         bs = self.block_size_list(backend)[0]
         batch = make_batch([1, 2], [3, bs + 2], 1, bs, self.device, gen)
         md, slots = batch.metadata, batch.metadata.slot_mapping
-        cache, (key, value) = self.filled(layer, batch, None, gen)
-        q = self.query(layer, batch.num_tokens, query_width(layer), gen)
+        cache, (key, value) = self.filled(layer, batch, case.dtype, None, gen)
+        q = self.query(layer, batch.num_tokens, query_width(layer), case.dtype, gen)
         checks.assert_rejects(lambda: impl.attend(q.double(), cache, md), "attend with a float64 query")
         checks.assert_rejects(lambda: impl.attend(q[:, :-1], cache, md), "attend with too few heads")
         checks.assert_rejects(
@@ -254,9 +270,9 @@ class AttentionConformance(ConformanceHarness):
             lambda: impl.write_kv(wide, slots, key, value), "write_kv, cache record too wide"
         )
         if "fp8_e4m3" in caps.kv_cache_dtypes:
-            fp8_layer = self.layer(kind, "fp8_e4m3")
-            fp8_impl, _ = self.impls(backend, fp8_layer, gen)
-            fp8_cache = poisoned_cache(fp8_layer, batch, self.dtype, self.device)
+            fp8_layer = self.layer(case.kind, "fp8_e4m3")
+            fp8_impl, _ = self.impls(backend, fp8_layer, case.dtype, gen)
+            fp8_cache = poisoned_cache(fp8_layer, batch, case.dtype, self.device)
             checks.assert_rejects(
                 lambda: fp8_impl.write_kv(fp8_cache, slots, key, value), "fp8 write_kv without scale"
             )

@@ -1,10 +1,12 @@
-"""The conformance harness: class attributes a backend author sets, fixtures, problem builders.
+"""The conformance harness: class attributes a backend author sets, the backend fixture, the case
+record the tests are generated over, and the problem builders the tests share.
 
 The tests themselves live in `conformance.py` (`AttentionConformance` subclasses this).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
@@ -14,6 +16,7 @@ from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import (
     AttentionBackend,
     AttentionImpl,
+    AttentionKind,
     AttentionLayerSpec,
     AttentionOutput,
     KVCacheDType,
@@ -31,11 +34,27 @@ from jackfield.testing.problems import (
 )
 
 
+@dataclass(frozen=True)
+class Case:
+    """One generated combination a test runs: a declared kind, activation dtype and kv-cache dtype,
+    and the test's variant (a mask or a claimed feature, e.g. "non_causal", "sinks")."""
+
+    kind: AttentionKind
+    dtype: torch.dtype
+    kv_cache_dtype: KVCacheDType
+    variant: str = ""
+
+    @property
+    def id(self) -> str:
+        parts = (self.kind, str(self.dtype).removeprefix("torch."), f"kv_{self.kv_cache_dtype}", self.variant)
+        return "-".join(part for part in parts if part)
+
+
 class ConformanceHarness:
     backend_name: ClassVar[str | None] = None
     backend_cls: ClassVar[type[AttentionBackend] | None] = None
     device: ClassVar[str] = "cpu"
-    dtype: ClassVar[torch.dtype] = torch.float32
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # None: every declared activation dtype
     num_heads: ClassVar[int] = 4
     kv_lora_rank: ClassVar[int] = 64
     qk_rope_head_dim: ClassVar[int] = 16
@@ -50,33 +69,42 @@ class ConformanceHarness:
         torch.bfloat16: 2e-2,
         torch.float16: 1e-2,
     }
-    seed: ClassVar[int] = 0
 
-    # ---- fixtures -------------------------------------------------------------------------
+    # ---- what is declared (collection time) and what this machine runs (the fixture) ---------
+    @classmethod
+    def declared_backend(cls) -> type[AttentionBackend]:
+        return checks.resolve_backend(cls.backend_name, cls.backend_cls)
+
+    @classmethod
+    def declared_dtypes(cls, backend: type[AttentionBackend]) -> tuple[torch.dtype, ...]:
+        declared = backend.capabilities.activation_dtypes
+        if cls.dtypes is None:
+            return declared
+        undeclared = [d for d in cls.dtypes if d not in declared]
+        if undeclared:
+            pytest.fail(f"dtypes {undeclared} are not among {backend.name}'s activation dtypes {declared}")
+        return cls.dtypes
+
     @pytest.fixture(scope="class")
     @classmethod
     def backend(cls) -> type[AttentionBackend]:
-        backend = checks.resolve_backend(cls.backend_name, cls.backend_cls)
+        backend = cls.declared_backend()
         if torch.device(cls.device).type == "cuda" and not torch.cuda.is_available():
-            pytest.skip("needs CUDA")
+            pytest.skip("needs a CUDA GPU")
         available = backend.availability()
         if not available.ok:
             pytest.skip(f"{backend.name} unavailable here: {available.reason}")
-        if cls.dtype not in backend.capabilities.activation_dtypes:
-            pytest.fail(f"{cls.dtype} is not among {backend.name}'s activation dtypes; set `dtype`")
         return backend
 
-    @pytest.fixture(params=["mla", "mha"])
-    def kind(self, request: pytest.FixtureRequest, backend: type[AttentionBackend]) -> str:
-        if request.param not in backend.capabilities.kinds:
-            pytest.skip(f"{backend.name} does not serve {request.param}")
-        return request.param
-
     @pytest.fixture
-    def gen(self) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed)
+    def gen(self, rng_seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(rng_seed)
 
-    # ---- helpers ---------------------------------------------------------------------------
+    # ---- problem builders ----------------------------------------------------------------------
+    def base_kv_dtype(self, backend: type[AttentionBackend]) -> KVCacheDType:
+        dtypes = backend.capabilities.kv_cache_dtypes
+        return "auto" if "auto" in dtypes else dtypes[0]
+
     def layer(
         self, kind: str, kv_cache_dtype: KVCacheDType = "auto", sliding_window: int | None = None
     ) -> AttentionLayerSpec:
@@ -90,7 +118,11 @@ class ConformanceHarness:
         )
 
     def impls(
-        self, backend: type[AttentionBackend], layer: AttentionLayerSpec, g: torch.Generator
+        self,
+        backend: type[AttentionBackend],
+        layer: AttentionLayerSpec,
+        dtype: torch.dtype,
+        g: torch.Generator,
     ) -> tuple[AttentionImpl, AttentionImpl]:
         """(backend impl, torch_ref impl) for `layer`, MLA weights loaded identically."""
         caps = backend.capabilities
@@ -101,11 +133,9 @@ class ConformanceHarness:
         impl, ref = backend.make_impl(layer), TorchRefBackend.make_impl(layer)
         if layer.kv_lora_rank:
             n_out = layer.num_heads * (layer.qk_nope_head_dim + layer.v_head_dim)
-            w = (torch.randn(n_out, layer.kv_lora_rank, generator=g) * layer.kv_lora_rank**-0.5).to(
-                self.device
-            )
+            w = torch.randn(n_out, layer.kv_lora_rank, generator=g) * layer.kv_lora_rank**-0.5
             for target in (impl, ref):
-                target.process_weights_after_loading({"kv_b_proj": w.to(self.dtype)})
+                target.process_weights_after_loading({"kv_b_proj": w.to(device=self.device, dtype=dtype)})
         return impl, ref
 
     def kv_scale(self, kv_cache_dtype: KVCacheDType) -> torch.Tensor | None:
@@ -114,27 +144,30 @@ class ConformanceHarness:
         return torch.tensor(self.kv_scale_value, dtype=torch.float32, device=self.device)
 
     def filled(
-        self, layer: AttentionLayerSpec, batch: PagedBatch, kv_scale: torch.Tensor | None, g: torch.Generator
+        self,
+        layer: AttentionLayerSpec,
+        batch: PagedBatch,
+        dtype: torch.dtype,
+        kv_scale: torch.Tensor | None,
+        g: torch.Generator,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """A poisoned cache holding the context KV (written by torch_ref), and this step's new KV."""
-        cache = poisoned_cache(layer, batch, self.dtype, self.device)
-        ref = TorchRefBackend.make_impl(layer)
-        ref.write_kv(
-            cache,
-            batch.context_slots,
-            *random_kv(layer, batch.context_slots.numel(), self.dtype, self.device, g),
-            kv_scale,
-        )  # noqa: E501
-        return cache, random_kv(layer, batch.num_tokens, self.dtype, self.device, g)
+        cache = poisoned_cache(layer, batch, dtype, self.device)
+        context_kv = random_kv(layer, batch.context_slots.numel(), dtype, self.device, g)
+        TorchRefBackend.make_impl(layer).write_kv(cache, batch.context_slots, *context_kv, kv_scale)
+        return cache, random_kv(layer, batch.num_tokens, dtype, self.device, g)
 
-    def query(self, layer: AttentionLayerSpec, rows: int, width: int, g: torch.Generator) -> torch.Tensor:
-        return torch.randn(rows, layer.num_heads, width, generator=g).to(device=self.device, dtype=self.dtype)
+    def query(
+        self, layer: AttentionLayerSpec, rows: int, width: int, dtype: torch.dtype, g: torch.Generator
+    ) -> torch.Tensor:
+        return torch.randn(rows, layer.num_heads, width, generator=g).to(device=self.device, dtype=dtype)
 
     def check_attend(
         self,
         backend: type[AttentionBackend],
         layer: AttentionLayerSpec,
         batch: PagedBatch,
+        dtype: torch.dtype,
         g: torch.Generator,
         *,
         what: str,
@@ -142,11 +175,11 @@ class ConformanceHarness:
         topk: int | None = None,
     ) -> None:
         """attend on one cache (this step's KV already in it) vs torch_ref, output and LSE."""
-        impl, ref = self.impls(backend, layer, g)
+        impl, ref = self.impls(backend, layer, dtype, g)
         kv_scale = self.kv_scale(layer.kv_cache_dtype)
-        cache, new_kv = self.filled(layer, batch, kv_scale, g)
+        cache, new_kv = self.filled(layer, batch, dtype, kv_scale, g)
         ref.write_kv(cache, batch.metadata.slot_mapping, *new_kv, kv_scale)
-        q = self.query(layer, batch.num_tokens, query_width(layer), g)
+        q = self.query(layer, batch.num_tokens, query_width(layer), dtype, g)
         topk_indices = None if topk is None else sparse_topk(batch, topk, g)
         kwargs = dict(
             kv_scale=kv_scale, sinks=sinks, topk_indices=topk_indices, return_lse=backend.capabilities.dcp
@@ -156,7 +189,7 @@ class ConformanceHarness:
         got: AttentionOutput = impl.attend(q, cache, batch.metadata, **kwargs)
         checks.same_bytes(cache, before, f"{what}: attend modified the KV cache")
         want: AttentionOutput = ref.attend(q, cache, batch.metadata, **kwargs)
-        tol = self.tolerances[self.dtype]
+        tol = self.tolerances[dtype]
         checks.assert_output_close(got.out, want.out, tol, f"{what}: output")
         if backend.capabilities.dcp:
             checks.assert_lse_close(got.lse, want.lse, tol, f"{what}: lse")

@@ -2,6 +2,7 @@
 
 Every slot no request owns (spare blocks, the tail of each request's last block, block-table
 padding) holds NaN, so a kernel that reads outside what the metadata describes produces NaN.
+Also the float64 answer of MLA's expanded prefill (`expanded_mla_reference`), by the oracle.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from jackfield.attention.kv_cache import FP8_DTYPE, allocate_kv_cache, is_mla
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata, KVCacheDType
+from jackfield.ops.reference import varlen_attention
 
 
 def mla_layer(
@@ -170,3 +172,41 @@ def sparse_topk(batch: PagedBatch, k: int, g: torch.Generator) -> torch.Tensor:
             chosen = torch.randperm(visible, generator=g)[:take].tolist()
             rows.append(chosen + [-1] * (k - take))
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, k).to(md.slot_mapping.device)
+
+
+def expanded_mla_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_b_proj: torch.Tensor,
+    layer: AttentionLayerSpec,
+    *,
+    rounded_to: torch.dtype | None = None,
+) -> torch.Tensor:
+    """float64 [T, H, v_head_dim]: MLA prefill in its expanded form, by the oracle. Per request, the
+    cached latents through kv_b_proj give k_nope and v (first rounded to `rounded_to`, as a model's
+    expansion matmul in that dtype rounds them); k = k_nope ‖ k_pe; query [T, H, nope + rope]."""
+    heads, latent, nope = layer.num_heads, layer.kv_lora_rank, layer.qk_nope_head_dim
+    w = kv_b_proj.double().view(heads, nope + layer.v_head_dim, latent)
+    block_size = kv_cache.shape[1]
+    keys, values = [], []
+    for b, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
+        pos = torch.arange(seq_len)
+        records = kv_cache[metadata.block_table[b, pos // block_size].long(), pos % block_size].double()
+        k_nope = torch.einsum("sl,hnl->shn", records[:, :latent], w[:, :nope])
+        v = torch.einsum("sl,hvl->shv", records[:, :latent], w[:, nope:])
+        if rounded_to is not None:
+            k_nope, v = k_nope.to(rounded_to).double(), v.to(rounded_to).double()
+        keys.append(torch.cat([k_nope, records[:, None, latent:].expand(-1, heads, -1)], dim=-1))
+        values.append(v)
+    cu_seqlens_k = [0, *torch.tensor(metadata.seq_lens_cpu.tolist()).cumsum(0).tolist()]
+    out, _ = varlen_attention(
+        query.double(),
+        torch.cat(keys),
+        torch.cat(values),
+        metadata.query_start_loc_cpu.tolist(),
+        cu_seqlens_k,
+        layer.scale,
+        causal=metadata.causal,
+    )
+    return out

@@ -9,46 +9,17 @@ import pytest
 import torch
 from jackfield.models.deepseek_v32 import DeepseekV32ForCausalLM
 from jackfield.models.hf_config import deepseek_arch, read_hf_config
-from paged_harness import TORCH_REF, PagedRun, generate, hf_reference, randomize_, save_hf_model
+from jackfield.testing.checkpoints import DEEPSEEK_V32, greedy_reference, write_deepseek_v32
+from jackfield.testing.paged import TORCH_REF, PagedRun, generate
 from transformers import DeepseekV32Config
-from transformers import DeepseekV32ForCausalLM as HFDeepseekV32
 
-SMALL = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    q_lora_rank=24,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    index_n_heads=8,
-    index_head_dim=16,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
 PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 14, 6, 19], [90, 1, 56, 23, 8, 47, 11]]
 
 
 def build(tmp_path: Path, index_topk: int) -> tuple[torch.nn.Module, DeepseekV32ForCausalLM]:
-    config = DeepseekV32Config(**SMALL, index_topk=index_topk)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf_model = HFDeepseekV32(config).eval()
-    randomize_(
-        hf_model, ("e_score_correction_bias", "k_norm.weight", "k_norm.bias", "layernorm.weight"), seed=2
-    )
-    path = save_hf_model(hf_model, tmp_path / f"v32_{index_topk}")
+    """transformers' V3.2 and Jackfield's, from one saved checkpoint."""
+    path = tmp_path / f"v32_{index_topk}"
+    hf_model = write_deepseek_v32(path, index_topk)
     ours = DeepseekV32ForCausalLM.from_pretrained(path, read_hf_config(path), TORCH_REF, torch.float32, "cpu")
     return hf_model, ours
 
@@ -59,7 +30,7 @@ def test_logits_and_greedy_tokens_match_transformers(index_topk: int, tmp_path: 
     max_new = 5
     tokens, logits = generate(ours, PROMPTS, max_new, block_size=4, prefill_chunk=6)
     for prompt, got_tokens, got_logits in zip(PROMPTS, tokens, logits, strict=True):
-        want_tokens, want_logits = hf_reference(hf_model, prompt, max_new)
+        want_tokens, want_logits = greedy_reference(hf_model, prompt, max_new)
         torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
         assert got_tokens == want_tokens
 
@@ -79,7 +50,7 @@ def test_indexer_keys_live_in_their_own_paged_caches(tmp_path: Path) -> None:
     _, ours = build(tmp_path, 4)
     layers = ours.kv_cache_layers
     assert len(layers) == 4
-    assert layers[0] is ours.attention_spec and layers[2].head_size == SMALL["index_head_dim"]
+    assert layers[0] is ours.attention_spec and layers[2].head_size == DEEPSEEK_V32["index_head_dim"]
 
 
 @pytest.mark.parametrize(
@@ -92,7 +63,7 @@ def test_indexer_keys_live_in_their_own_paged_caches(tmp_path: Path) -> None:
 )
 def test_bad_indexer_configs_fail_closed(changes: dict[str, object], message: str) -> None:
     config = DeepseekV32Config(
-        **{**SMALL, "index_topk": 4, **changes}, architectures=["DeepseekV32ForCausalLM"]
+        **{**DEEPSEEK_V32, "index_topk": 4, **changes}, architectures=["DeepseekV32ForCausalLM"]
     )
     with pytest.raises(ValueError, match=message):
         deepseek_arch(config)

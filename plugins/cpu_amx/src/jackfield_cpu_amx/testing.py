@@ -1,4 +1,5 @@
-"""Random paged MLA problems and an independent float64 reference (written from the MLA formula)."""
+"""Random paged MLA problems for cpu_amx's tests, and their float64 answer from the oracle
+(jackfield.ops.reference)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
+from jackfield.ops.reference import paged_attention
 
 
 @dataclass
@@ -14,20 +16,6 @@ class Problem:
     query: torch.Tensor  # [T, H, L+R]
     kv_cache: torch.Tensor  # [num_blocks, block_size, L+R]
     metadata: AttentionMetadata
-
-
-def make_layer(
-    num_heads: int, kv_lora_rank: int = 64, rope: int = 16, nope: int = 32, v: int = 32
-) -> AttentionLayerSpec:
-    return AttentionLayerSpec(
-        num_heads=num_heads,
-        head_size=kv_lora_rank + rope,
-        scale=(nope + rope) ** -0.5,
-        kv_lora_rank=kv_lora_rank,
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=v,
-    )
 
 
 def make_problem(
@@ -75,23 +63,16 @@ def make_problem(
 
 
 def reference_attend(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 absorbed MLA: keys are the whole records, values their first kv_lora_rank entries."""
-    md, lay = p.metadata, p.layer
-    block_size = p.kv_cache.shape[1]
-    outs, lses = [], []
-    qsl = md.query_start_loc_cpu.tolist()
-    for b, seq_len in enumerate(md.seq_lens_cpu.tolist()):
-        q = p.query[qsl[b] : qsl[b + 1]].double()
-        q_len = q.shape[0]
-        pos = torch.arange(seq_len)
-        records = p.kv_cache[md.block_table[b, pos // block_size].long(), pos % block_size].double()
-        scores = torch.einsum("qhd,kd->qhk", q, records) * lay.scale
-        if md.causal:
-            q_pos = torch.arange(seq_len - q_len, seq_len)
-            scores = scores.masked_fill((pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        outs.append(
-            torch.einsum("qhk,kl->qhl", torch.exp(scores - lse[..., None]), records[:, : lay.kv_lora_rank])
-        )
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+    """float64 absorbed MLA (out [T, H, L], lse [T, H]): keys are the whole latent records, values
+    their first kv_lora_rank entries."""
+    md = p.metadata
+    return paged_attention(
+        p.query.double(),
+        p.kv_cache[:, :, None],
+        p.kv_cache[:, :, None, : p.layer.kv_lora_rank],
+        md.block_table,
+        md.seq_lens_cpu,
+        md.query_start_loc_cpu,
+        p.layer.scale,
+        causal=md.causal,
+    )

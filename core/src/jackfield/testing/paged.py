@@ -1,36 +1,19 @@
-"""Running a Jackfield model the way the engine does, by hand: paged caches with scattered block
-tables, hand-built AttentionMetadata, chunked prefill of a batch, then batched greedy decode.
-Also the transformers side: a real config class, random weights saved as a checkpoint."""
+"""Running a Jackfield model by hand, the way the engine does: paged caches with scattered block
+tables, hand-built AttentionMetadata, chunked prefill of a batch, then batched greedy decode."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from torch import nn
+
 from jackfield.attention.kv_cache import allocate_kv_cache
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionBackends, AttentionMetadata
 from jackfield.models.attention import StepContextBuilder
-from torch import nn
-from transformers import PreTrainedModel
 
 TORCH_REF = AttentionBackends(prefill=TorchRefBackend, decode=TorchRefBackend)
-
-
-def save_hf_model(hf_model: PreTrainedModel, path: Path) -> Path:
-    hf_model.save_pretrained(str(path), safe_serialization=True)
-    return path
-
-
-def randomize_(module: nn.Module, names: tuple[str, ...], seed: int) -> None:
-    """Parameters that transformers initializes to a constant (sinks: 0, norms: 1) get random
-    values, so a model that ignored them would fail the comparison."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if name.rsplit(".", 1)[-1] in names or any(name.endswith(n) for n in names):
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5 + (1.0 if "norm" in name else 0.0))
 
 
 @dataclass
@@ -123,17 +106,3 @@ def generate(
             logits[r].append(step_logits[r : r + 1])
             out[r].append(int(step_logits[r].argmax()))
     return out, [torch.cat(rows) for rows in logits]
-
-
-def hf_reference(
-    hf_model: PreTrainedModel, prompt: list[int], max_new: int
-) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens (a full forward per token, no cache, no generation-config
-    logit processors) and its logits over prompt + generated[:-1]."""
-    tokens: list[int] = []
-    with torch.no_grad():
-        for _ in range(max_new):
-            ids = torch.tensor([prompt + tokens])
-            logits = hf_model(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-            tokens.append(int(logits[-1].argmax()))
-    return tokens, logits  # the last forward ran over prompt + tokens[:-1]

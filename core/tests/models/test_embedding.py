@@ -13,60 +13,19 @@ from jackfield.attention.kv_cache import is_mla
 from jackfield.models import model_class
 from jackfield.models.embedding import pool, pooling_of
 from jackfield.models.hf_config import read_hf_config
-from paged_harness import TORCH_REF, PagedRun, randomize_, save_hf_model
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+from jackfield.testing.checkpoints import DEEPSEEK, pooled_reference, write_deepseek
+from jackfield.testing.paged import TORCH_REF, PagedRun
 
-SMALL = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=12,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    is_causal=False,
-)
-VARIANTS = {
-    "v3": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(q_lora_rank=24, n_group=2, topk_group=1)),
-    "v2": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(q_lora_rank=None, topk_method="greedy")),
-}
 PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 33], [90, 1, 56, 23, 8]]
 
 
 def write(tmp_path: Path, variant: str, pooling: str) -> tuple[torch.nn.Module, Path]:
-    config_cls, model_cls, extra = VARIANTS[variant]
-    config = config_cls(**SMALL, **extra, pooling=pooling)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf_model = model_cls(config).eval()
-    randomize_(hf_model, ("e_score_correction_bias", "layernorm.weight"), seed=3)
-    return hf_model, save_hf_model(hf_model, tmp_path / f"{variant}_{pooling}")
+    """A bidirectional DeepSeek embedder of `variant` ("v3" or "v2-no-qlora") pooling by `pooling`."""
+    path = tmp_path / f"{variant}_{pooling}"
+    return write_deepseek(variant, path, is_causal=False, pooling=pooling), path
 
 
-def hf_embeddings(
-    hf_model: torch.nn.Module, pooling: str, prompts: list[list[int]] = PROMPTS
-) -> torch.Tensor:
-    rows = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            full = torch.zeros(1, 1, len(prompt), len(prompt))  # additive 4D mask: every key visible
-            hidden = hf_model.model(ids, attention_mask=full).last_hidden_state[0]
-            rows.append(pool(hidden, [0, len(prompt)], pooling)[0])
-    return torch.stack(rows)
-
-
-@pytest.mark.parametrize(("variant", "pooling"), [("v3", "mean"), ("v3", "cls"), ("v2", "last")])
+@pytest.mark.parametrize(("variant", "pooling"), [("v3", "mean"), ("v3", "cls"), ("v2-no-qlora", "last")])
 def test_pooled_embeddings_match_transformers_full_mask(variant: str, pooling: str, tmp_path: Path) -> None:
     hf_model, path = write(tmp_path, variant, pooling)
     config = read_hf_config(path)
@@ -76,7 +35,7 @@ def test_pooled_embeddings_match_transformers_full_mask(variant: str, pooling: s
     reqs = [run.add() for _ in PROMPTS]
     hidden = run.step(list(zip(reqs, PROMPTS, strict=True)))
     got = pool(hidden, [0, len(PROMPTS[0]), len(PROMPTS[0]) + len(PROMPTS[1])], pooling_of(config.to_dict()))
-    torch.testing.assert_close(got, hf_embeddings(hf_model, pooling), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, pooled_reference(hf_model, pooling, PROMPTS), atol=1e-4, rtol=1e-4)
 
 
 def test_llm_embed_matches_transformers(tmp_path: Path) -> None:
@@ -87,8 +46,8 @@ def test_llm_embed_matches_transformers(tmp_path: Path) -> None:
         path, backend="torch_ref", block_size=4, max_num_batched_tokens=10
     )  # two steps for the two prompts
     got = llm.embed(PROMPTS)
-    assert got.shape == (2, SMALL["hidden_size"]) and got.dtype == torch.float32
-    torch.testing.assert_close(got, hf_embeddings(hf_model, "mean"), atol=1e-4, rtol=1e-4)
+    assert got.shape == (2, DEEPSEEK["hidden_size"]) and got.dtype == torch.float32
+    torch.testing.assert_close(got, pooled_reference(hf_model, "mean", PROMPTS), atol=1e-4, rtol=1e-4)
     assert llm.engine.block_manager.num_free == llm.engine.runner.kv.num_blocks  # every block handed back
 
 
@@ -100,7 +59,7 @@ def test_causal_masking_would_change_the_answer(tmp_path: Path) -> None:
         causal = torch.full((len(PROMPTS[0]),) * 2, float("-inf")).triu(1)[None, None]
         hidden = hf_model.model(ids, attention_mask=causal).last_hidden_state[0]
     assert (
-        pool(hidden, [0, len(PROMPTS[0])], "mean") - hf_embeddings(hf_model, "mean")[:1]
+        pool(hidden, [0, len(PROMPTS[0])], "mean") - pooled_reference(hf_model, "mean", PROMPTS)[:1]
     ).abs().max() > 1e-3
 
 
@@ -118,7 +77,7 @@ def test_pool_checks_its_inputs() -> None:
 
 
 def test_bad_pooling_in_config_fails_closed(tmp_path: Path) -> None:
-    _, path = write(tmp_path, "v2", "mean")
+    _, path = write(tmp_path, "v2-no-qlora", "mean")
     data = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**data, "pooling": "max"}))
     with pytest.raises(ValueError, match="pooling 'max' is not one of"):
@@ -128,7 +87,7 @@ def test_bad_pooling_in_config_fails_closed(tmp_path: Path) -> None:
 def test_llm_embed_refuses_a_prompt_over_the_step_budget(tmp_path: Path) -> None:
     from jackfield import LLM
 
-    _, path = write(tmp_path, "v2", "mean")
+    _, path = write(tmp_path, "v2-no-qlora", "mean")
     llm = LLM(path, backend="torch_ref", block_size=4, max_num_batched_tokens=6)
     with pytest.raises(ValueError, match="exceeds engine.max_num_batched_tokens"):
         llm.embed(PROMPTS)  # 9 tokens: embedding cannot chunk a prompt

@@ -13,10 +13,7 @@ from jackfield import LLM, SamplingParams
 from jackfield.engine.block_manager import NULL_BLOCK, BlockManager
 from jackfield.engine.scheduler import Scheduler
 from jackfield.engine.sequence import Sequence
-from paged_harness import hf_reference, randomize_, save_hf_model
-from test_granite import GRANITE, SMALL, SWA
-from transformers import GraniteSWAConfig
-from transformers import GraniteSWAForCausalLM as HFGraniteSWA
+from jackfield.testing.checkpoints import greedy_reference, write_granite
 
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -26,21 +23,22 @@ LAYER_BLOCK_BYTES = 2 * 4 * 2 * 8 * 4  # (k, v) x block_size 4 x 2 kv heads x he
 
 @pytest.fixture(scope="module")
 def swa_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path, list[list[int]]]:
-    config = GraniteSWAConfig(**{**SMALL, "max_position_embeddings": 256}, **GRANITE, **SWA)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf_model = HFGraniteSWA(config).eval()
-    constants = ("sinks", "input_layernorm.weight", "post_attention_layernorm.weight", "norm.weight")
-    randomize_(hf_model, constants, seed=1)
-    path = save_hf_model(hf_model, tmp_path_factory.mktemp("swa") / "granite_swa")
+    path = tmp_path_factory.mktemp("swa") / "granite_swa"
+    hf_model = write_granite("granite_swa", path, max_position_embeddings=256)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in LENGTHS]
     return hf_model, path, prompts
 
 
 def _llm(path: Path, budget_bytes: int) -> LLM:
-    return LLM(path, backend="torch_ref", block_size=4, max_num_batched_tokens=8,
-               cpu_kv_cache_gib=budget_bytes / 2**30, enable_prefix_caching=False)
+    return LLM(
+        path,
+        backend="torch_ref",
+        block_size=4,
+        max_num_batched_tokens=8,
+        cpu_kv_cache_gib=budget_bytes / 2**30,
+        enable_prefix_caching=False,
+    )
 
 
 def _poison(llm: LLM) -> None:
@@ -77,7 +75,7 @@ def test_window_groups_match_transformers_with_chunked_prefill_and_preemption(sw
     # prefill chunks of 8: a window table spans at most 3 - 1 + 8 tokens; decodes 3 tokens
     assert max(peaks) <= 4 and peaks[-1] <= -(-3 // 4) + 1
     for prompt, out in zip(prompts, outs, strict=True):
-        want, _ = hf_reference(hf_model, prompt, MAX_NEW)
+        want, _ = greedy_reference(hf_model, prompt, MAX_NEW)
         assert out.token_ids == want
 
 
@@ -107,7 +105,7 @@ def test_the_same_budget_runs_without_preemption(swa_model) -> None:  # type: ig
     outs = llm.generate(prompts, GREEDY)
     assert [o.num_preemptions for o in outs] == [0, 0, 0]
     for prompt, out in zip(prompts, outs, strict=True):
-        want, _ = hf_reference(hf_model, prompt, MAX_NEW)
+        want, _ = greedy_reference(hf_model, prompt, MAX_NEW)
         assert out.token_ids == want
 
 
