@@ -15,16 +15,21 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from jackfield.model_files import ModelFileError, read_config_json
+
 # RoPE types whose frequencies do not depend on the sequence length (those we can precompute).
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 def read_hf_config(model_dir: str | Path) -> PretrainedConfig:
-    """AutoConfig on a local directory only: Jackfield never downloads."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json (expected a local Hugging Face model directory)")
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    """AutoConfig on a local directory only: Jackfield never downloads and never runs model code
+    (the folder is checked for `auto_map` first, and transformers is told not to trust it)."""
+    read_config_json(model_dir)  # a missing file, bad JSON, bad sizes or auto_map: named errors
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    except (ValueError, TypeError, KeyError, OSError) as exc:  # transformers' verdict on the file's fields
+        raise ModelFileError(f"{Path(model_dir) / 'config.json'}: transformers cannot read it: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def architecture_of(hf_config: PretrainedConfig) -> str:

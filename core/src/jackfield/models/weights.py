@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from jackfield.model_files import ModelFileError
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,15 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the folder's safetensors; a truncated or foreign file is a
+    ModelFileError naming it."""
     for file in checkpoint_files(model_dir):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise ModelFileError(f"{file}: not a readable safetensors file: {exc}") from exc
 
 
 def load_weights(
