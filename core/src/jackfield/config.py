@@ -226,9 +226,12 @@ def _dotted(overrides: Mapping[str, object]) -> dict[str, object]:
             dotted[key] = value
             continue
         owners = [section for section, names in fields.items() if key in names]
-        if len(owners) != 1:
-            where = "several sections: " + ", ".join(owners) if owners else "no config section"
-            raise ConfigError([f"override {key!r} matches {where}; use 'section.{key}'"])
+        if not owners:
+            every_name = sorted({name for names in fields.values() for name in names})
+            raise ConfigError([f"override {key!r} matches no config field{_closest(key, every_name)}"])
+        if len(owners) > 1:
+            raise ConfigError([f"override {key!r} matches several sections: {', '.join(owners)}; "
+                               f"use 'section.{key}'"])
         dotted[f"{owners[0]}.{key}"] = value
     return dotted
 

@@ -9,6 +9,7 @@ connector loads/saves and tensor parallelism enter at those points, nowhere else
 
 from __future__ import annotations
 
+import numbers
 import random
 import time
 from collections.abc import Callable
@@ -105,6 +106,9 @@ class Engine:
         vocab, engine = self.capabilities.vocab_size, self.config.engine
         if not token_ids:
             raise ValueError("empty prompt")
+        not_ints = [t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if not_ints:
+            raise ValueError(f"prompt token ids must be integers, got {not_ints[:8]!r}")
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
