@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -121,7 +122,8 @@ def _check_type(value: object, annotation: object) -> str | None:
     if annotation is int:
         return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
     if annotation is float:
-        return None if isinstance(value, int | float) and not isinstance(value, bool) else "a number"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if number and math.isfinite(value) else "a finite number"  # type: ignore[arg-type]
     if annotation is str:
         return None if isinstance(value, str) else "a string"
     return None
@@ -196,18 +198,34 @@ def build_config(data: Mapping[str, object], source: str = "<config>") -> Jackfi
     return config
 
 
+def _read_toml(path: Path) -> dict[str, object]:
+    """A TOML file's tables; each way a file can be unreadable is a ConfigError naming it."""
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{source}: no such config file"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{source}: is a directory, not a config file"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{source}: not UTF-8 text (byte {exc.start})"]) from None
+    except OSError as exc:  # a symlink loop, no permission, a device that cannot be read
+        raise ConfigError([f"{source}: cannot be read: {exc.strerror or exc}"]) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ConfigError([f"{source}: nested too deeply to be a config file"]) from None
+
+
 def load_config(path: str | Path | None = None, overrides: Mapping[str, object] | None = None) -> JackfieldConfig:
     """Read `path` (TOML; None: defaults), then apply dotted `overrides` (CLI flags win)."""
     data: dict[str, dict[str, object]] = {}
     source = "<defaults>"
     if path is not None:
         source = str(path)
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError([f"{source}: no such config file"]) from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+        data = _read_toml(Path(path))
     for section, values in _nest(overrides or {}).items():
         table = data.setdefault(section, {})
         if not isinstance(table, dict):
