@@ -98,12 +98,14 @@ def test_transformers_is_told_not_to_trust_folder_code(model: Path, tmp_path: Pa
         (b'{"hidden_size": 64,', "not valid JSON"),
         (b'{"a": "\xff"}', "not UTF-8 text"),
         (b"[" * 100_000 + b"]" * 100_000, "not valid JSON|nested too deeply"),
-        (b'{"hidden_size": -4}', "hidden_size must be an integer >= 1, got -4"),
-        (b'{"hidden_size": 64.5}', "hidden_size must be an integer >= 1, got 64.5"),
-        (b'{"num_hidden_layers": true}', "num_hidden_layers must be an integer >= 1, got True"),
-        (b'{"vocab_size": "320"}', "vocab_size must be an integer >= 1, got '320'"),
+        (b'{"hidden_size": -4}', "hidden_size must be an integer in \\[1, 2\\*\\*31 - 1\\], got -4"),
+        (b'{"hidden_size": 64.5}', "hidden_size must be an integer in .*, got 64.5"),
+        (b'{"num_hidden_layers": true}', "num_hidden_layers must be an integer in .*, got True"),
+        (b'{"vocab_size": "320"}', "vocab_size must be an integer in .*, got '320'"),
+        (b'{"max_position_embeddings": 1e30}', "max_position_embeddings must be an integer in"),
+        (b'{"hidden_size": 1000000000000000000000000000000}', "hidden_size must be an integer in"),
         (b'{"rms_norm_eps": NaN}', "rms_norm_eps must be a finite number > 0, got nan"),
-        (b'{"first_k_dense_replace": -1}', "first_k_dense_replace must be an integer >= 0"),
+        (b'{"first_k_dense_replace": -1}', "first_k_dense_replace must be an integer in \\[0, "),
         (b'{"architectures": "DeepseekV3ForCausalLM"}', "architectures must be a list of strings"),
         (b'{"eos_token_id": [1, -2]}', "eos_token_id must be a token id >= 0"),
     ],
@@ -151,3 +153,26 @@ def test_cli_broken_model_files_are_one_line_errors(model: Path) -> None:
 
     edit_json(model / "config.json", architectures=["MysteryForCausalLM"])
     assert_user_error(run_cli("run", "--model", str(model)), "config.json", "MysteryForCausalLM")
+
+
+def test_config_json_fields_of_the_wrong_type_never_escape_as_exceptions(
+        model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Random config.json fields set to values of the wrong type or size: `run` either runs
+    (a field the model ignores) or exits 2 naming config.json; no exception leaves the CLI."""
+    import random
+
+    from jackfield.cli import main
+
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    original = json.loads((model / "config.json").read_text())
+    bad_values = ["x", -1, None, [], {}, 1.5, True, 10**30, float("nan")]
+    for key in rng.sample(sorted(original), 8):
+        value = rng.choice(bad_values)
+        (model / "config.json").write_text(json.dumps({**original, key: value}))
+        code = main(["run", "--model", str(model), "--max-tokens", "2", "--prompt", "hi"])
+        err = capsys.readouterr().err
+        assert code in (0, 2), (key, value)
+        if code == 2:
+            assert "config.json" in err or "tokenizer" in err, (key, value, err)

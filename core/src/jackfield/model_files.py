@@ -26,6 +26,7 @@ POSITIVE_INT_FIELDS = (
 NON_NEGATIVE_INT_FIELDS = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers",
                            "shared_intermediate_size")
 POSITIVE_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
+INT32_MAX = 2**31 - 1  # tensor sizes and positions are int32 in the kernels' index arithmetic
 
 
 class ModelFileError(ValueError):
@@ -77,8 +78,8 @@ def config_field_problems(data: dict[str, object]) -> list[str]:
         if value is None:
             continue
         lowest = 1 if key in POSITIVE_INT_FIELDS else 0
-        if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
-            problems.append(f"{key} must be an integer >= {lowest}, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= INT32_MAX:
+            problems.append(f"{key} must be an integer in [{lowest}, 2**31 - 1], got {value!r}")
     for key in POSITIVE_NUMBER_FIELDS:
         value = data.get(key)
         if value is None:

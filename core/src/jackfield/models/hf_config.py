@@ -27,7 +27,9 @@ def read_hf_config(model_dir: str | Path) -> PretrainedConfig:
     read_config_json(model_dir)  # a missing file, bad JSON, bad sizes or auto_map: named errors
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
-    except (ValueError, TypeError, KeyError, OSError) as exc:  # transformers' verdict on the file's fields
+    # transformers (and huggingface_hub's strict dataclasses under it) raise assorted exception types
+    # for field values they reject; the file is the user's input, so each is reported against it.
+    except Exception as exc:
         raise ModelFileError(f"{Path(model_dir) / 'config.json'}: transformers cannot read it: "
                              f"{type(exc).__name__}: {exc}") from exc
 
