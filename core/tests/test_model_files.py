@@ -101,6 +101,7 @@ def test_transformers_is_told_not_to_trust_folder_code(model: Path, tmp_path: Pa
         (b'{"hidden_size": -4}', "hidden_size must be an integer in \\[1, 2\\*\\*31 - 1\\], got -4"),
         (b'{"hidden_size": 64.5}', "hidden_size must be an integer in .*, got 64.5"),
         (b'{"num_hidden_layers": true}', "num_hidden_layers must be an integer in .*, got True"),
+        (b'{"v_head_dim": null}', "v_head_dim must be an integer in .*, got None"),
         (b'{"vocab_size": "320"}', "vocab_size must be an integer in .*, got '320'"),
         (b'{"max_position_embeddings": 1e30}', "max_position_embeddings must be an integer in"),
         (b'{"hidden_size": 1000000000000000000000000000000}', "hidden_size must be an integer in"),

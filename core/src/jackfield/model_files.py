@@ -23,6 +23,10 @@ POSITIVE_INT_FIELDS = (
     "num_experts_per_tok", "num_local_experts", "sliding_window", "n_group", "topk_group",
     "index_n_heads", "index_head_dim", "index_topk",
 )
+# Of those, the ones no family leaves null (the rest may be null: q_lora_rank null is V2-Lite's
+# plain q projection, sliding_window null is full attention, ...).
+REQUIRED_WHEN_PRESENT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 NON_NEGATIVE_INT_FIELDS = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers",
                            "shared_intermediate_size")
 POSITIVE_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
@@ -75,7 +79,7 @@ def config_field_problems(data: dict[str, object]) -> list[str]:
     problems = []
     for key in (*POSITIVE_INT_FIELDS, *NON_NEGATIVE_INT_FIELDS):
         value = data.get(key)
-        if value is None:
+        if value is None and not (key in REQUIRED_WHEN_PRESENT and key in data):
             continue
         lowest = 1 if key in POSITIVE_INT_FIELDS else 0
         if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= INT32_MAX:
