@@ -60,6 +60,12 @@ def test_a_prompt_is_text_or_token_ids(llm: LLM) -> None:
     assert_still_serves(llm)
 
 
+def test_sampling_params_must_be_sampling_params(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="sampling params must be a SamplingParams, got dict"):
+        llm.generate([[1, 2], [3, 4]], [GREEDY, {"temperature": 0.0}])  # type: ignore[list-item]
+    assert_still_serves(llm)
+
+
 def test_text_that_was_not_utf8_is_refused() -> None:
     llm = LLM(device="cpu")  # the embedded default model has a tokenizer
     not_utf8 = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")  # how argv carries Latin-1 bytes

@@ -104,6 +104,8 @@ class Engine:
     def check_request(self, token_ids: list[int], params: SamplingParams, pooling: str | None = None) -> None:
         """Every reason a request cannot run, raised before it touches the engine's state."""
         vocab, engine = self.capabilities.vocab_size, self.config.engine
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if not token_ids:
             raise ValueError("empty prompt")
         not_ints = [t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
