@@ -68,3 +68,9 @@ def test_plugins_into_a_closed_pipe_is_quiet() -> None:
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=300) == BROKEN_PIPE_EXIT, stderr
     assert stderr == ""
+
+
+@pytest.mark.parametrize("command", ["run", "doctor"])
+def test_an_empty_model_path_is_an_error_not_the_default_model(command: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert "model.path is empty" in config_error([command, "--model", ""], capsys)

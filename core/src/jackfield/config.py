@@ -133,6 +133,7 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
     e, s = config.engine, config.speculative
     device_ok = re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device) is not None
     checks = [
+        (config.model.path != "", "model.path is empty (leave it out for the embedded default model)"),
         (device_ok, f"engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {e.device!r}"),
         (e.block_size > 0, f"engine.block_size must be > 0, got {e.block_size}"),
         (e.max_num_seqs > 0, f"engine.max_num_seqs must be > 0, got {e.max_num_seqs}"),

@@ -76,7 +76,7 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
 
 
 def main(args: argparse.Namespace) -> int:
-    overrides = {"model.path": args.model} if args.model else {}
+    overrides = {"model.path": args.model} if args.model is not None else {}
     config = load_config(args.config, overrides)
     resolved, problems = diagnose(config, get_registry())
     if problems:
