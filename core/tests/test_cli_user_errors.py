@@ -40,6 +40,7 @@ def test_config_that_is_a_symlink_loop(tmp_path: Path, capsys: pytest.CaptureFix
         (b"[engine]\ncpu_kv_cache_gib = nan\n", "engine.cpu_kv_cache_gib must be a finite number, got nan"),
         (b"[engine]\ngpu_memory_fraction = inf\n", "engine.gpu_memory_fraction must be a finite number, got inf"),
         (b"[engine]\nblock_size = -16\n", "engine.block_size must be > 0, got -16"),
+        (b"[engine]\ncpu_kv_cache_gib = 1e300\n", "engine.cpu_kv_cache_gib must be > 0 and <= 2**33, got 1e+300"),
     ],
 )
 def test_unreadable_config_files(tmp_path: Path, content: bytes, message: str,
@@ -74,3 +75,7 @@ def test_plugins_into_a_closed_pipe_is_quiet() -> None:
 def test_an_empty_model_path_is_an_error_not_the_default_model(command: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     assert "model.path is empty" in config_error([command, "--model", ""], capsys)
+
+
+def test_an_empty_attention_backend_is_an_error_not_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "no attention named ''" in config_error(["run", "--attention-backend", ""], capsys)

@@ -142,7 +142,8 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
          f"engine.prefill_graph_max_tokens must be >= 0, got {e.prefill_graph_max_tokens}"),
         (e.max_model_len is None or e.max_model_len > 0, f"engine.max_model_len must be > 0, got {e.max_model_len}"),
         (0.0 < e.gpu_memory_fraction <= 1.0, f"engine.gpu_memory_fraction must be in (0, 1], got {e.gpu_memory_fraction}"),
-        (e.cpu_kv_cache_gib > 0, f"engine.cpu_kv_cache_gib must be > 0, got {e.cpu_kv_cache_gib}"),
+        (0 < e.cpu_kv_cache_gib <= 2**33,  # 2**33 GiB = 2**63 bytes, the most a byte count can hold
+         f"engine.cpu_kv_cache_gib must be > 0 and <= 2**33, got {e.cpu_kv_cache_gib}"),
         (s.num_speculative_tokens >= 0, f"speculative.num_speculative_tokens must be >= 0, got {s.num_speculative_tokens}"),
         (s.method is None or s.num_speculative_tokens > 0,
          "speculative.num_speculative_tokens must be > 0 when speculative.method is set"),
