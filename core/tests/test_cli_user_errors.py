@@ -38,9 +38,11 @@ def test_config_that_is_a_symlink_loop(tmp_path: Path, capsys: pytest.CaptureFix
         (b"a = " + b"[" * 50_000 + b"]" * 50_000, "nested too deeply"),
         (b"x = {" * 50_000, "nested too deeply"),
         (b"[engine]\ncpu_kv_cache_gib = nan\n", "engine.cpu_kv_cache_gib must be a finite number, got nan"),
-        (b"[engine]\ngpu_memory_fraction = inf\n", "engine.gpu_memory_fraction must be a finite number, got inf"),
+        (b"[engine]\ngpu_memory_fraction = inf\n",
+         "engine.gpu_memory_fraction must be a finite number, got inf"),
         (b"[engine]\nblock_size = -16\n", "engine.block_size must be > 0, got -16"),
-        (b"[engine]\ncpu_kv_cache_gib = 1e300\n", "engine.cpu_kv_cache_gib must be > 0 and <= 2**33, got 1e+300"),
+        (b"[engine]\ncpu_kv_cache_gib = 1e300\n",
+         "engine.cpu_kv_cache_gib must be > 0 and <= 2**33, got 1e+300"),
     ],
 )
 def test_unreadable_config_files(tmp_path: Path, content: bytes, message: str,

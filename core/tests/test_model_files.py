@@ -37,7 +37,8 @@ def plant_code(model: Path, file: str, auto_map: dict[str, object], canary: Path
 
 
 CODE_MAPS = [
-    ("config.json", {"AutoConfig": "canary_config.CanaryConfig", "AutoModelForCausalLM": "canary_model.Canary"}),
+    ("config.json", {"AutoConfig": "canary_config.CanaryConfig",
+                     "AutoModelForCausalLM": "canary_model.Canary"}),
     ("tokenizer_config.json", {"AutoTokenizer": ["canary_tokenizer.CanaryTokenizer", None]}),
 ]
 

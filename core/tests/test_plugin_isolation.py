@@ -152,8 +152,8 @@ class RaisingValidate(TorchRefBackend):
 
 @jackfield.hookimpl
 def register_attention_backends():
-    make = lambda name, **kw: AttentionBackendSpec(
-        name=name, capabilities=TORCH_REF_CAPABILITIES, **{"factory": "jackfield.attention.torch_ref:TorchRefBackend", **kw})
+    def make(name, factory="jackfield.attention.torch_ref:TorchRefBackend", **kw):
+        return AttentionBackendSpec(name=name, factory=factory, capabilities=TORCH_REF_CAPABILITIES, **kw)
     return [make("raising_probe", availability=raising_probe, priority=1000),
             make("exiting_probe", availability=exiting_probe, priority=1000),
             make("odd_probe", availability=lambda: "yes", priority=1000),
@@ -194,7 +194,8 @@ def test_doctor_and_a_listing_survive_every_broken_plugin_at_once(
     assert statuses["good_plugin"] == statuses["probe_plugin"] == "active"
     assert main(["doctor", "--config", str(_config(tmp_path))]) == 0
     out = capsys.readouterr().out
-    assert "OK" in out and "rejected raising_validate: validate() raised RuntimeError: validate exploded" in out
+    assert "OK" in out
+    assert "rejected raising_validate: validate() raised RuntimeError: validate exploded" in out
 
 
 def _config(tmp_path: Path) -> Path:

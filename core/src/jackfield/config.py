@@ -261,6 +261,10 @@ def resolve_config(config: JackfieldConfig | str | Path | None = None, model: st
     """The one config of an engine: a TOML path or a config object (validated like a file, since a
     hand-built one may be wrong), then `model` and the overrides (dotted "engine.block_size" or
     plain field names) on top."""
+    if not isinstance(config, JackfieldConfig | str | Path | None):
+        raise ConfigError([f"config must be a JackfieldConfig or a TOML path, got {type(config).__name__}"])
+    if not isinstance(model, str | Path | None):
+        raise ConfigError([f"model must be a model directory path, got {type(model).__name__}"])
     dotted = _dotted(overrides or {})
     if model is not None:
         dotted["model.path"] = str(model)

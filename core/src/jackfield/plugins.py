@@ -162,8 +162,8 @@ def _discover() -> tuple[list[_Found], list[PluginInfo]]:
         version = (metadata["Version"] if metadata is not None else None) or "unknown"
         if not name:
             where = getattr(dist, "_path", None) or dist.locate_file("")  # the .dist-info folder when known
-            failed.append(PluginInfo(f"<{where}>", "<no name>", version, "failed",
-                                     f"{where}: METADATA has no Name; its jackfield entry points are not loaded"))
+            reason = f"{where}: METADATA has no Name; its jackfield entry points are not loaded"
+            failed.append(PluginInfo(f"<{where}>", "<no name>", version, "failed", reason))
             continue
         key = re.sub(r"[-_.]+", "-", name).lower()
         if key in seen:

@@ -7,7 +7,12 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from jackfield.config import JackfieldConfig
-from jackfield.contracts.attention import AttentionBackend, AttentionRequirements, Availability, capability_mismatches
+from jackfield.contracts.attention import (
+    AttentionBackend,
+    AttentionRequirements,
+    Availability,
+    capability_mismatches,
+)
 from jackfield.plugins import PluginFault, Registered, Registry, get_registry
 from jackfield.specs import AttentionBackendSpec, resolve_factory
 

@@ -37,7 +37,7 @@ def test_stop_token_ids_must_be_in_the_vocabulary(llm: LLM, stop: list[int]) -> 
     if all(t < VOCAB for t in stop):
         llm.generate([prompt(1)], params)
     else:
-        with pytest.raises(ValueError, match=r"SamplingParams\.stop_token_ids: token ids .* outside the vocabulary"):
+        with pytest.raises(ValueError, match=r"SamplingParams\.stop_token_ids: token ids .* outside the"):
             llm.generate([prompt(1), prompt(2)], [GREEDY, params])
         assert not llm.engine.scheduler.has_work()
 
@@ -79,8 +79,18 @@ def test_text_that_was_not_utf8_is_refused() -> None:
     [("blok_size", "block_size"), ("max_num_seq", "max_num_seqs"), ("kv_cache_dtpe", "kv_cache_dtype")],
 )
 def test_override_typos_get_did_you_mean(v3_dir, typo: str, suggestion: str) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ConfigError, match=f"override '{typo}' matches no config field \\(did you mean '{suggestion}'"):
+    expected = f"override '{typo}' matches no config field \\(did you mean '{suggestion}'"
+    with pytest.raises(ConfigError, match=expected):
         LLM(v3_dir, **{typo: 1})
     with pytest.raises(ConfigError, match=f"unknown key engine.{typo} \\(did you mean '{suggestion}'"
                        if suggestion != "kv_cache_dtype" else "unknown key engine.kv_cache_dtpe"):
         LLM(v3_dir, **{f"engine.{typo}": 1})
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"config": 123}, "config must be a JackfieldConfig or a TOML path, got int"),
+    ({"model": 1.5}, "model must be a model directory path, got float"),
+])
+def test_llm_arguments_of_the_wrong_type(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        LLM(**kwargs)  # type: ignore[arg-type]

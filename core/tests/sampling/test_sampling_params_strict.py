@@ -49,7 +49,8 @@ def test_integers_in_range_are_kept_as_python_ints(top_k: int, max_tokens: int, 
     wrap = np.int64 if numpy_ints else int
     params = SamplingParams(top_k=wrap(top_k), max_tokens=wrap(max_tokens), seed=wrap(seed),
                             logprobs=wrap(logprobs))
-    for field, expected in (("top_k", top_k), ("max_tokens", max_tokens), ("seed", seed), ("logprobs", logprobs)):
+    expected_values = {"top_k": top_k, "max_tokens": max_tokens, "seed": seed, "logprobs": logprobs}
+    for field, expected in expected_values.items():
         value = getattr(params, field)
         assert type(value) is int and value == expected
 
@@ -64,7 +65,8 @@ def test_float_fields_take_only_finite_numbers(field: str, value: object) -> Non
 
 @SETTINGS
 @given(temperature=st.floats(0, 1e6), top_p=st.floats(0, 1, exclude_min=True), min_p=st.floats(0, 1))
-def test_finite_floats_in_range_are_accepted_as_floats(temperature: float, top_p: float, min_p: float) -> None:
+def test_finite_floats_in_range_are_accepted_as_floats(temperature: float, top_p: float,
+                                                       min_p: float) -> None:
     params = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p)
     assert (params.temperature, params.top_p, params.min_p) == (temperature, top_p, min_p)
     assert all(type(v) is float for v in (params.temperature, params.top_p, params.min_p))
@@ -90,7 +92,8 @@ def test_logit_bias_is_accepted_exactly_when_float32_holds_it_finitely(bias: flo
         ({"ignore_eos": "yes"}, "ignore_eos must be a bool"),
         ({"stop_token_ids": 5}, "stop_token_ids must be a sequence of token ids"),
         ({"stop_token_ids": "12"}, "stop_token_ids must be a sequence of token ids"),
-        ({"stop_token_ids": [1, True, 2.0, -3]}, "stop_token_ids must hold token ids (integers >= 0), got [True, 2.0, -3]"),
+        ({"stop_token_ids": [1, True, 2.0, -3]},
+         "stop_token_ids must hold token ids (integers >= 0), got [True, 2.0, -3]"),
         ({"allowed_token_ids": (1.5,)}, "allowed_token_ids must hold token ids"),
         ({"logit_bias": {True: 1.0}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"7": 1.0}}, "logit_bias keys must be token ids"),

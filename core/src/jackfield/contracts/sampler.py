@@ -40,7 +40,8 @@ class SamplingParams:
         errors: list[str] = []
         temperature, top_p, min_p = (self._number(name, errors) for name in ("temperature", "top_p", "min_p"))
         top_k, max_tokens = self._integer("top_k", errors), self._integer("max_tokens", errors)
-        seed, logprobs = self._integer("seed", errors, optional=True), self._integer("logprobs", errors, optional=True)
+        seed = self._integer("seed", errors, optional=True)
+        logprobs = self._integer("logprobs", errors, optional=True)
         self._token_ids("stop_token_ids", errors)
         allowed = self._token_ids("allowed_token_ids", errors, optional=True)
         if not isinstance(self.ignore_eos, bool):
@@ -107,8 +108,8 @@ class SamplingParams:
         if bad_ids:
             errors.append(f"logit_bias keys must be token ids (integers >= 0), got {bad_ids[:8]!r}")
         if bad_values:
-            errors.append(f"logit_bias values must be finite numbers within float32 (|bias| <= {FLOAT32_MAX:.4g}), "
-                          f"got {bad_values[:8]!r}")
+            errors.append("logit_bias values must be finite numbers within float32 "
+                          f"(|bias| <= {FLOAT32_MAX:.4g}), got {bad_values[:8]!r}")
         if not bad_ids and not bad_values:
             object.__setattr__(self, "logit_bias", {int(t): float(v) for t, v in bias.items()})
 

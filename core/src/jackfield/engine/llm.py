@@ -73,7 +73,8 @@ class LLM:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8 (argv, files)
-                raise ValueError(f"prompt {prompt[:40]!r} is not valid UTF-8 text (at character {exc.start})") from None
+                raise ValueError(f"prompt {prompt[:40]!r} is not valid UTF-8 text "
+                                 f"(at character {exc.start})") from None
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         if isinstance(prompt, bytes | Mapping) or not isinstance(prompt, Iterable):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
