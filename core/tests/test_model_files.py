@@ -178,3 +178,9 @@ def test_config_json_fields_of_the_wrong_type_never_escape_as_exceptions(
         assert code in (0, 2), (key, value)
         if code == 2:
             assert "config.json" in err or "tokenizer" in err, (key, value, err)
+
+
+def test_pickle_weights_are_refused_with_a_conversion_hint(model: Path) -> None:
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+    assert_user_error(run_cli("run", "--model", str(model)), "no *.safetensors files",
+                      "pytorch_model.bin are PyTorch pickles", "convert them to safetensors")

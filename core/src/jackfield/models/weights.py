@@ -56,7 +56,11 @@ class WeightMapper:
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+        pickles = sorted(p.name for p in Path(model_dir).glob("*.bin"))
+        # Loading a pickle runs code from the file: Jackfield reads safetensors only.
+        hint = (f"; {', '.join(pickles[:3])} are PyTorch pickles, which Jackfield does not load (they can "
+                "run code): convert them to safetensors") if pickles else ""
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files{hint}")
     return files
 
 
