@@ -120,9 +120,16 @@ class DeepseekArch:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # V3.2's per-layer "dense" / "sparse" (MoE) list; transformers builds the layers from it when
+    # config.json has it (over first_k_dense_replace), and V2/V3 never read it. None: not V3.2.
+    mlp_layer_types: tuple[str, ...] | None = None
 
     def is_moe_layer(self, index: int) -> bool:
-        return self.n_routed_experts is not None and index >= self.first_k_dense_replace
+        if self.n_routed_experts is None:
+            return False
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[index] == "sparse"
+        return index >= self.first_k_dense_replace
 
 
 def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
@@ -151,6 +158,12 @@ def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
         problems.append(f"index_head_dim {index[1]} is smaller than qk_rope_head_dim {c.qk_rope_head_dim}")
     if v32 and c.q_lora_rank is None:
         problems.append("the indexer reads the q latent: q_lora_rank must be set")
+    # transformers' V3.2 config fills mlp_layer_types from first_k_dense_replace when it is absent.
+    mlp_layer_types = tuple(getattr(c, "mlp_layer_types", None) or ()) if v32 else None
+    if v32 and (len(mlp_layer_types or ()) != c.num_hidden_layers
+                or not set(mlp_layer_types or ()) <= {"dense", "sparse"}):
+        problems.append(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {c.num_hidden_layers} "
+                        f"layers, got {list(mlp_layer_types or ())}")
     non_causal = getattr(c, "is_causal", True) is False
     if non_causal and v32:
         problems.append("is_causal=false with the sparse indexer")
@@ -192,6 +205,7 @@ def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
         index_n_heads=index[0],
         index_head_dim=index[1],
         index_topk=index[2],
+        mlp_layer_types=mlp_layer_types,
     )
 
 
