@@ -122,10 +122,15 @@ def test_entry_points_line_without_equals(make_dist, capsys: pytest.CaptureFixtu
     assert plugin_row(data, "good_plugin")["status"] == "active"
 
 
-def test_metadata_without_a_name(make_dist, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("metadata", ["Metadata-Version: 2.1\nVersion: 1.0\n", None], ids=["no_name", "no_file"])
+def test_metadata_without_a_name(make_dist, capsys: pytest.CaptureFixture[str],  # type: ignore[no-untyped-def]
+                                 metadata: str | None) -> None:
     site = make_dist("bad-dist", "bad_plugin", GOOD.replace("good_sampler", "bad_sampler"))
     make_dist("good-dist", "good_plugin", GOOD)
-    (site / "bad_dist-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nVersion: 1.0\n")
+    if metadata is None:
+        (site / "bad_dist-1.0.dist-info" / "METADATA").unlink()
+    else:
+        (site / "bad_dist-1.0.dist-info" / "METADATA").write_text(metadata)
     data = listing(capsys)
     bad = next(p for p in data["plugins"] if p["distribution"] == "<no name>")  # type: ignore[attr-defined,index]
     assert bad["status"] == "failed" and "METADATA has no Name" in bad["reason"]

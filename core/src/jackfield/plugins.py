@@ -157,7 +157,10 @@ def _discover() -> tuple[list[_Found], list[PluginInfo]]:
             continue  # unreadable, so it declares no plugin of ours
         if f"[{ENTRY_POINT_GROUP}]" not in text:
             continue
-        metadata = dist.metadata
+        try:
+            metadata = dist.metadata
+        except (OSError, TypeError, ValueError):  # no METADATA file at all (Python 3.11 raises TypeError)
+            metadata = None
         name = metadata["Name"] if metadata is not None else None
         version = (metadata["Version"] if metadata is not None else None) or "unknown"
         if not name:
@@ -194,7 +197,7 @@ def _collect(pm: pluggy.PluginManager, module: object, info: PluginInfo) -> list
             if isinstance(result, str | bytes | Mapping) or not isinstance(result, Iterable):
                 raise TypeError(f"{hook_name} returned {result!r:.80}, not a list of {expected.__name__}")
             for spec in result:
-                if type(spec) is not expected:
+                if not isinstance(spec, expected):
                     raise TypeError(f"{hook_name} returned {spec!r:.80}, not a {expected.__name__}")
                 records.append(Registered(kind, spec, info.name, info.distribution))
     return records
