@@ -122,7 +122,8 @@ def test_entry_points_line_without_equals(make_dist, capsys: pytest.CaptureFixtu
     assert plugin_row(data, "good_plugin")["status"] == "active"
 
 
-@pytest.mark.parametrize("metadata", ["Metadata-Version: 2.1\nVersion: 1.0\n", None], ids=["no_name", "no_file"])
+@pytest.mark.parametrize("metadata", ["Metadata-Version: 2.1\nVersion: 1.0\n", None],
+                         ids=["no_name", "no_file"])
 def test_metadata_without_a_name(make_dist, capsys: pytest.CaptureFixture[str],  # type: ignore[no-untyped-def]
                                  metadata: str | None) -> None:
     site = make_dist("bad-dist", "bad_plugin", GOOD.replace("good_sampler", "bad_sampler"))
