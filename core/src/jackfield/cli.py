@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ from jackfield import __version__
 
 SUBCOMMANDS = ("run", "plugins", "doctor")
 USER_ERROR_EXIT = 2
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE, as a shell reports a command killed by it
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,12 +36,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jackfield.plugins import PluginConflictError
 
     try:
-        return int(args.handler(args))
-    # User errors: every entry point validates its input with a ValueError (ConfigError and
-    # SelectionError included: bad config, unavailable backend, bad prompt or sampling params).
+        code = int(args.handler(args))
+        sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at exit
+        return code
+    # User errors: every entry point validates its input with a ValueError (ConfigError,
+    # SelectionError and ModelFileError included: bad config, unreadable model files, unavailable
+    # backend, bad prompt or sampling params). Anything else is a bug and keeps its traceback.
     except (PluginConflictError, FileNotFoundError, ValueError) as exc:
         print(f"jackfield {args.command}: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT
+    except BrokenPipeError:  # `jackfield plugins | head`: the reader has what it wanted
+        # Python flushes stdout again at exit; pointing it at /dev/null keeps that flush quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT
     except KeyboardInterrupt:
         return 130
 

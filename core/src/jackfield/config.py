@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -121,7 +122,8 @@ def _check_type(value: object, annotation: object) -> str | None:
     if annotation is int:
         return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
     if annotation is float:
-        return None if isinstance(value, int | float) and not isinstance(value, bool) else "a number"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if number and math.isfinite(value) else "a finite number"  # type: ignore[arg-type]
     if annotation is str:
         return None if isinstance(value, str) else "a string"
     return None
@@ -131,6 +133,7 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
     e, s = config.engine, config.speculative
     device_ok = re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device) is not None
     checks = [
+        (config.model.path != "", "model.path is empty (leave it out for the embedded default model)"),
         (device_ok, f"engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {e.device!r}"),
         (e.block_size > 0, f"engine.block_size must be > 0, got {e.block_size}"),
         (e.max_num_seqs > 0, f"engine.max_num_seqs must be > 0, got {e.max_num_seqs}"),
@@ -139,7 +142,8 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
          f"engine.prefill_graph_max_tokens must be >= 0, got {e.prefill_graph_max_tokens}"),
         (e.max_model_len is None or e.max_model_len > 0, f"engine.max_model_len must be > 0, got {e.max_model_len}"),
         (0.0 < e.gpu_memory_fraction <= 1.0, f"engine.gpu_memory_fraction must be in (0, 1], got {e.gpu_memory_fraction}"),
-        (e.cpu_kv_cache_gib > 0, f"engine.cpu_kv_cache_gib must be > 0, got {e.cpu_kv_cache_gib}"),
+        (0 < e.cpu_kv_cache_gib <= 2**33,  # 2**33 GiB = 2**63 bytes, the most a byte count can hold
+         f"engine.cpu_kv_cache_gib must be > 0 and <= 2**33, got {e.cpu_kv_cache_gib}"),
         (s.num_speculative_tokens >= 0, f"speculative.num_speculative_tokens must be >= 0, got {s.num_speculative_tokens}"),
         (s.method is None or s.num_speculative_tokens > 0,
          "speculative.num_speculative_tokens must be > 0 when speculative.method is set"),
@@ -196,18 +200,34 @@ def build_config(data: Mapping[str, object], source: str = "<config>") -> Jackfi
     return config
 
 
+def _read_toml(path: Path) -> dict[str, object]:
+    """A TOML file's tables; each way a file can be unreadable is a ConfigError naming it."""
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{source}: no such config file"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{source}: is a directory, not a config file"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{source}: not UTF-8 text (byte {exc.start})"]) from None
+    except OSError as exc:  # a symlink loop, no permission, a device that cannot be read
+        raise ConfigError([f"{source}: cannot be read: {exc.strerror or exc}"]) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ConfigError([f"{source}: nested too deeply to be a config file"]) from None
+
+
 def load_config(path: str | Path | None = None, overrides: Mapping[str, object] | None = None) -> JackfieldConfig:
     """Read `path` (TOML; None: defaults), then apply dotted `overrides` (CLI flags win)."""
     data: dict[str, dict[str, object]] = {}
     source = "<defaults>"
     if path is not None:
         source = str(path)
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError([f"{source}: no such config file"]) from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+        data = _read_toml(Path(path))
     for section, values in _nest(overrides or {}).items():
         table = data.setdefault(section, {})
         if not isinstance(table, dict):
@@ -226,9 +246,12 @@ def _dotted(overrides: Mapping[str, object]) -> dict[str, object]:
             dotted[key] = value
             continue
         owners = [section for section, names in fields.items() if key in names]
-        if len(owners) != 1:
-            where = "several sections: " + ", ".join(owners) if owners else "no config section"
-            raise ConfigError([f"override {key!r} matches {where}; use 'section.{key}'"])
+        if not owners:
+            every_name = sorted({name for names in fields.values() for name in names})
+            raise ConfigError([f"override {key!r} matches no config field{_closest(key, every_name)}"])
+        if len(owners) > 1:
+            raise ConfigError([f"override {key!r} matches several sections: {', '.join(owners)}; "
+                               f"use 'section.{key}'"])
         dotted[f"{owners[0]}.{key}"] = value
     return dotted
 
@@ -238,6 +261,10 @@ def resolve_config(config: JackfieldConfig | str | Path | None = None, model: st
     """The one config of an engine: a TOML path or a config object (validated like a file, since a
     hand-built one may be wrong), then `model` and the overrides (dotted "engine.block_size" or
     plain field names) on top."""
+    if not isinstance(config, JackfieldConfig | str | Path | None):
+        raise ConfigError([f"config must be a JackfieldConfig or a TOML path, got {type(config).__name__}"])
+    if not isinstance(model, str | Path | None):
+        raise ConfigError([f"model must be a model directory path, got {type(model).__name__}"])
     dotted = _dotted(overrides or {})
     if model is not None:
         dotted["model.path"] = str(model)

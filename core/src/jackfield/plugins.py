@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import os
+import re
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Literal
@@ -21,7 +22,8 @@ import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from jackfield import hookspecs
-from jackfield.specs import AnySpec
+from jackfield.config import _closest
+from jackfield.specs import SPEC_TYPES, AnySpec
 
 API_VERSION = "1.0"
 ENTRY_POINT_GROUP = "jackfield"
@@ -108,24 +110,107 @@ def _incompatible_reason(module: ModuleType) -> str | None:
     return None if ok else f"supports core API {declared}, this core is {API_VERSION}"
 
 
-def _entry_points() -> Iterable[md.EntryPoint]:
-    return md.entry_points(group=ENTRY_POINT_GROUP)
+# Whatever a plugin does wrong while it is imported, probed or called (SystemExit included: a
+# plugin calling sys.exit must not end the process) fails that plugin alone.
+PluginFault = (Exception, SystemExit)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """One entry point of group "jackfield", with the distribution that declares it."""
+
+    entry_point: md.EntryPoint
+    distribution: str
+    version: str
+
+
+def _reason(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())  # pluggy's messages span lines
+
+
+def _group_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of the [jackfield] section of an entry_points.txt."""
+    lines, inside = [], False
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            inside = line == f"[{ENTRY_POINT_GROUP}]"
+            continue
+        if inside:
+            lines.append((number, line))
+    return lines
+
+
+def _discover() -> tuple[list[_Found], list[PluginInfo]]:
+    """Entry points read one distribution at a time (not `md.entry_points`, which fails for all when
+    one installed distribution has a malformed entry_points.txt), with the failures found on the way.
+    As importlib.metadata does, the first distribution of a name on sys.path wins."""
+    found: list[_Found] = []
+    failed: list[PluginInfo] = []
+    seen: set[str] = set()
+    for dist in md.distributions():
+        try:
+            text = dist.read_text("entry_points.txt") or ""
+        except (OSError, UnicodeDecodeError):
+            continue  # unreadable, so it declares no plugin of ours
+        if f"[{ENTRY_POINT_GROUP}]" not in text:
+            continue
+        try:
+            metadata = dist.metadata
+        except (OSError, TypeError, ValueError):  # no METADATA file at all (Python 3.11 raises TypeError)
+            metadata = None
+        name = metadata["Name"] if metadata is not None else None
+        version = (metadata["Version"] if metadata is not None else None) or "unknown"
+        if not name:
+            where = getattr(dist, "_path", None) or dist.locate_file("")  # the .dist-info folder when known
+            reason = f"{where}: METADATA has no Name; its jackfield entry points are not loaded"
+            failed.append(PluginInfo(f"<{where}>", "<no name>", version, "failed", reason))
+            continue
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        for number, line in _group_lines(text):
+            ep_name, sep, value = (part.strip() for part in line.partition("="))
+            if not sep or not ep_name or not value:
+                failed.append(PluginInfo(ep_name or line, name, version, "failed",
+                                         f"entry_points.txt line {number} {line!r} is not 'name = module'"))
+                continue
+            found.append(_Found(md.EntryPoint(ep_name, value, ENTRY_POINT_GROUP), name, version))
+    return found, failed
 
 
 def _collect(pm: pluggy.PluginManager, module: object, info: PluginInfo) -> list[Registered]:
-    """Call each of the module's hookimpls, attributing every record to this plugin."""
+    """Call each of the module's hookimpls, attributing every record to this plugin; a result that
+    is not an iterable of the hook's own record type fails the plugin."""
     records: list[Registered] = []
     for hook_name, kind in hookspecs.HOOK_KINDS.items():
+        expected = SPEC_TYPES[kind]
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             if impl.plugin is not module:
                 continue
-            for spec in impl.function() or ():
+            result = impl.function()
+            if result is None:
+                continue
+            if isinstance(result, str | bytes | Mapping) or not isinstance(result, Iterable):
+                raise TypeError(f"{hook_name} returned {result!r:.80}, not a list of {expected.__name__}")
+            for spec in result:
+                if not isinstance(spec, expected):
+                    raise TypeError(f"{hook_name} returned {spec!r:.80}, not a {expected.__name__}")
                 records.append(Registered(kind, spec, info.name, info.distribution))
     return records
 
 
+def _unknown_hooks(pm: pluggy.PluginManager, module: object) -> list[str]:
+    """The module's hookimpls whose names match no hookspec (pluggy would keep them, never called)."""
+    return sorted(caller.name for caller in pm.get_hookcallers(module) or () if caller.spec is None)
+
+
 def load_registry(entry_points: Iterable[md.EntryPoint] | None = None) -> Registry:
-    """Load built-ins and entry-point plugins into a fresh registry (see `get_registry`)."""
+    """Load built-ins and entry-point plugins into a fresh registry (see `get_registry`). A plugin
+    that fails in any way is listed as failed with the reason, and the others still load."""
     from jackfield import builtins
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -135,11 +220,20 @@ def load_registry(entry_points: Iterable[md.EntryPoint] | None = None) -> Regist
 
     def add(module: ModuleType, info: PluginInfo) -> None:
         try:
-            pm.register(module, name=info.name)
+            pm.register(module, name=info.name)  # pluggy checks each hookimpl's signature here
+        except PluginFault as exc:
+            info.status, info.reason = "failed", _reason(exc)
+            return
+        try:
+            unknown = _unknown_hooks(pm, module)
+            if unknown:
+                hooks = list(hookspecs.HOOK_KINDS)
+                raise TypeError("; ".join(f"hookimpl {name!r} matches no hookspec{_closest(name, hooks)}"
+                                          for name in unknown))
             found = _collect(pm, module, info)
-        except Exception as exc:  # a broken plugin is recorded, the others still load
+        except PluginFault as exc:
             pm.unregister(module)
-            info.status, info.reason = "failed", f"{type(exc).__name__}: {exc}"
+            info.status, info.reason = "failed", _reason(exc)
             return
         info.registers = [f"{r.kind}:{r.spec.name}" for r in found]
         records.extend(found)
@@ -148,22 +242,28 @@ def load_registry(entry_points: Iterable[md.EntryPoint] | None = None) -> Regist
     plugins.append(builtin)
     add(builtins, builtin)
 
-    for ep in _entry_points() if entry_points is None else entry_points:
-        dist_name = ep.dist.name if ep.dist is not None else ep.name
-        info = PluginInfo(ep.name, dist_name, _version(dist_name), "active")
+    if entry_points is None:
+        found, failed = _discover()
+        plugins.extend(failed)
+    else:
+        found = [_Found(ep, ep.dist.name, _version(ep.dist.name)) if ep.dist is not None and ep.dist.name
+                 else _Found(ep, ep.name, "unknown") for ep in entry_points]
+    for item in found:
+        ep = item.entry_point
+        info = PluginInfo(ep.name, item.distribution, item.version, "active")
         plugins.append(info)
-        disabled = _disabled_reason(ep.name, dist_name)
+        disabled = _disabled_reason(ep.name, item.distribution)
         if disabled:
             info.status, info.reason = "disabled", disabled
             continue
         try:
             module = ep.load()
-        except Exception as exc:
+            incompatible = _incompatible_reason(module)
+        except PluginFault as exc:
             last = traceback.extract_tb(exc.__traceback__)[-1:]
             where = f" ({last[0].filename}:{last[0].lineno})" if last else ""
-            info.status, info.reason = "failed", f"{type(exc).__name__}: {exc}{where}"
+            info.status, info.reason = "failed", f"{_reason(exc)}{where}"
             continue
-        incompatible = _incompatible_reason(module)
         if incompatible:
             info.status, info.reason = "incompatible", incompatible
             continue

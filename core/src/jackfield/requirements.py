@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
 from jackfield.config import JackfieldConfig
 from jackfield.contracts.attention import AttentionRequirements
+from jackfield.model_files import read_config_json
+
+__all__ = ["attention_requirements", "read_config_json", "resolve_device", "resolve_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,14 +29,6 @@ def resolve_dtype(config: JackfieldConfig, device: str) -> torch.dtype:
     if config.model.dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return _DTYPES[config.model.dtype]
-
-
-def read_config_json(model_dir: str | Path) -> dict[str, object]:
-    """config.json as a plain dict (no transformers import: `doctor` stays cheap)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
-    return json.loads(path.read_text())
 
 
 def attention_requirements(hf_config: Mapping[str, object], config: JackfieldConfig) -> AttentionRequirements:

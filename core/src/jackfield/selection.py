@@ -7,8 +7,13 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from jackfield.config import JackfieldConfig
-from jackfield.contracts.attention import AttentionBackend, AttentionRequirements, capability_mismatches
-from jackfield.plugins import Registered, Registry, get_registry
+from jackfield.contracts.attention import (
+    AttentionBackend,
+    AttentionRequirements,
+    Availability,
+    capability_mismatches,
+)
+from jackfield.plugins import PluginFault, Registered, Registry, get_registry
 from jackfield.specs import AttentionBackendSpec, resolve_factory
 
 log = logging.getLogger("jackfield.selection")
@@ -30,10 +35,22 @@ class BackendChoice:
 def spec_reasons(spec: AttentionBackendSpec, req: AttentionRequirements) -> list[str]:
     """Reasons from the cheap record (capabilities + probe), without importing kernels."""
     reasons = capability_mismatches(spec.capabilities, req)
-    probe = spec.availability()
+    probe = run_probe(spec)
     if not probe.ok:
         reasons.append(f"unavailable: {probe.reason}")
     return reasons
+
+
+def run_probe(spec: AttentionBackendSpec) -> Availability:
+    """The spec's availability probe; a probe that raises (or exits) or answers something other
+    than an Availability makes its backend unavailable, with that as the reason."""
+    try:
+        probe = spec.availability()
+    except PluginFault as exc:
+        return Availability.no(f"availability probe raised {type(exc).__name__}: {exc}")
+    if not isinstance(probe, Availability):
+        return Availability.no(f"availability probe returned {probe!r:.80}, not an Availability")
+    return probe
 
 
 def _candidate_reasons(entry: Registered, req: AttentionRequirements) -> tuple[list[str], type[AttentionBackend] | None]:
@@ -44,11 +61,17 @@ def _candidate_reasons(entry: Registered, req: AttentionRequirements) -> tuple[l
         return reasons, None
     try:
         backend = resolve_factory(spec.factory)
-    except Exception as exc:  # an import error of a backend module is a reason, not a crash
+    except PluginFault as exc:  # an import error of a backend module is a reason, not a crash
         return [f"failed to import {spec.factory}: {type(exc).__name__}: {exc}"], None
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
         return [f"{spec.factory} is not an AttentionBackend subclass"], None
-    return backend.validate(req), backend
+    try:
+        reasons = backend.validate(req)
+    except PluginFault as exc:
+        return [f"validate() raised {type(exc).__name__}: {exc}"], None
+    if not (isinstance(reasons, list) and all(isinstance(r, str) for r in reasons)):
+        return [f"validate() returned {reasons!r:.80}, not a list of reasons"], None
+    return reasons, backend
 
 
 def _format_rejections(rejected: dict[str, list[str]]) -> list[str]:

@@ -2,13 +2,16 @@
 
 A factory is either the class itself or a lazy "module:attribute" string, so listing plugins
 never imports kernels. Capabilities and availability probes are cheap and live in the record.
+Each record checks its fields' types when built, so a plugin's mistake fails inside its own hook
+(and is recorded against it) instead of in a listing or a selection that every plugin shares.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from jackfield.contracts.attention import AttentionCapabilities, Availability
 
@@ -32,8 +35,39 @@ def _always_available() -> Availability:
     return Availability.yes()
 
 
+def _check_fields(spec: object) -> None:
+    """TypeError naming every field of `spec` whose value has the wrong type."""
+    problems = []
+    for field in fields(spec):  # type: ignore[arg-type]
+        value = getattr(spec, field.name)
+        if field.name == "name" and not (isinstance(value, str) and value):
+            problems.append(f"name must be a non-empty string, got {value!r}")
+        elif field.name == "replaces" and not isinstance(value, str | None):
+            problems.append(f"replaces must be a string or None, got {value!r}")
+        elif field.name == "description" and not isinstance(value, str):
+            problems.append(f"description must be a string, got {value!r}")
+        elif field.name == "factory" and not (isinstance(value, str) or callable(value)):
+            problems.append(f"factory must be a 'module:Attribute' string or a class, got {value!r}")
+        elif field.name == "capabilities" and not isinstance(value, AttentionCapabilities):
+            problems.append(f"capabilities must be an AttentionCapabilities, got {type(value).__name__}")
+        elif field.name == "availability" and not callable(value):
+            problems.append(f"availability must be a callable probe, got {value!r}")
+        elif field.name == "priority" and not (
+                isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)):
+            problems.append(f"priority must be a finite number, got {value!r}")
+    if problems:
+        raise TypeError(f"{type(spec).__name__}: " + "; ".join(problems))
+
+
+class _CheckedSpec:
+    """Every spec record checks its field types once built (a plugin's bad record fails in its hook)."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
 @dataclass(frozen=True)
-class AttentionBackendSpec:
+class AttentionBackendSpec(_CheckedSpec):
     name: str
     factory: Factory  # -> an AttentionBackend subclass
     capabilities: AttentionCapabilities
@@ -44,7 +78,7 @@ class AttentionBackendSpec:
 
 
 @dataclass(frozen=True)
-class SamplerSpec:
+class SamplerSpec(_CheckedSpec):
     name: str
     factory: Factory  # -> a Sampler subclass (constructed with no arguments)
     replaces: str | None = None
@@ -52,7 +86,7 @@ class SamplerSpec:
 
 
 @dataclass(frozen=True)
-class DrafterSpec:
+class DrafterSpec(_CheckedSpec):
     name: str
     factory: Factory  # -> a Drafter subclass
     replaces: str | None = None
@@ -60,7 +94,7 @@ class DrafterSpec:
 
 
 @dataclass(frozen=True)
-class KVConnectorSpec:
+class KVConnectorSpec(_CheckedSpec):
     name: str
     factory: Factory  # -> a callable returning (KVConnectorScheduler, KVConnectorWorker) parts
     replaces: str | None = None
@@ -68,7 +102,7 @@ class KVConnectorSpec:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(_CheckedSpec):
     name: str  # a Hugging Face `architectures` entry, e.g. "DeepseekV3ForCausalLM"
     factory: Factory  # -> a model class built from a transformers config
     replaces: str | None = None
@@ -76,3 +110,9 @@ class ModelSpec:
 
 
 AnySpec = AttentionBackendSpec | SamplerSpec | DrafterSpec | KVConnectorSpec | ModelSpec
+
+# The record each kind's hook returns (hookspecs.HOOK_KINDS names the kinds).
+SPEC_TYPES: dict[str, type] = {
+    "attention": AttentionBackendSpec, "sampler": SamplerSpec, "drafter": DrafterSpec,
+    "kv_connector": KVConnectorSpec, "model": ModelSpec,
+}

@@ -94,7 +94,7 @@ def test_bad_requests_fail_with_clear_errors(llm: LLM) -> None:
 
 
 def test_bad_engine_configs_fail_before_loading(v3_dir) -> None:
-    with pytest.raises(ConfigError, match="no config section"):
+    with pytest.raises(ConfigError, match="matches no config field"):
         LLM(v3_dir, not_a_field=1)
     with pytest.raises(ConfigError, match="speculative decoding"):
         LLM(v3_dir, method="ngram", num_speculative_tokens=2)

@@ -16,10 +16,10 @@ from transformers import DeepseekV32Config
 PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 14, 6, 19], [90, 1, 56, 23, 8, 47, 11]]
 
 
-def build(tmp_path: Path, index_topk: int) -> tuple[torch.nn.Module, DeepseekV32ForCausalLM]:
-    """transformers' V3.2 and Jackfield's, from one saved checkpoint."""
+def build(tmp_path: Path, index_topk: int, **changes: object) -> tuple[torch.nn.Module, DeepseekV32ForCausalLM]:
+    """transformers' V3.2 and Jackfield's, from one saved checkpoint (`changes`: config fields)."""
     path = tmp_path / f"v32_{index_topk}"
-    hf_model = write_deepseek_v32(path, index_topk)
+    hf_model = write_deepseek_v32(path, index_topk, **changes)
     ours = DeepseekV32ForCausalLM.from_pretrained(path, read_hf_config(path), TORCH_REF, torch.float32, "cpu")
     return hf_model, ours
 
@@ -33,6 +33,32 @@ def test_logits_and_greedy_tokens_match_transformers(index_topk: int, tmp_path: 
         want_tokens, want_logits = greedy_reference(hf_model, prompt, max_new)
         torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
         assert got_tokens == want_tokens
+
+
+def test_mlp_layer_types_win_over_first_k_dense_replace(tmp_path: Path) -> None:
+    """transformers builds V3.2's layers from mlp_layer_types when config.json has it; here it
+    disagrees with first_k_dense_replace=1 (MoE first, dense second), and the logits still match."""
+    hf_model, ours = build(tmp_path, 4, mlp_layer_types=["sparse", "dense"])
+    assert [type(layer.mlp).__name__ for layer in hf_model.model.layers] == ["DeepseekV32MoE", "DeepseekV32MLP"]
+    assert deepseek_arch(read_hf_config(tmp_path / "v32_4")).mlp_layer_types == ("sparse", "dense")
+    tokens, logits = generate(ours, PROMPTS, 3, block_size=4, prefill_chunk=6)
+    for prompt, got_tokens, got_logits in zip(PROMPTS, tokens, logits, strict=True):
+        want_tokens, want_logits = greedy_reference(hf_model, prompt, 3)
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+        assert got_tokens == want_tokens
+
+
+@pytest.mark.parametrize("types", [["sparse"], ["sparse", "moe"]], ids=["too_short", "unknown_type"])
+def test_malformed_mlp_layer_types_are_refused(tmp_path: Path, types: list[str]) -> None:
+    import json
+
+    config = DeepseekV32Config(**DEEPSEEK_V32, index_topk=4)
+    config.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "mlp_layer_types": types}))
+    # transformers' own validator refuses it when reading config.json (older ones: deepseek_arch)
+    with pytest.raises(ValueError, match=r"(?s)config\.json: .*mlp_layer_types|mlp_layer_types must list"):
+        deepseek_arch(read_hf_config(tmp_path))
 
 
 def test_sparse_selection_changes_the_answer(tmp_path: Path) -> None:

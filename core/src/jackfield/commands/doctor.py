@@ -7,8 +7,9 @@ import argparse
 from collections.abc import Mapping
 
 from jackfield.config import JackfieldConfig, load_config, unsupported_features
+from jackfield.model_files import read_config_json
 from jackfield.plugins import Registry, get_registry
-from jackfield.requirements import attention_requirements, read_config_json
+from jackfield.requirements import attention_requirements
 from jackfield.selection import SelectionError, resolve_attention, select_attention_backend
 
 USER_ERROR_EXIT = 2
@@ -75,7 +76,7 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
 
 
 def main(args: argparse.Namespace) -> int:
-    overrides = {"model.path": args.model} if args.model else {}
+    overrides = {"model.path": args.model} if args.model is not None else {}
     config = load_config(args.config, overrides)
     resolved, problems = diagnose(config, get_registry())
     if problems:

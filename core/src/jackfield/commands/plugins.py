@@ -20,6 +20,7 @@ import torch
 
 from jackfield import __version__
 from jackfield.plugins import API_VERSION, Registered, Registry, get_registry
+from jackfield.selection import run_probe
 from jackfield.specs import AttentionBackendSpec
 
 SCHEMA_VERSION = 1
@@ -35,19 +36,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _jsonable(value: object) -> object:
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
-    if isinstance(value, tuple | list):
+    if isinstance(value, tuple | list | set | frozenset):
         return [_jsonable(v) for v in value]
-    return value
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return repr(value)  # a plugin's own value type still lists, as text
 
 
 def _attention_row(entry: Registered) -> dict[str, object]:
     spec = entry.spec
     assert isinstance(spec, AttentionBackendSpec)
-    try:
-        probe = spec.availability()
-        available, reason = probe.ok, probe.reason
-    except Exception as exc:  # a crashing probe is "unavailable", with the crash as the reason
-        available, reason = False, f"availability probe raised {type(exc).__name__}: {exc}"
+    probe = run_probe(spec)  # a crashing probe is "unavailable", with the crash as the reason
+    available, reason = probe.ok is True, str(probe.reason)
     caps = {f.name: _jsonable(getattr(spec.capabilities, f.name)) for f in dataclasses.fields(spec.capabilities)}
     return {
         "name": spec.name,

@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)  # before loading
     overrides: dict[str, object] = {}
-    if args.attention_backend:
+    if args.attention_backend is not None:
         overrides["attention.backend"] = args.attention_backend
     say, close = _stage_bar()
     try:

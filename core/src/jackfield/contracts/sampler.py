@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,36 +35,95 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        errors = []
-        if not (0.0 <= self.temperature < math.inf):
-            errors.append(f"temperature must be finite and >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            errors.append(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            errors.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            errors.append(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            errors.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            errors.append(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            errors.append(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.logit_bias is not None:
-            if any(int(t) < 0 for t in self.logit_bias):
-                errors.append("logit_bias token ids must be >= 0")
-            if not all(math.isfinite(float(b)) for b in self.logit_bias.values()):
-                errors.append("logit_bias values must be finite")
-        if self.allowed_token_ids is not None:
-            if len(self.allowed_token_ids) == 0:
-                errors.append("allowed_token_ids must name at least one token (None: all allowed)")
-            if any(int(t) < 0 for t in self.allowed_token_ids):
-                errors.append("allowed_token_ids must be >= 0")
+        """Strict types (True is not an int, 2.5 is not an integer, floats are finite), then ranges;
+        every problem at once, each naming its field. Values are stored as plain int/float/tuple."""
+        errors: list[str] = []
+        temperature, top_p, min_p = (self._number(name, errors) for name in ("temperature", "top_p", "min_p"))
+        top_k, max_tokens = self._integer("top_k", errors), self._integer("max_tokens", errors)
+        seed = self._integer("seed", errors, optional=True)
+        logprobs = self._integer("logprobs", errors, optional=True)
+        self._token_ids("stop_token_ids", errors)
+        allowed = self._token_ids("allowed_token_ids", errors, optional=True)
+        if not isinstance(self.ignore_eos, bool):
+            errors.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self._logit_bias(errors)
+        checks = [
+            (temperature is None or temperature >= 0.0, f"temperature must be >= 0, got {temperature}"),
+            (top_k is None or top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {top_k}"),
+            (top_p is None or 0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}"),
+            (min_p is None or 0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}"),
+            (max_tokens is None or max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
+            (logprobs is None or logprobs >= 0, f"logprobs must be >= 0, got {logprobs}"),
+            (seed is None or 0 <= seed < 2**63, f"seed must be in [0, 2**63), got {seed}"),
+            (allowed is None or len(allowed) > 0,
+             "allowed_token_ids must name at least one token (None: all allowed)"),
+        ]
+        errors += [message for ok, message in checks if not ok]
         if errors:
             raise ValueError("invalid SamplingParams: " + "; ".join(errors))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.allowed_token_ids is not None:
-            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+
+    def _number(self, name: str, errors: list[str]) -> float | None:
+        value = getattr(self, name)
+        if not _is_real(value) or not math.isfinite(value):
+            errors.append(f"{name} must be a finite number, got {value!r}")
+            return None
+        object.__setattr__(self, name, float(value))
+        return float(value)
+
+    def _integer(self, name: str, errors: list[str], optional: bool = False) -> int | None:
+        value = getattr(self, name)
+        if value is None and optional:
+            return None
+        if not _is_integer(value):
+            errors.append(f"{name} must be an integer{' or None' if optional else ''}, got {value!r}")
+            return None
+        object.__setattr__(self, name, int(value))
+        return int(value)
+
+    def _token_ids(self, name: str, errors: list[str], optional: bool = False) -> tuple[int, ...] | None:
+        value = getattr(self, name)
+        if value is None and optional:
+            return None
+        if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+            errors.append(f"{name} must be a sequence of token ids, got {value!r}")
+            return None
+        items = tuple(value)
+        bad = [t for t in items if not _is_integer(t) or t < 0]
+        if bad:
+            errors.append(f"{name} must hold token ids (integers >= 0), got {bad[:8]!r}")
+            return None
+        object.__setattr__(self, name, tuple(int(t) for t in items))
+        return getattr(self, name)
+
+    def _logit_bias(self, errors: list[str]) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, Mapping):
+            errors.append(f"logit_bias must be a mapping {{token id: bias}}, got {bias!r}")
+            return
+        bad_ids = [t for t in bias if not _is_integer(t) or t < 0]
+        # The bias is added to float32 logits: a value float32 cannot hold would become inf there.
+        bad_values = [v for v in bias.values() if not _is_real(v) or not abs(v) <= FLOAT32_MAX]
+        if bad_ids:
+            errors.append(f"logit_bias keys must be token ids (integers >= 0), got {bad_ids[:8]!r}")
+        if bad_values:
+            errors.append("logit_bias values must be finite numbers within float32 "
+                          f"(|bias| <= {FLOAT32_MAX:.4g}), got {bad_values[:8]!r}")
+        if not bad_ids and not bad_values:
+            object.__setattr__(self, "logit_bias", {int(t): float(v) for t, v in bias.items()})
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _is_integer(value: object) -> bool:
+    """An int (numpy's too), never a bool and never a float that happens to be whole."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

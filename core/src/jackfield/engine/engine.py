@@ -9,6 +9,7 @@ connector loads/saves and tensor parallelism enter at those points, nowhere else
 
 from __future__ import annotations
 
+import numbers
 import random
 import time
 from collections.abc import Callable
@@ -103,8 +104,13 @@ class Engine:
     def check_request(self, token_ids: list[int], params: SamplingParams, pooling: str | None = None) -> None:
         """Every reason a request cannot run, raised before it touches the engine's state."""
         vocab, engine = self.capabilities.vocab_size, self.config.engine
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if not token_ids:
             raise ValueError("empty prompt")
+        not_ints = [t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if not_ints:
+            raise ValueError(f"prompt token ids must be integers, got {not_ints[:8]!r}")
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")

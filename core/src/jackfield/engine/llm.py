@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -75,11 +75,19 @@ class LLM:
         return seqs
 
     def _encode(self, prompt: Prompt) -> list[int]:
+        """Text through the tokenizer; token ids as given (Engine.check_request checks them)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.engine.model_dir} has no tokenizer: give prompts as lists of token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8 (argv, files)
+                raise ValueError(f"prompt {prompt[:40]!r} is not valid UTF-8 text "
+                                 f"(at character {exc.start})") from None
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return [int(t) for t in prompt]
+        if isinstance(prompt, bytes | Mapping) or not isinstance(prompt, Iterable):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         assert seq.first_token_time is not None and seq.finish_time is not None and seq.finish_reason

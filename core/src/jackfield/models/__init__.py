@@ -8,6 +8,7 @@ import torch
 
 from jackfield.contracts.attention import AttentionBackends, KVCacheDType
 from jackfield.contracts.model import ModelFamily
+from jackfield.model_files import ModelFileError
 from jackfield.models.hf_config import architecture_of, read_hf_config
 from jackfield.plugins import get_registry
 from jackfield.specs import resolve_factory
@@ -27,5 +28,8 @@ def load_model(model_dir: str | Path, backends: AttentionBackends, dtype: torch.
                kv_cache_dtype: KVCacheDType = "auto") -> ModelFamily:
     """Build the registered family for `model_dir`'s architecture and load its weights."""
     hf_config = read_hf_config(model_dir)
-    cls = model_class(architecture_of(hf_config))
+    try:
+        cls = model_class(architecture_of(hf_config))
+    except (KeyError, ValueError) as exc:  # a miss in the registry, or not exactly one architecture
+        raise ModelFileError(f"{Path(model_dir) / 'config.json'}: architectures: {exc.args[0]}") from None
     return cls.from_pretrained(model_dir, hf_config, backends, dtype, device, kv_cache_dtype)

@@ -15,16 +15,23 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from jackfield.model_files import ModelFileError, read_config_json
+
 # RoPE types whose frequencies do not depend on the sequence length (those we can precompute).
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 def read_hf_config(model_dir: str | Path) -> PretrainedConfig:
-    """AutoConfig on a local directory only: Jackfield never downloads."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json (expected a local Hugging Face model directory)")
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    """AutoConfig on a local directory only: Jackfield never downloads and never runs model code
+    (the folder is checked for `auto_map` first, and transformers is told not to trust it)."""
+    read_config_json(model_dir)  # a missing file, bad JSON, bad sizes or auto_map: named errors
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    # transformers (and huggingface_hub's strict dataclasses under it) raise assorted exception types
+    # for field values they reject; the file is the user's input, so each is reported against it.
+    except Exception as exc:
+        raise ModelFileError(f"{Path(model_dir) / 'config.json'}: transformers cannot read it: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def architecture_of(hf_config: PretrainedConfig) -> str:
@@ -113,9 +120,16 @@ class DeepseekArch:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # V3.2's per-layer "dense" / "sparse" (MoE) list; transformers builds the layers from it when
+    # config.json has it (over first_k_dense_replace), and V2/V3 never read it. None: not V3.2.
+    mlp_layer_types: tuple[str, ...] | None = None
 
     def is_moe_layer(self, index: int) -> bool:
-        return self.n_routed_experts is not None and index >= self.first_k_dense_replace
+        if self.n_routed_experts is None:
+            return False
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[index] == "sparse"
+        return index >= self.first_k_dense_replace
 
 
 def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
@@ -144,11 +158,17 @@ def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
         problems.append(f"index_head_dim {index[1]} is smaller than qk_rope_head_dim {c.qk_rope_head_dim}")
     if v32 and c.q_lora_rank is None:
         problems.append("the indexer reads the q latent: q_lora_rank must be set")
+    # transformers' V3.2 config fills mlp_layer_types from first_k_dense_replace when it is absent.
+    mlp_layer_types = tuple(getattr(c, "mlp_layer_types", None) or ()) if v32 else None
+    if v32 and (len(mlp_layer_types or ()) != c.num_hidden_layers
+                or not set(mlp_layer_types or ()) <= {"dense", "sparse"}):
+        problems.append(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {c.num_hidden_layers} "
+                        f"layers, got {list(mlp_layer_types or ())}")
     non_causal = getattr(c, "is_causal", True) is False
     if non_causal and v32:
         problems.append("is_causal=false with the sparse indexer")
     if problems:
-        raise ValueError(f"{arch}: unsupported settings: " + "; ".join(problems))
+        raise ValueError(f"config.json ({arch}): unsupported settings: " + "; ".join(problems))
     qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
     n_group = int(getattr(c, "n_group", None) or 1)
     return DeepseekArch(
@@ -185,6 +205,7 @@ def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
         index_n_heads=index[0],
         index_head_dim=index[1],
         index_topk=index[2],
+        mlp_layer_types=mlp_layer_types,
     )
 
 
@@ -283,7 +304,7 @@ def granite_arch(hf_config: PretrainedConfig) -> GraniteArch:
     if getattr(c, "quantization_config", None):
         problems.append("quantized checkpoints (quantization_config)")
     if problems:
-        raise ValueError(f"{arch}: unsupported settings: " + "; ".join(problems))
+        raise ValueError(f"config.json ({arch}): unsupported settings: " + "; ".join(problems))
     pattern = layer_attention(c.to_dict())
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     granite = arch != "LlamaForCausalLM"

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from jackfield.model_files import ModelFileError
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,24 @@ class WeightMapper:
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+        pickles = sorted(p.name for p in Path(model_dir).glob("*.bin"))
+        # Loading a pickle runs code from the file: Jackfield reads safetensors only.
+        hint = (f"; {', '.join(pickles[:3])} are PyTorch pickles, which Jackfield does not load (they can "
+                "run code): convert them to safetensors") if pickles else ""
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files{hint}")
     return files
 
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the folder's safetensors; a truncated or foreign file is a
+    ModelFileError naming it."""
     for file in checkpoint_files(model_dir):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise ModelFileError(f"{file}: not a readable safetensors file: {exc}") from exc
 
 
 def load_weights(

@@ -10,12 +10,15 @@ from jackfield.contracts.sampler import SamplingMetadata, SamplingParams
 
 
 def check_named_tokens(params: SamplingParams, vocab: int) -> None:
-    """logit_bias / allowed_token_ids must name tokens of the vocabulary [0, vocab)."""
-    for t in (*(params.logit_bias or {}), *(params.allowed_token_ids or ())):
-        if int(t) >= vocab:
-            raise ValueError(
-                f"token id {t} in logit_bias/allowed_token_ids is outside the vocabulary [0, {vocab})"
-            )
+    """logit_bias, allowed_token_ids and stop_token_ids must name tokens of the vocabulary [0, vocab)."""
+    fields = {"logit_bias": tuple(params.logit_bias or ()),
+              "allowed_token_ids": params.allowed_token_ids or (),
+              "stop_token_ids": params.stop_token_ids}
+    for name, token_ids in fields.items():
+        outside = [t for t in token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"SamplingParams.{name}: token ids {outside[:8]} are outside the "
+                             f"vocabulary [0, {vocab})")
 
 
 def bias_and_mask_from_params(

@@ -127,8 +127,9 @@ def write_deepseek(variant: str, directory: Path, seed: int = 0, **config: objec
     )
 
 
-def write_deepseek_v32(directory: Path, index_topk: int, seed: int = 0) -> PreTrainedModel:
-    config = DeepseekV32Config(**DEEPSEEK_V32, index_topk=index_topk)
+def write_deepseek_v32(directory: Path, index_topk: int, seed: int = 0, **config: object) -> PreTrainedModel:
+    """A DeepSeek-V3.2 model; `config` overrides DEEPSEEK_V32's entries."""
+    config = DeepseekV32Config(**{**DEEPSEEK_V32, **config}, index_topk=index_topk)
     return write_model(DeepseekV32ForCausalLM, config, directory, DEEPSEEK_CONSTANTS, seed)
 
 
