@@ -7,15 +7,19 @@ and computes the RoPE frequencies and the attention softmax scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from jackfield.model_files import ModelFileError, read_config_json
+
+ArchT = TypeVar("ArchT")
 
 # RoPE types whose frequencies do not depend on the sequence length (those we can precompute).
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -132,6 +136,15 @@ class DeepseekArch:
         return index >= self.first_k_dense_replace
 
 
+def _finite(arch_record: ArchT, arch: str) -> ArchT:
+    """The record, once every float in it is finite (a NaN scale would only show as NaN logits)."""
+    values = {f.name: getattr(arch_record, f.name) for f in dataclasses.fields(arch_record)}  # type: ignore[arg-type]
+    bad = [f"{name} {v!r}" for name, v in values.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"config.json ({arch}): values must be finite: " + "; ".join(bad))
+    return arch_record
+
+
 def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
     arch = architecture_of(hf_config)
     v32 = arch == "DeepseekV32ForCausalLM"
@@ -171,7 +184,7 @@ def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
         raise ValueError(f"config.json ({arch}): unsupported settings: " + "; ".join(problems))
     qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
     n_group = int(getattr(c, "n_group", None) or 1)
-    return DeepseekArch(
+    return _finite(DeepseekArch(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -206,7 +219,7 @@ def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
         index_head_dim=index[1],
         index_topk=index[2],
         mlp_layer_types=mlp_layer_types,
-    )
+    ), arch)
 
 
 # --- Llama / Granite / Granite SWA / Granite MoE -------------------------------------------------
@@ -313,7 +326,7 @@ def granite_arch(hf_config: PretrainedConfig) -> GraniteArch:
     if len(thetas) != c.num_hidden_layers:
         raise ValueError(f"layer_rope_theta has {len(thetas)} entries for {c.num_hidden_layers} layers")
     moe = "Moe" in arch
-    return GraniteArch(
+    return _finite(GraniteArch(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -334,4 +347,4 @@ def granite_arch(hf_config: PretrainedConfig) -> GraniteArch:
         num_experts=int(c.num_local_experts) if moe else 0,
         num_experts_per_tok=int(c.num_experts_per_tok) if moe else 0,
         shared_intermediate_size=int(getattr(c, "shared_intermediate_size", 0) or 0) if moe else 0,
-    )
+    ), arch)
