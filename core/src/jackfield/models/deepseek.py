@@ -16,10 +16,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
-from jackfield.contracts.model import ModelCapabilities, ModelFamily
+from jackfield.contracts.model import ModelCapabilities
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import DeepseekArch, deepseek_arch, rope_inv_freq
-from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
+from jackfield.models.layers import DecoderStack, GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
 from jackfield.models.moe import DeepseekMoE, grouped_mm_supported
 from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
 
@@ -164,7 +164,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekForCausalLM(ModelFamily):
+class DeepseekForCausalLM(DecoderStack):
     """Built from the transformers config; `from_pretrained` loads a local checkpoint directory."""
 
     def __init__(self, hf_config: PretrainedConfig, backends: AttentionBackends, dtype: torch.dtype,
@@ -232,16 +232,6 @@ class DeepseekForCausalLM(ModelFamily):
 
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.model.layers[i].before_attention(x, positions, self.rope)
-
-    def attend(self, i: int, step: StepContext, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self.model.layers[i].self_attn.attend(step, *inputs)
-
-    def after_attention(self, i: int, x: torch.Tensor, attn_out: torch.Tensor,
-                        output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.layers[i].after_attention(x, attn_out, output_rows)
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight

@@ -20,10 +20,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
-from jackfield.contracts.model import ModelCapabilities, ModelFamily
+from jackfield.contracts.model import ModelCapabilities
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
-from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
+from jackfield.models.layers import DecoderStack, GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
 from jackfield.models.moe import Experts
 from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
 
@@ -151,7 +151,7 @@ class DecoderLayer(nn.Module):
         return x + self._mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
 
 
-class GraniteForCausalLM(ModelFamily):
+class GraniteForCausalLM(DecoderStack):
     """Serves every architecture `granite_arch` accepts; `from_pretrained` loads a local checkpoint."""
 
     def __init__(
@@ -236,16 +236,6 @@ class GraniteForCausalLM(ModelFamily):
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layer, rope = self.model.layers[i], self.rope_of_layer[i]
         return layer.self_attn.project(layer.input_layernorm(x), positions, None if rope is None else self.ropes[rope])
-
-    def attend(self, i: int, step: StepContext, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self.model.layers[i].self_attn.attend(step, *inputs)
-
-    def after_attention(self, i: int, x: torch.Tensor, attn_out: torch.Tensor,
-                        output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.layers[i].after_attention(x, attn_out, output_rows)
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight

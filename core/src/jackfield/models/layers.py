@@ -1,4 +1,5 @@
-"""Building blocks shared by model families: linear, RMSNorm, RoPE, gated MLP.
+"""Building blocks shared by model families: linear, RMSNorm, RoPE, gated MLP, and the pieces
+of a decoder laid out as transformers' *ForCausalLM.
 
 Parameters are created empty (the checkpoint loader writes every one of them and checks it).
 """
@@ -8,6 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from jackfield.contracts.attention import StepContext
+from jackfield.contracts.model import ModelFamily
 
 
 class Linear(nn.Module):
@@ -91,3 +95,20 @@ class RotaryEmbedding(nn.Module):
             self._positions = positions
             self._rows = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
         return self._rows
+
+
+class DecoderStack(ModelFamily):
+    """The pieces every family shares when laid out as transformers' *ForCausalLM: `model.layers[i]`
+    has `self_attn.attend(step, *inputs)` and `after_attention(x, attn_out, rows)`; `model.norm`."""
+
+    model: nn.Module
+
+    def attend(self, i: int, step: StepContext, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.model.layers[i].self_attn.attend(step, *inputs)
+
+    def after_attention(self, i: int, x: torch.Tensor, attn_out: torch.Tensor,
+                        output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.layers[i].after_attention(x, attn_out, output_rows)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
