@@ -19,6 +19,12 @@ from jackfield.testing.pytest_plugin import GPU_SKIP_REASON
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist the workers share the cores: with more threads than cores in all, OpenMP
+# threads spin in one worker while another waits for the core (measured: 2-3x the CPU time).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
 # The only reasons a test may skip for: hardware that CI's machine lacks. A reason is allowed
 # when it is one of these or starts with one and a colon (the detail follows).
 HARDWARE_SKIP_REASONS = (
