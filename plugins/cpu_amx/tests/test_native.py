@@ -100,7 +100,9 @@ def reference(problem: Problem, group: RequestGroup) -> tuple[torch.Tensor, torc
 def run_kernel(
     kernel: NativeKernel, problem: Problem, group: RequestGroup, num_threads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs poisoned with NaN first: every row must be written."""
+    """Outputs poisoned with NaN first: every row must be written. The splits are laid out for
+    `num_threads`; the kernel runs on up to 2 OpenMP threads (it takes torch's thread count),
+    so that its items are shared between threads even where the test process has one."""
     lay = problem.layer
     tables = group.decode_tables
     assert tables is not None
@@ -109,7 +111,12 @@ def run_kernel(
         (problem.query.shape[0], lay.num_heads, lay.kv_lora_rank), math.nan, dtype=torch.bfloat16
     )
     lse = torch.full(problem.query.shape[:2], math.nan)
-    kernel.decode(problem.query, problem.kv_cache, tables, layout, lay.scale, out, lse)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(min(num_threads, 2))
+    try:
+        kernel.decode(problem.query, problem.kv_cache, tables, layout, lay.scale, out, lse)
+    finally:
+        torch.set_num_threads(threads_before)
     return out, lse
 
 
