@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: set up .venv (core + every plugin), then run or test.
 #   bash scripts/dev.sh run  [jackfield run arguments...]
-#   bash scripts/dev.sh test [pytest arguments...]
+#   bash scripts/dev.sh test [pytest arguments...]   ruff check, then pytest on 2 workers (-n 0: one)
 # JACKFIELD_TORCH overrides the torch requirement installed first (default: the local CPU wheel
 # pin below; the packages themselves accept any torch>=2.4).
 set -euo pipefail
@@ -22,6 +22,9 @@ done
 
 case "$cmd" in
     run) exec .venv/bin/jackfield run "$@" ;;
-    test) exec .venv/bin/python -m pytest "$@" ;;
+    test)
+        .venv/bin/ruff check .
+        # Two workers (pytest-xdist): CI's machine has 2 cores; a later -n in "$@" overrides.
+        exec .venv/bin/python -m pytest -n 2 "$@" ;;
     *) echo "usage: scripts/dev.sh run|test [args...]" >&2; exit 2 ;;
 esac

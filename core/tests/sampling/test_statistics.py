@@ -8,8 +8,6 @@ import pytest
 import torch
 from jackfield.sampling import sample
 
-CUDA = torch.cuda.is_available()
-
 
 def draws(
     logits_row: torch.Tensor, n: int, temperature: float = 1.0, impl: str = "torch", **filters

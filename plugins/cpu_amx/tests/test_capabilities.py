@@ -82,7 +82,8 @@ def test_plugin_registers_cpu_amx_with_its_path_in_the_reason() -> None:
 
 
 @pytest.mark.skipif(
-    not capabilities.is_amx_bmm_enabled(), reason="needs a CPU with AMX-BF16 (the GPU machine's Xeon)"
+    not capabilities.is_amx_bmm_enabled(),
+    reason="needs AMX hardware: AMX-BF16 granted by the OS (the GPU machine's Xeon)",
 )
 def test_bf16_bmm_runs_on_onednn_amx_kernels() -> None:
     """On an AMX host the bf16 products this backend issues reach oneDNN's AMX kernels."""

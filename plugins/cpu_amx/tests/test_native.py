@@ -1,7 +1,8 @@
 """The native decode kernel (native/mla_decode.c) against a float64 reference.
 
-On any AVX-512-BF16 CPU through its emulated-tile build (the same source, the four tile
-operations as C loops), on an AMX host through the AMX build too.
+On any CPU through its portable build (the same source, the tile operations and the AVX-512
+intrinsics in plain C), whose outputs equal the AVX-512 build's bit for bit (checked where the CPU
+has AVX-512-BF16); on an AMX host through the AMX build too.
 
 Tolerance, from the kernel's arithmetic: scores are float32 sums of exact bf16 x bf16 products
 (relative error ~1e-6, so the LSE is held to 1e-4); the probabilities P are rounded to bf16 before
@@ -39,21 +40,26 @@ from jackfield_cpu_amx.testing import Problem, make_problem, reference_attend
 
 MISSING_AVX512 = [flag for flag in AVX512_FLAGS if flag not in read_cpu_flags()]
 needs_avx512_bf16 = pytest.mark.skipif(
-    bool(MISSING_AVX512), reason=f"the kernel's AVX-512 code needs {', '.join(MISSING_AVX512)}"
+    bool(MISSING_AVX512), reason=f"needs AVX-512-BF16 hardware: this CPU lacks {', '.join(MISSING_AVX512)}"
 )
 needs_amx = pytest.mark.skipif(
-    not is_amx_bmm_enabled(), reason="needs a CPU with AMX-BF16 granted by the OS (the GPU machine's Xeon)"
+    not is_amx_bmm_enabled(), reason="needs AMX hardware: AMX-BF16 granted by the OS (the GPU machine's Xeon)"
 )
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory: pytest.TempPathFactory) -> NativeKernel:
-    return NativeKernel.build(emulate_tiles=True, cache=tmp_path_factory.mktemp("native_cache"))
+def portable(tmp_path_factory: pytest.TempPathFactory) -> NativeKernel:
+    return NativeKernel.build("portable", cache=tmp_path_factory.mktemp("native_cache"))
+
+
+@pytest.fixture(scope="module")
+def emulated_tiles(tmp_path_factory: pytest.TempPathFactory) -> NativeKernel:
+    return NativeKernel.build("emulated_tiles", cache=tmp_path_factory.mktemp("native_cache"))
 
 
 @pytest.fixture(scope="module")
 def amx(tmp_path_factory: pytest.TempPathFactory) -> NativeKernel:
-    return NativeKernel.build(emulate_tiles=False, cache=tmp_path_factory.mktemp("native_cache"))
+    return NativeKernel.build("amx", cache=tmp_path_factory.mktemp("native_cache"))
 
 
 def poison_unowned_slots(problem: Problem) -> None:
@@ -94,7 +100,9 @@ def reference(problem: Problem, group: RequestGroup) -> tuple[torch.Tensor, torc
 def run_kernel(
     kernel: NativeKernel, problem: Problem, group: RequestGroup, num_threads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs poisoned with NaN first: every row must be written."""
+    """Outputs poisoned with NaN first: every row must be written. The splits are laid out for
+    `num_threads`; the kernel runs on up to 2 OpenMP threads (it takes torch's thread count),
+    so that its items are shared between threads even where the test process has one."""
     lay = problem.layer
     tables = group.decode_tables
     assert tables is not None
@@ -103,7 +111,12 @@ def run_kernel(
         (problem.query.shape[0], lay.num_heads, lay.kv_lora_rank), math.nan, dtype=torch.bfloat16
     )
     lse = torch.full(problem.query.shape[:2], math.nan)
-    kernel.decode(problem.query, problem.kv_cache, tables, layout, lay.scale, out, lse)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(min(num_threads, 2))
+    try:
+        kernel.decode(problem.query, problem.kv_cache, tables, layout, lay.scale, out, lse)
+    finally:
+        torch.set_num_threads(threads_before)
     return out, lse
 
 
@@ -118,14 +131,13 @@ def assert_close_to_reference(
     torch.testing.assert_close(lse[~blind].double(), ref_lse[~blind], atol=1e-4, rtol=0)
 
 
-@needs_avx512_bf16
 @pytest.mark.parametrize("kv_lora_rank,rope", [(64, 32), (48, 16)])  # 48: a last half column group
 @pytest.mark.parametrize("num_heads", [16, 20])  # 20: the last 16-row group padded
 @pytest.mark.parametrize("q_len,causal", [(1, True), (2, True), (4, True), (3, False)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_threads", [1, 64])  # 64: several splits per request, merged
-def test_emulated_kernel_matches_float64(
-    emulated: NativeKernel,
+def test_portable_kernel_matches_float64(
+    portable: NativeKernel,
     kv_lora_rank: int,
     rope: int,
     num_heads: int,
@@ -144,16 +156,45 @@ def test_emulated_kernel_matches_float64(
     )
     poison_unowned_slots(problem)
     group = only_group(problem)
-    out, lse = run_kernel(emulated, problem, group, num_threads)
+    out, lse = run_kernel(portable, problem, group, num_threads)
     assert_close_to_reference(out, lse, *reference(problem, group), problem.kv_cache.nan_to_num())
 
 
 @needs_avx512_bf16
+@pytest.mark.parametrize(
+    "kv_lora_rank,rope,num_heads,q_len,block_size",
+    [(64, 32, 16, 1, 16), (48, 16, 20, 3, 32), (512, 64, 16, 2, 64), (512, 64, 128, 1, 64)],
+)
+@pytest.mark.parametrize("num_threads", [1, 64])
+def test_portable_build_equals_the_avx512_build_bit_for_bit(
+    portable: NativeKernel,
+    emulated_tiles: NativeKernel,
+    kv_lora_rank: int,
+    rope: int,
+    num_heads: int,
+    q_len: int,
+    block_size: int,
+    num_threads: int,
+) -> None:
+    """portable_simd.h against the instructions it stands in for: the same outputs, bit for bit
+    (the two builds differ only there), on ragged requests with NaN in unowned slots."""
+    layer = mla_layer(num_heads, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope)
+    problem = make_problem(
+        layer, [q_len] * 3, [1, 150, 700], block_size, torch.bfloat16, seed=kv_lora_rank + q_len
+    )
+    poison_unowned_slots(problem)
+    group = only_group(problem)
+    out, lse = run_kernel(portable, problem, group, num_threads)
+    avx512_out, avx512_lse = run_kernel(emulated_tiles, problem, group, num_threads)
+    assert torch.equal(out.view(torch.int16), avx512_out.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), avx512_lse.view(torch.int32))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_backend_decodes_through_the_kernel_and_prefills_without(
-    emulated: NativeKernel, causal: bool
+    portable: NativeKernel, causal: bool
 ) -> None:
-    """The impl given the (emulated) kernel: decode groups go to it with the step's tables, the
+    """The impl given the (portable) kernel: decode groups go to it with the step's tables, the
     prefill group to the flash kernel; the whole batch matches the float64 reference."""
     problem = make_problem(
         mla_layer(16, qk_rope_head_dim=32),
@@ -166,9 +207,9 @@ def test_backend_decodes_through_the_kernel_and_prefills_without(
         seed=4,
     )
     poison_unowned_slots(problem)
-    impl = CpuAmxMLAImpl(problem.layer, path="amx_bf16", native_kernel=emulated)
+    impl = CpuAmxMLAImpl(problem.layer, path="amx_bf16", native_kernel=portable)
     built = CpuAmxMetadataBuilder(group_keys=1 << 30).build(problem.metadata)
-    with mock.patch.object(emulated, "decode", wraps=emulated.decode) as decode:
+    with mock.patch.object(portable, "decode", wraps=portable.decode) as decode:
         result = impl.attend(problem.query, problem.kv_cache, built, return_lse=True)
     assert [call.args[2].q_len for call in decode.call_args_list] == [1, 3]
     ref_out, ref_lse = reference_attend(problem)
@@ -177,7 +218,6 @@ def test_backend_decodes_through_the_kernel_and_prefills_without(
     torch.testing.assert_close(result.lse.double(), ref_lse, atol=1e-4, rtol=0)
 
 
-@needs_avx512_bf16
 @pytest.mark.parametrize(
     "change,reason",
     [
@@ -190,7 +230,7 @@ def test_backend_decodes_through_the_kernel_and_prefills_without(
     ],
 )
 def test_groups_the_kernel_cannot_take_stay_on_pytorch(
-    emulated: NativeKernel, change: dict, reason: str
+    portable: NativeKernel, change: dict, reason: str
 ) -> None:
     """Each shape outside the kernel's: the reason names it, the kernel is not called, and the
     result still matches the reference (PyTorch path)."""
@@ -200,20 +240,19 @@ def test_groups_the_kernel_cannot_take_stay_on_pytorch(
     )
     dtype = change.get("dtype", torch.bfloat16)
     problem = make_problem(layer, [q_len, q_len], [30, 17], block_size, dtype, seed=6)
-    impl = CpuAmxMLAImpl(layer, path=change.get("path", "amx_bf16"), native_kernel=emulated)
+    impl = CpuAmxMLAImpl(layer, path=change.get("path", "amx_bf16"), native_kernel=portable)
     built = CpuAmxMetadataBuilder().build(problem.metadata)
     (group,) = built.extra[PLANS_KEY][plan_key(built)].groups
     q = problem.query.to(compute_dtype(impl.path, dtype))
     assert reason in (impl.native_unfit_reason(group, q, problem.kv_cache) or "")
-    with mock.patch.object(emulated, "decode", wraps=emulated.decode) as decode:
+    with mock.patch.object(portable, "decode", wraps=portable.decode) as decode:
         result = impl.attend(problem.query, problem.kv_cache, built, return_lse=True)
     assert not decode.called
     ref_out, _ = reference_attend(problem)
     torch.testing.assert_close(result.out.double(), ref_out, atol=3e-2, rtol=3e-2)
 
 
-@needs_avx512_bf16
-def test_kernel_checks_its_arguments(emulated: NativeKernel) -> None:
+def test_kernel_checks_its_arguments(portable: NativeKernel) -> None:
     """Pointers go to C unchecked there: every mismatch is a ValueError here, before the call."""
     problem = make_problem(
         mla_layer(16, kv_lora_rank=64, qk_rope_head_dim=32), [1, 1], [30, 17], 16, torch.bfloat16, seed=2
@@ -245,7 +284,7 @@ def test_kernel_checks_its_arguments(emulated: NativeKernel) -> None:
     }
     for message, (query, kv_cache, lay_out, o, s) in bad_calls.items():
         with pytest.raises(ValueError, match=message):
-            emulated.decode(query, kv_cache, tables, lay_out, lay.scale, o, s)
+            portable.decode(query, kv_cache, tables, lay_out, lay.scale, o, s)
     # Tables the C side would read past or misread: checked before the call too.
     bad_tables = {
         "block_table must be": dataclasses.replace(tables, block_table=tables.block_table.long()),
@@ -253,7 +292,7 @@ def test_kernel_checks_its_arguments(emulated: NativeKernel) -> None:
     }
     for message, other in bad_tables.items():
         with pytest.raises(ValueError, match=message):
-            emulated.decode(q, cache, other, dataclasses.replace(layout, tables=other), lay.scale, out, lse)
+            portable.decode(q, cache, other, dataclasses.replace(layout, tables=other), lay.scale, out, lse)
     # A layout whose splits do not cover the longest request is refused where it is made.
     with pytest.raises(ValueError, match="splits of"):
         dataclasses.replace(layout, num_splits=1, split_keys=64, num_keys=300)
@@ -324,8 +363,7 @@ def test_an_unusable_cache_or_library_keeps_the_pytorch_kernel(
     assert ("NotADirectoryError" if failure == "cache is a file" else "OSError") in kernel
 
 
-@needs_avx512_bf16
-def test_one_openmp_runtime_in_the_process(emulated: NativeKernel) -> None:
+def test_one_openmp_runtime_in_the_process(portable: NativeKernel) -> None:
     """The library's libgomp.so.1 resolved to the copy torch loaded (two runtimes would each
     keep a thread pool)."""
     with open("/proc/self/maps") as f:

@@ -32,6 +32,7 @@ from jackfield.testing.problems import (
     random_kv,
     sparse_topk,
 )
+from jackfield.testing.pytest_plugin import GPU_SKIP_REASON
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class ConformanceHarness:
     def backend(cls) -> type[AttentionBackend]:
         backend = cls.declared_backend()
         if torch.device(cls.device).type == "cuda" and not torch.cuda.is_available():
-            pytest.skip("needs a CUDA GPU")
+            pytest.skip(GPU_SKIP_REASON)
         available = backend.availability()
         if not available.ok:
             pytest.skip(f"{backend.name} unavailable here: {available.reason}")

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+GPU_SKIP_REASON = "needs a CUDA GPU"
 SEED_ENV = "JACKFIELD_TEST_SEED"
 _session_seed = pytest.StashKey[int]()
 _test_seed = pytest.StashKey[int]()
@@ -91,6 +92,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in gpu_items:
         item.add_marker(skip)

@@ -6,8 +6,12 @@ built, and the group fits (`unfit_reason`); otherwise with the PyTorch flash ker
 (kernels.py), and `decode_kernel_name` says why. An A/B of the two in one process passes a
 reason as `CpuAmxMLAImpl(native_kernel=...)`, which keeps that impl on the PyTorch kernels.
 
-The same source built with JF_EMULATE_TILES runs the kernel without AMX (tile operations as C
-loops) for tests on any AVX-512-BF16 CPU; the backend never picks that build itself.
+The backend only ever builds the "amx" flavour. Two more flavours of the same source exist for
+tests, so that the kernel is checked where the instructions are missing: "emulated_tiles" (the
+four tile operations as C loops, the AVX-512 code as in the AMX build; any AVX-512-BF16 CPU)
+and "portable" (also the AVX-512 intrinsics in plain C, from native/portable_simd.h; any CPU
+and C compiler). Their outputs equal each other bit for bit; the AMX tiles' float32 sums may
+round differently.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -23,21 +28,21 @@ from jackfield_cpu_amx.native_build import SOURCE_DIR, NativeBuildError, build_l
 from jackfield_cpu_amx.plan import NATIVE_MAX_Q_LEN, DecodeTables, NativeLayout
 
 SOURCE = SOURCE_DIR / "mla_decode.c"
+PORTABLE_HEADER = SOURCE_DIR / "portable_simd.h"
 # The AVX-512 subsets the source uses besides AMX (every AMX-BF16 CPU has them).
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-COMMON_FLAGS = (
-    "-O3",
-    "-fPIC",
-    "-shared",
-    "-fopenmp",
-    "-std=gnu11",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-)
-AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
-EMULATED_FLAGS = ("-DJF_EMULATE_TILES",)
+
+Flavour = Literal["amx", "emulated_tiles", "portable"]
+# -ffp-contract=off: a * b + c in the C code is never fused, on any CPU, so the flavours agree.
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-ffp-contract=off")
+AVX512_COMPILER_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+FLAVOUR_FLAGS: dict[Flavour, tuple[str, ...]] = {
+    "amx": AVX512_COMPILER_FLAGS + ("-mamx-tile", "-mamx-bf16"),
+    "emulated_tiles": AVX512_COMPILER_FLAGS + ("-DJF_EMULATE_TILES",),
+    # -Wno-psabi: GCC notes that 64-byte vector arguments change the ABI without AVX-512; they
+    # only pass between the file's own static functions.
+    "portable": ("-DJF_PORTABLE", "-Wno-psabi"),
+}
 LIBS = ("-lm",)
 
 _INT32, _INT64, _FLOAT, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -59,10 +64,10 @@ class NativeKernel:
         )
 
     @classmethod
-    def build(cls, emulate_tiles: bool = False, cache: Path | None = None) -> NativeKernel:
+    def build(cls, flavour: Flavour = "amx", cache: Path | None = None) -> NativeKernel:
         """Builds (or finds in the cache) and loads the package's source; raises NativeBuildError."""
-        flags = COMMON_FLAGS + (EMULATED_FLAGS if emulate_tiles else AMX_FLAGS)
-        return cls(build_library(SOURCE, flags, LIBS, cache))
+        headers = (PORTABLE_HEADER,) if flavour == "portable" else ()
+        return cls(build_library(SOURCE, BASE_FLAGS + FLAVOUR_FLAGS[flavour], LIBS, cache, headers))
 
     def decode(
         self,

@@ -2,10 +2,11 @@
 
 Nothing is prebuilt: the system C compiler ($CC, else `cc`, else `gcc`) compiles the source the
 package ships, so the library builds from the package itself on a fresh machine. The library's
-file name carries a hash of the source, the flags and the compiler's version, so a changed
-source or compiler never loads a stale build, and an unchanged one is never rebuilt. Each build
-is written under a temporary name and renamed into place: two processes that race both succeed,
-and a crashed build never leaves a half-written library under the final name.
+file name carries a hash of the source and the headers it includes, the flags and the
+compiler's version, so a changed source or compiler never loads a stale build, and an unchanged
+one is never rebuilt. Each build is written under a temporary name and renamed into place: two
+processes that race both succeed, and a crashed build never leaves a half-written library under
+the final name.
 
 The cache: $JACKFIELD_CACHE if set, else ~/.cache/jackfield; libraries under its cpu_amx/.
 """
@@ -63,14 +64,20 @@ def _first_lines(text: str) -> str:
 
 
 def build_library(
-    source: Path, flags: Sequence[str], libs: Sequence[str] = (), cache: Path | None = None
+    source: Path,
+    flags: Sequence[str],
+    libs: Sequence[str] = (),
+    cache: Path | None = None,
+    headers: Sequence[Path] = (),
 ) -> Path:
-    """The shared library built from `source` with `flags`, from the cache when already built."""
+    """The shared library built from `source` with `flags`, from the cache when already built.
+    `headers`: the files `source` includes from the package, part of the cache key like it."""
     compiler = find_compiler()
     version = _compiler_version(compiler)
     digest = hashlib.sha256()
     for part in (
         source.read_bytes(),
+        *(header.read_bytes() for header in headers),
         "\0".join([*flags, "--", *libs]).encode(),
         compiler.encode(),
         version.encode(),

@@ -2,10 +2,12 @@
  * Absorbed MLA decode over a paged bfloat16 latent cache, on Intel AMX-BF16 tiles.
  *
  * Built by jackfield_cpu_amx.native_build on first use (no Python or torch headers: the entry
- * point takes raw pointers through ctypes). Compiled with -DJF_EMULATE_TILES, the four tile
+ * point takes raw pointers through ctypes). Two more builds exist for tests only, so that this
+ * file is checked on CPUs without the instructions: with -DJF_EMULATE_TILES the four tile
  * operations become plain C on thread-local arrays with the same semantics (bfloat16 pairs,
- * float32 accumulation), so a CPU without AMX runs every other line of this file as the AMX
- * build does; that build exists for tests only.
+ * float32 accumulation), and every other line runs as in the AMX build (needs AVX-512-BF16);
+ * with -DJF_PORTABLE the AVX-512 intrinsics come from portable_simd.h in plain C as well, so
+ * any CPU runs it, with outputs equal bit for bit to the JF_EMULATE_TILES build's.
  *
  * Each query token attends its request's first visible[token] keys. A request's q_len * H query
  * rows (token-major, heads inner) are cut into groups of 16 (one tile height), and its keys into
@@ -19,7 +21,11 @@
  *     accumulated in float32 tiles.
  * Splits of one row group are merged through their (max, sum) pairs at the end.
  */
+#ifdef JF_PORTABLE
+#include "portable_simd.h"
+#else
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -41,7 +47,7 @@
 
 /* ---- the tile operations: AMX, or their emulation ------------------------------------------ */
 
-#ifdef JF_EMULATE_TILES
+#if defined(JF_EMULATE_TILES) || defined(JF_PORTABLE)
 
 typedef struct {
     _Alignas(64) uint8_t row[TILE_ROWS][TILE_ROW_BYTES];
