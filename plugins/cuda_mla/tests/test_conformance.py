@@ -9,8 +9,9 @@ import os
 
 import pytest
 import torch
-from jackfield.contracts.attention import Availability
+from jackfield.contracts.attention import AttentionBackend, AttentionRequirements, Availability
 from jackfield.testing import AttentionConformance
+from jackfield.testing.harness import Case
 from jackfield_cuda_mla.backend import CudaMLABackend
 
 
@@ -45,8 +46,25 @@ class TestCudaMLAInterpreted(AttentionConformance):
 class TestCudaMLAOnGPU(AttentionConformance):
     backend_cls = CudaMLABackend
     device = "cuda"
+
+    def cases(self, backend: type[AttentionBackend]) -> dict[str, list[Case]]:
+        """The record's cross product less float16 activations over a "bfloat16" cache, which
+        validate() refuses (test_validate_refuses_float16_over_a_bfloat16_cache)."""
+        return {test: [c for c in cases if not (c.dtype == torch.float16 and c.kv_cache_dtype == "bfloat16")]
+                for test, cases in super().cases(backend).items()}
     num_heads = 16
     kv_lora_rank = 512
     qk_rope_head_dim = 64
     qk_nope_head_dim = 128
     v_head_dim = 128
+
+
+def test_validate_refuses_float16_over_a_bfloat16_cache() -> None:
+    """The kernels read a 16-bit cache in the query's format: doctor and selection say so before
+    a model loads, instead of the first step failing in the kernel's entry check."""
+    req = AttentionRequirements(kind="mla", dtype=torch.float16, head_size=576, block_size=64,
+                                device="cuda", kv_cache_dtype="bfloat16")
+    assert any('kv_cache_dtype "bfloat16" with float16' in r for r in CudaMLABackend.validate(req))
+    fine = (dataclasses.replace(req, kv_cache_dtype="auto"), dataclasses.replace(req, dtype=torch.bfloat16))
+    for ok in fine:
+        assert not any("kv_cache_dtype" in r for r in CudaMLABackend.validate(ok))

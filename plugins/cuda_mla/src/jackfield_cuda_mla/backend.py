@@ -16,6 +16,7 @@ from jackfield.contracts.attention import (
     AttentionLayerSpec,
     AttentionMetadata,
     AttentionOutput,
+    AttentionRequirements,
     Availability,
 )
 
@@ -74,6 +75,16 @@ class CudaMLABackend(AttentionBackend):
     @classmethod
     def availability(cls) -> Availability:
         return cuda_mla_availability()
+
+    @classmethod
+    def validate(cls, req: AttentionRequirements) -> list[str]:
+        """The record's reasons, and the one combination it cannot express: the kernels read a
+        16-bit cache in the query's own format, so float16 activations take "auto" or fp8."""
+        reasons = super().validate(req)
+        if req.kv_cache_dtype == "bfloat16" and req.dtype == torch.float16:
+            reasons.append('kv_cache_dtype "bfloat16" with float16 activations (the kernels read a 16-bit '
+                           'cache in the query\'s format): use "auto" or "fp8_e4m3", or bfloat16 activations')
+        return reasons
 
     @classmethod
     def make_impl(cls, layer: AttentionLayerSpec) -> AttentionImpl:
