@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     from jackfield.contracts.sampler import SamplingParams
     from jackfield.engine.llm import LLM
 
-    # before loading
+    # before loading the model
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     overrides: dict[str, object] = {}
     if args.attention_backend is not None:

@@ -130,7 +130,8 @@ class Engine:
                                     engine.max_num_batched_tokens)
         if needed > self.block_manager.num_usable:
             raise ValueError(f"a request of {len(token_ids)} + {params.max_tokens} tokens needs {needed} "
-                             f"KV blocks; the cache has {self.block_manager.num_usable} (raise the KV budget)")
+                             f"KV blocks; the cache has {self.block_manager.num_usable} "
+                             "(raise the KV budget)")
         check_named_tokens(params, vocab)
 
     def step(self) -> list[Sequence]:
