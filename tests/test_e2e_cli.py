@@ -24,8 +24,9 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_run_json_on_the_embedded_default(cache: Path) -> None:
-    done = _jackfield(["run", "--prompt", "Hello", "--prompt", "A longer second prompt", "--max-tokens", "6",
-                       "--temperature", "0.8", "--seed", "3", "--attention-backend", "torch_ref", "--json"], cache)
+    done = _jackfield(["run", "--prompt", "Hello", "--prompt", "A longer second prompt",
+                       "--max-tokens", "6", "--temperature", "0.8", "--seed", "3",
+                       "--attention-backend", "torch_ref", "--json"], cache)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (cache / "tiny-deepseek-v3-r1" / "config.json").is_file()
@@ -34,8 +35,9 @@ def test_run_json_on_the_embedded_default(cache: Path) -> None:
         o["finish_reason"] == "stop" for o in report["outputs"])
     assert all(isinstance(o["text"], str) and o["seed"] == 3 for o in report["outputs"])
     assert report["summary"]["prompt_tokens"] == len("Hello") + len("A longer second prompt")
-    again = _jackfield(["run", "--prompt", "Hello", "--prompt", "A longer second prompt", "--max-tokens", "6",
-                        "--temperature", "0.8", "--seed", "3", "--attention-backend", "torch_ref", "--json"], cache)
+    again = _jackfield(["run", "--prompt", "Hello", "--prompt", "A longer second prompt",
+                        "--max-tokens", "6", "--temperature", "0.8", "--seed", "3",
+                        "--attention-backend", "torch_ref", "--json"], cache)
     assert json.loads(again.stdout)["outputs"] == report["outputs"]  # the cached model, the same tokens
 
 

@@ -22,7 +22,8 @@ def make_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MakeD
     monkeypatch.syspath_prepend(str(site))
     modules: list[str] = []
 
-    def make(dist_name: str, module_name: str, source: str, ep_name: str | None = None, version: str = "1.0") -> Path:
+    def make(dist_name: str, module_name: str, source: str, ep_name: str | None = None,
+             version: str = "1.0") -> Path:
         modules.append(module_name)
         sys.modules.pop(module_name, None)  # an earlier test's module of the same name
         (site / f"{module_name}.py").write_text(textwrap.dedent(source))

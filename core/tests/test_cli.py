@@ -38,7 +38,8 @@ def test_plugins_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plugins", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data) == {
-        "schema", "core", "plugins", "attention_backends", "samplers", "drafters", "kv_connectors", "models", "replaced",
+        "schema", "core", "plugins", "attention_backends", "samplers", "drafters", "kv_connectors", "models",
+        "replaced",
     }
     assert data["schema"] == 1
     ref = next(b for b in data["attention_backends"] if b["name"] == "torch_ref")
@@ -54,7 +55,8 @@ def test_plugins_text_lists_builtins(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_doctor_accepts_a_good_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = write_config(tmp_path, f'[model]\npath = "{model_dir(tmp_path)}"\n[attention]\nbackend = "torch_ref"\n')
+    config = write_config(tmp_path,
+                          f'[model]\npath = "{model_dir(tmp_path)}"\n[attention]\nbackend = "torch_ref"\n')
     assert main(["doctor", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "attention[decode]: torch_ref" in out and "DeepseekV3ForCausalLM" in out
@@ -101,7 +103,8 @@ def test_doctor_accepts_every_example(example: Path, tmp_path: Path) -> None:
 def test_console_script_runs_without_traceback(tmp_path: Path) -> None:
     config = write_config(tmp_path, "[engine]\nmax_num_seqs = -1\n")
     result = subprocess.run(
-        [sys.executable, "-m", "jackfield.cli", "doctor", "--config", str(config)], capture_output=True, text=True
+        [sys.executable, "-m", "jackfield.cli", "doctor", "--config", str(config)],
+        capture_output=True, text=True,
     )
     assert result.returncode == 2
     assert "engine.max_num_seqs must be > 0" in result.stderr and "Traceback" not in result.stderr
@@ -117,7 +120,8 @@ def test_console_script_runs_without_traceback(tmp_path: Path) -> None:
 def test_user_errors_exit_2_without_traceback(tmp_path: Path, args: list[str], message: str) -> None:
     config = write_config(tmp_path, '[engine]\ndevice = "tpu"\n' if args == ["doctor"] else "")
     result = subprocess.run(
-        [sys.executable, "-m", "jackfield.cli", *args, "--config", str(config)], capture_output=True, text=True
+        [sys.executable, "-m", "jackfield.cli", *args, "--config", str(config)],
+        capture_output=True, text=True,
     )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr

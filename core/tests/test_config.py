@@ -21,7 +21,8 @@ def test_defaults_are_the_dataclass_defaults() -> None:
 
 
 def test_file_values_and_cli_overrides_win(tmp_path: Path) -> None:
-    path = write(tmp_path, '[engine]\nblock_size = 64\nmax_num_seqs = 8\n[attention]\nbackend = "torch_ref"\n')
+    path = write(tmp_path,
+                 '[engine]\nblock_size = 64\nmax_num_seqs = 8\n[attention]\nbackend = "torch_ref"\n')
     config = load_config(path, {"engine.max_num_seqs": 3, "sampler.seed": 7})
     assert config.engine.block_size == 64
     assert config.engine.max_num_seqs == 3
@@ -65,7 +66,8 @@ def test_every_problem_is_listed_with_file_key_and_suggestion(tmp_path: Path) ->
     ],
 )
 def test_range_and_syntax_errors(tmp_path: Path, text: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    pattern = message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    with pytest.raises(ConfigError, match=pattern):
         load_config(write(tmp_path, text))
 
 
@@ -113,7 +115,8 @@ def test_every_key_is_documented() -> None:
     ("text", "message"),
     [
         ('[engine]\ndevice = "tpu"\n', "engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
-        ('[attention]\ndrafter_backend = "torch_ref"\n', "drafter_backend is set but speculative.method is not"),
+        ('[attention]\ndrafter_backend = "torch_ref"\n',
+         "drafter_backend is set but speculative.method is not"),
         ("[kv_connector.options]\nhost = 1\n", "kv_connector.options is set but kv_connector.name is not"),
     ],
 )

@@ -15,7 +15,8 @@ def test_hookspec_is_documented_and_tested(hook: str) -> None:
     function = getattr(hookspecs, hook)
     assert function.__doc__ and "Example::" in function.__doc__ and f"def {hook}():" in function.__doc__
     assert f"`{hook}`" in (REPO / "docs/writing-a-plugin.md").read_text()
-    tests = "".join(p.read_text() for p in (REPO / "core/tests").glob("test_*.py") if p.name != Path(__file__).name)
+    tests = "".join(p.read_text() for p in (REPO / "core/tests").glob("test_*.py")
+                    if p.name != Path(__file__).name)
     assert f"def {hook}():" in tests, f"no test implements {hook}"
 
 

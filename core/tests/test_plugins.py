@@ -122,7 +122,8 @@ def test_load_controls(make_dist, monkeypatch, env, value, status, reason) -> No
 
 @pytest.mark.parametrize(
     ("declared", "expected"),
-    [("'>=2.0'", "supports core API >=2.0"), ("None", "declares no JACKFIELD_API"), ("'garbage!'", "not a version range")],
+    [("'>=2.0'", "supports core API >=2.0"), ("None", "declares no JACKFIELD_API"),
+     ("'garbage!'", "not a version range")],
 )
 def test_incompatible_api_range_is_listed_not_loaded(make_dist, declared, expected) -> None:  # type: ignore[no-untyped-def]
     source = backend_plugin("future").replace('JACKFIELD_API = ">=1.0,<2"', f"JACKFIELD_API = {declared}")
@@ -213,7 +214,8 @@ def register_drafters():
 
 @jackfield.hookimpl
 def register_kv_connectors():
-    return [KVConnectorSpec(name="every_connector", factory="jackfield.contracts.kv_connector:KVConnectorWorker")]
+    return [KVConnectorSpec(name="every_connector",
+                            factory="jackfield.contracts.kv_connector:KVConnectorWorker")]
 
 @jackfield.hookimpl
 def register_models():

@@ -43,7 +43,8 @@ def test_capability_mismatches_lists_every_reason() -> None:
     )
     req = dataclasses.replace(MLA, sparse_topk=True, max_decode_query_len=2)
     reasons = capability_mismatches(caps, req)
-    for fragment in ("kind 'mla'", "float32", "head size 576", "multiple of 64", "device 'cpu'", "sparse_topk", "decode query length 2"):
+    for fragment in ("kind 'mla'", "float32", "head size 576", "multiple of 64", "device 'cpu'",
+                     "sparse_topk", "decode query length 2"):
         assert any(fragment in r for r in reasons), (fragment, reasons)
     assert capability_mismatches(TORCH_REF_CAPABILITIES, MLA) == []
 
@@ -89,7 +90,8 @@ def test_nothing_valid_is_an_error_with_every_backend() -> None:
 
 
 def test_resolve_attention_per_role_reports_all_roles() -> None:
-    config = load_config(None, {"attention.prefill_backend": "missing_a", "attention.decode_backend": "missing_b"})
+    config = load_config(None, {"attention.prefill_backend": "missing_a",
+                                "attention.decode_backend": "missing_b"})
     with pytest.raises(SelectionError) as info:
         resolve_attention(config, MLA)
     assert "prefill" in str(info.value) and "decode" in str(info.value)

@@ -72,7 +72,8 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85  # of the free device memory, for the KV cache
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
-    cuda_graphs: bool = True  # replay decode steps, and prefill pieces between attention calls, from CUDA graphs
+    # replay decode steps, and prefill pieces between attention calls, from CUDA graphs
+    cuda_graphs: bool = True
     # the largest prefill/mixed step (in tokens) replayed from graphs; larger ones run eagerly
     # (GPU-bound: on the H200 a replayed 8192-token step ran 5-10% slower than the eager one, a
     # 512-token step 3x faster); 0: prefill steps always run eagerly
@@ -137,14 +138,18 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
         (device_ok, f"engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {e.device!r}"),
         (e.block_size > 0, f"engine.block_size must be > 0, got {e.block_size}"),
         (e.max_num_seqs > 0, f"engine.max_num_seqs must be > 0, got {e.max_num_seqs}"),
-        (e.max_num_batched_tokens > 0, f"engine.max_num_batched_tokens must be > 0, got {e.max_num_batched_tokens}"),
+        (e.max_num_batched_tokens > 0,
+         f"engine.max_num_batched_tokens must be > 0, got {e.max_num_batched_tokens}"),
         (e.prefill_graph_max_tokens >= 0,
          f"engine.prefill_graph_max_tokens must be >= 0, got {e.prefill_graph_max_tokens}"),
-        (e.max_model_len is None or e.max_model_len > 0, f"engine.max_model_len must be > 0, got {e.max_model_len}"),
-        (0.0 < e.gpu_memory_fraction <= 1.0, f"engine.gpu_memory_fraction must be in (0, 1], got {e.gpu_memory_fraction}"),
+        (e.max_model_len is None or e.max_model_len > 0,
+         f"engine.max_model_len must be > 0, got {e.max_model_len}"),
+        (0.0 < e.gpu_memory_fraction <= 1.0,
+         f"engine.gpu_memory_fraction must be in (0, 1], got {e.gpu_memory_fraction}"),
         (0 < e.cpu_kv_cache_gib <= 2**33,  # 2**33 GiB = 2**63 bytes, the most a byte count can hold
          f"engine.cpu_kv_cache_gib must be > 0 and <= 2**33, got {e.cpu_kv_cache_gib}"),
-        (s.num_speculative_tokens >= 0, f"speculative.num_speculative_tokens must be >= 0, got {s.num_speculative_tokens}"),
+        (s.num_speculative_tokens >= 0,
+         f"speculative.num_speculative_tokens must be >= 0, got {s.num_speculative_tokens}"),
         (s.method is None or s.num_speculative_tokens > 0,
          "speculative.num_speculative_tokens must be > 0 when speculative.method is set"),
         (config.parallel.dcp_size >= 1, f"parallel.dcp_size must be >= 1, got {config.parallel.dcp_size}"),
@@ -221,7 +226,8 @@ def _read_toml(path: Path) -> dict[str, object]:
         raise ConfigError([f"{source}: nested too deeply to be a config file"]) from None
 
 
-def load_config(path: str | Path | None = None, overrides: Mapping[str, object] | None = None) -> JackfieldConfig:
+def load_config(path: str | Path | None = None,
+                overrides: Mapping[str, object] | None = None) -> JackfieldConfig:
     """Read `path` (TOML; None: defaults), then apply dotted `overrides` (CLI flags win)."""
     data: dict[str, dict[str, object]] = {}
     source = "<defaults>"

@@ -273,7 +273,8 @@ def load_registry(entry_points: Iterable[md.EntryPoint] | None = None) -> Regist
     return Registry(plugins, entries, replaced)
 
 
-def _resolve(records: list[Registered]) -> tuple[dict[str, dict[str, Registered]], list[tuple[Registered, Registered]]]:
+def _resolve(records: list[Registered],
+             ) -> tuple[dict[str, dict[str, Registered]], list[tuple[Registered, Registered]]]:
     entries: dict[str, dict[str, Registered]] = {kind: {} for kind in hookspecs.HOOK_KINDS.values()}
     replacing = [r for r in records if r.spec.replaces]
     for record in (r for r in records if not r.spec.replaces):

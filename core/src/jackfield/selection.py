@@ -53,7 +53,8 @@ def run_probe(spec: AttentionBackendSpec) -> Availability:
     return probe
 
 
-def _candidate_reasons(entry: Registered, req: AttentionRequirements) -> tuple[list[str], type[AttentionBackend] | None]:
+def _candidate_reasons(entry: Registered, req: AttentionRequirements,
+                       ) -> tuple[list[str], type[AttentionBackend] | None]:
     spec = entry.spec
     assert isinstance(spec, AttentionBackendSpec)
     reasons = spec_reasons(spec, req)
@@ -92,7 +93,8 @@ def select_attention_backend(
             try:
                 registry.lookup("attention", choice)
             except KeyError as exc:
-                raise SelectionError(f"{role}: attention backend {choice!r} is not available:\n{exc.args[0]}") from None
+                raise SelectionError(f"{role}: attention backend {choice!r} is not available:\n"
+                                     f"{exc.args[0]}") from None
         reasons, backend = _candidate_reasons(table[choice], requirements)
         if backend is not None and not reasons:
             return BackendChoice(role, choice, backend, "named in the config")
@@ -122,7 +124,8 @@ def select_attention_backend(
     )
 
 
-def resolve_attention(config: JackfieldConfig, requirements: AttentionRequirements) -> dict[str, BackendChoice]:
+def resolve_attention(config: JackfieldConfig,
+                      requirements: AttentionRequirements) -> dict[str, BackendChoice]:
     """Backends for the target model's prefill and decode roles (the same one unless the
     config names different ones). Raises one SelectionError listing every role's problems."""
     att = config.attention

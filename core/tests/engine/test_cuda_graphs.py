@@ -96,8 +96,10 @@ def test_pieces_over_static_buffers_give_the_eager_tokens(v3_dir) -> None:
 
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 250, (n,), generator=gen).tolist() for n in (5, 40, 70, 23)]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=3, ignore_eos=True) for n in (9, 4, 7, 6)]
-    settings = {"engine.device": "cpu", "engine.max_num_batched_tokens": 48, "engine.enable_prefix_caching": False}
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=3, ignore_eos=True)
+              for n in (9, 4, 7, 6)]
+    settings = {"engine.device": "cpu", "engine.max_num_batched_tokens": 48,
+                "engine.enable_prefix_caching": False}
     eager = LLM(str(v3_dir), **settings).generate(prompts, params)
     llm = LLM(str(v3_dir), **settings)
     pieces = PiecewiseGraphs(llm.engine.model, 48, llm.engine.device, record=False)

@@ -25,7 +25,7 @@ def test_batched_equals_single_for_greedy_and_seeded_sampling(llm: LLM) -> None:
     params = [GREEDY, SamplingParams(temperature=0.9, top_k=50, seed=11, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=1.2, top_p=0.9, seed=12, max_tokens=12, ignore_eos=True)]
     batched = llm.generate(prompts, params)
-    for prompt, p, out in zip(prompts, params, batched):
+    for prompt, p, out in zip(prompts, params, batched, strict=True):
         assert llm.generate([prompt], p)[0].token_ids == out.token_ids
 
 
@@ -55,7 +55,8 @@ def test_preempted_request_gives_the_same_tokens(v3_dir) -> None:
 
 def test_logprobs_are_the_top_k_of_the_log_softmax(llm: LLM, v3_dir) -> None:
     prompt = _prompts(3, (9,))[0]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=4, ignore_eos=True))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=4, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(str(v3_dir)).eval()
@@ -118,7 +119,8 @@ def test_logit_bias_and_allowed_tokens_steer_generation(llm: LLM) -> None:
     # greedy over the allowed set is the argmax of the raw logits restricted to it
     free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=320))[0]
     first = free.logprobs[0]
-    restricted = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=allowed))[0]
+    restricted = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=allowed))[0]
     assert restricted.token_ids[0] == max(allowed, key=lambda t: first[t])
 
 

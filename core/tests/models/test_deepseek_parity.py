@@ -35,26 +35,28 @@ def _run_rows(llm: LLM, chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_logits_match_transformers_through_chunked_prefill_and_decode(checkpoint, variant: str, block_size: int) -> None:
+def test_logits_match_transformers_through_chunked_prefill_and_decode(checkpoint, variant: str,
+                                                                      block_size: int) -> None:
     directory, reference = checkpoint(variant)
     llm = LLM(directory, backend="torch_ref", block_size=block_size)
     gen = torch.Generator().manual_seed(1)
     lengths = [7, 23, 70]
     seqs = [Sequence(i, n, torch.randint(0, 256, (n,), generator=gen).tolist(), SamplingParams(), 0)
             for i, n in enumerate(lengths)]
-    first = [n - 1 if i == 0 else n // 2 for i, n in enumerate(lengths)]  # request 0 then decodes its last token
+    # request 0 then decodes its last token
+    first = [n - 1 if i == 0 else n // 2 for i, n in enumerate(lengths)]
     worst = 0.0
-    got = _run_rows(llm, [ScheduledChunk(s, f) for s, f in zip(seqs, first)])
-    got2 = _run_rows(llm, [ScheduledChunk(s, s.num_tokens - f) for s, f in zip(seqs, first)])
-    rows = [torch.cat([a, b]) for a, b in zip(got, got2)]
-    for seq, row in zip(seqs, rows):
+    got = _run_rows(llm, [ScheduledChunk(s, f) for s, f in zip(seqs, first, strict=True)])
+    got2 = _run_rows(llm, [ScheduledChunk(s, s.num_tokens - f) for s, f in zip(seqs, first, strict=True)])
+    rows = [torch.cat([a, b]) for a, b in zip(got, got2, strict=True)]
+    for seq, row in zip(seqs, rows, strict=True):
         ref = _reference_logits(reference, seq.token_ids)
         worst = max(worst, (row - ref).abs().max().item())
     for _ in range(3):  # decode steps over random next tokens (absorbed form for every request)
         for seq in seqs:
             seq.token_ids.append(int(torch.randint(0, 256, (1,), generator=gen)))
         rows = _run_rows(llm, [ScheduledChunk(s, 1) for s in seqs])
-        for seq, row in zip(seqs, rows):
+        for seq, row in zip(seqs, rows, strict=True):
             ref = _reference_logits(reference, seq.token_ids)[-1:]
             worst = max(worst, (row - ref).abs().max().item())
     assert worst <= 1e-4, f"max |logit diff| {worst:.3g}"
@@ -68,7 +70,7 @@ def test_greedy_generation_matches_transformers_generate(checkpoint, variant: st
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 17, 41, 66)]
     llm = LLM(directory, backend="torch_ref", block_size=block_size, max_num_batched_tokens=64)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == expected

@@ -16,7 +16,8 @@ from transformers import DeepseekV32Config
 PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 14, 6, 19], [90, 1, 56, 23, 8, 47, 11]]
 
 
-def build(tmp_path: Path, index_topk: int, **changes: object) -> tuple[torch.nn.Module, DeepseekV32ForCausalLM]:
+def build(tmp_path: Path, index_topk: int,
+          **changes: object) -> tuple[torch.nn.Module, DeepseekV32ForCausalLM]:
     """transformers' V3.2 and Jackfield's, from one saved checkpoint (`changes`: config fields)."""
     path = tmp_path / f"v32_{index_topk}"
     hf_model = write_deepseek_v32(path, index_topk, **changes)
@@ -39,7 +40,8 @@ def test_mlp_layer_types_win_over_first_k_dense_replace(tmp_path: Path) -> None:
     """transformers builds V3.2's layers from mlp_layer_types when config.json has it; here it
     disagrees with first_k_dense_replace=1 (MoE first, dense second), and the logits still match."""
     hf_model, ours = build(tmp_path, 4, mlp_layer_types=["sparse", "dense"])
-    assert [type(layer.mlp).__name__ for layer in hf_model.model.layers] == ["DeepseekV32MoE", "DeepseekV32MLP"]
+    hf_mlps = [type(layer.mlp).__name__ for layer in hf_model.model.layers]
+    assert hf_mlps == ["DeepseekV32MoE", "DeepseekV32MLP"]
     assert deepseek_arch(read_hf_config(tmp_path / "v32_4")).mlp_layer_types == ("sparse", "dense")
     tokens, logits = generate(ours, PROMPTS, 3, block_size=4, prefill_chunk=6)
     for prompt, got_tokens, got_logits in zip(PROMPTS, tokens, logits, strict=True):

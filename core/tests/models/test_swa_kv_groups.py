@@ -101,7 +101,8 @@ def test_the_same_budget_runs_without_preemption(swa_model) -> None:  # type: ig
     budget = 40 * 4 * LAYER_BLOCK_BYTES  # 40 blocks of the four layers: the three need 83
     assert _preemptions_with_one_shared_table(40, prompts) > 0
     llm = _llm(path, budget)
-    assert llm.engine.runner.kv.num_blocks == 160  # a block id now holds one layer's block (four groups of one layer)
+    # a block id now holds one layer's block (four groups of one layer)
+    assert llm.engine.runner.kv.num_blocks == 160
     outs = llm.generate(prompts, GREEDY)
     assert [o.num_preemptions for o in outs] == [0, 0, 0]
     for prompt, out in zip(prompts, outs, strict=True):

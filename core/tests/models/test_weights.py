@@ -32,7 +32,8 @@ def test_fused_and_stacked_parameters_are_assembled() -> None:
     target, source = params(), checkpoint()
     load_weights(target, iter(source.items()), DEEPSEEK_WEIGHTS)
     gate_up = target[f"{MLP}.gate_up_proj.weight"]
-    assert torch.equal(gate_up, torch.cat([source[f"{MLP}.gate_proj.weight"], source[f"{MLP}.up_proj.weight"]]))
+    assert torch.equal(gate_up,
+                       torch.cat([source[f"{MLP}.gate_proj.weight"], source[f"{MLP}.up_proj.weight"]]))
     for e in range(2):
         want = torch.cat([source[f"{EXPERTS}.{e}.gate_proj.weight"], source[f"{EXPERTS}.{e}.up_proj.weight"]])
         assert torch.equal(target[f"{EXPERTS}.w13"][e], want)
@@ -55,6 +56,7 @@ def test_every_problem_is_named() -> None:
 def test_a_piece_written_twice_is_an_error_even_when_sizes_add_up() -> None:
     """gate twice and up never would write 24 of 24 elements; the piece bookkeeping catches it."""
     source = list(checkpoint().items())
-    source = [(n, t) for n, t in source if n != f"{MLP}.up_proj.weight"] + [(f"{MLP}.gate_proj.weight", torch.randn(4, 3))]
+    source = ([(n, t) for n, t in source if n != f"{MLP}.up_proj.weight"]
+              + [(f"{MLP}.gate_proj.weight", torch.randn(4, 3))])
     with pytest.raises(ValueError, match=r"(?s)written twice: .*gate_proj"):
         load_weights(params(), iter(source), DEEPSEEK_WEIGHTS)

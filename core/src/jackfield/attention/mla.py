@@ -180,7 +180,8 @@ class MLAImpl(AttentionImpl):
         context = kv_cache.flatten(0, 1)[plan.slots]  # [B, S, L+R]
         # Expanded in the activation dtype (float32 on the CPU, bf16 on GPUs: the checkpoint's own).
         context = context if context.dtype == q.dtype else dequantize(context, kv_scale).to(q.dtype)
-        if plan.padding is not None:  # padded keys read slot 0: zero them (a NaN there survives a mask in P.V)
+        # padded keys read slot 0: zero them (a NaN there survives a mask in P.V)
+        if plan.padding is not None:
             context.masked_fill_(plan.padding[..., None], 0)
         kv_c, k_pe = context[..., : lay.kv_lora_rank], context[..., lay.kv_lora_rank :]
         h, n, width = lay.num_heads, lay.qk_nope_head_dim, lay.qk_nope_head_dim + lay.qk_rope_head_dim
@@ -214,7 +215,8 @@ class MLAImpl(AttentionImpl):
                 window = lay.sliding_window
                 visible = _memo(metadata, f"mla_visible_{window}",
                                 lambda: _visibility(metadata, max_q, metadata.max_seq_len, window))
-                out = F.scaled_dot_product_attention(padded, k, v, attn_mask=visible[:, None], scale=lay.scale)
+                out = F.scaled_dot_product_attention(padded, k, v, attn_mask=visible[:, None],
+                                                     scale=lay.scale)
         # One copy back to the rows' layout, v's width and the activation dtype.
         packed = out.new_empty(num_reqs * max_q, lay.num_heads, lay.v_head_dim, dtype=out_dtype)
         out = out.transpose(1, 2)[..., : lay.v_head_dim]

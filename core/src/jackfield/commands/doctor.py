@@ -60,7 +60,8 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
         else:
             resolved.append(f"model: {known[0]} ({config.model.path or 'embedded default'})")
         requirements = attention_requirements(hf_config, config)
-        resolved.append(f"device: {requirements.device}, dtype: {str(requirements.dtype).removeprefix('torch.')}")
+        dtype_name = str(requirements.dtype).removeprefix("torch.")
+        resolved.append(f"device: {requirements.device}, dtype: {dtype_name}")
         for role, choice in resolve_attention(config, requirements).items():
             resolved.append(f"attention[{role}]: {choice.name} - {choice.reason}")
             for name, reasons in sorted(choice.rejected.items()):

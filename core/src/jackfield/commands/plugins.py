@@ -48,7 +48,8 @@ def _attention_row(entry: Registered) -> dict[str, object]:
     assert isinstance(spec, AttentionBackendSpec)
     probe = run_probe(spec)  # a crashing probe is "unavailable", with the crash as the reason
     available, reason = probe.ok is True, str(probe.reason)
-    caps = {f.name: _jsonable(getattr(spec.capabilities, f.name)) for f in dataclasses.fields(spec.capabilities)}
+    caps = {f.name: _jsonable(getattr(spec.capabilities, f.name))
+            for f in dataclasses.fields(spec.capabilities)}
     return {
         "name": spec.name,
         "provider": entry.distribution,

@@ -29,7 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, help="sampling seed for every prompt (default: drawn per request)")
+    parser.add_argument("--seed", type=int,
+                        help="sampling seed for every prompt (default: drawn per request)")
     parser.add_argument("--attention-backend", help="overrides [attention].backend")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(handler=main)
@@ -45,7 +46,8 @@ def main(args: argparse.Namespace) -> int:
     from jackfield.contracts.sampler import SamplingParams
     from jackfield.engine.llm import LLM
 
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)  # before loading
+    # before loading the model
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     overrides: dict[str, object] = {}
     if args.attention_backend is not None:
         overrides["attention.backend"] = args.attention_backend
@@ -59,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
         return _embed(llm, prompts, args.json)
     bar = tqdm(total=len(prompts), desc="generating", unit="req", file=sys.stderr, delay=1.0, leave=False)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, progress=lambda done, _: done > bar.n and bar.update(done - bar.n))
+    outputs = llm.generate(prompts, params,
+                           progress=lambda done, _: done > bar.n and bar.update(done - bar.n))
     elapsed = time.perf_counter() - start
     bar.close()
     engine = llm.engine
@@ -71,7 +74,8 @@ def main(args: argparse.Namespace) -> int:
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
         "generated_tokens": generated,
         "time_to_first_token_s": round(first, 4),
-        "decode_tokens_per_s": round((generated - len(outputs)) / decode_time, 1) if decode_time > 0 else None,
+        "decode_tokens_per_s": (round((generated - len(outputs)) / decode_time, 1)
+                                if decode_time > 0 else None),
         "total_s": round(elapsed, 4),
     }
     if args.json:
@@ -80,11 +84,14 @@ def main(args: argparse.Namespace) -> int:
              "finish_reason": o.finish_reason, "seed": o.seed}
             for p, o in zip(prompts, outputs, strict=True)
         ]
-        print(json.dumps({"model": str(engine.model_dir), "device": str(engine.device), "dtype": str(engine.capabilities.dtype),
-                          "backends": backends, "cuda_graphs_off_reason": engine.runner.decode_graphs_off,
-                          "prefill_graphs_off_reason": engine.runner.prefill_graphs_off, "outputs": results, "summary": summary}, indent=2))
+        print(json.dumps({"model": str(engine.model_dir), "device": str(engine.device),
+                          "dtype": str(engine.capabilities.dtype), "backends": backends,
+                          "cuda_graphs_off_reason": engine.runner.decode_graphs_off,
+                          "prefill_graphs_off_reason": engine.runner.prefill_graphs_off,
+                          "outputs": results, "summary": summary}, indent=2))
         return 0
-    print(f"model: {engine.model_dir} ({engine.device}, {str(engine.capabilities.dtype).removeprefix('torch.')})")
+    dtype_name = str(engine.capabilities.dtype).removeprefix("torch.")
+    print(f"model: {engine.model_dir} ({engine.device}, {dtype_name})")
     for role, choice in backends.items():
         print(f"{role} attention: {choice['name']} ({choice['reason']})")
     graphs = "on" if engine.runner.decode_graphs_off is None else f"off: {engine.runner.decode_graphs_off}"

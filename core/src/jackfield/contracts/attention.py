@@ -193,8 +193,9 @@ class AttentionImpl(ABC):
     def __init__(self, layer: AttentionLayerSpec) -> None:
         self.layer = layer
 
-    def process_weights_after_loading(self, weights: dict[str, torch.Tensor]) -> None:
-        """Prepare weights this impl owns (MLA: split kv_b_proj into W_UK / W_UV). Default: none."""
+    def process_weights_after_loading(self, weights: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional hook
+        """Prepare weights this impl owns (MLA: split kv_b_proj into W_UK / W_UV). Default: a
+        deliberate no-op hook, so impls without weights of their own need not override it."""
 
     @abstractmethod
     def write_kv(

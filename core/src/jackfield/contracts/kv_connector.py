@@ -60,7 +60,8 @@ class KVConnectorScheduler(ABC):
         """Tokens beyond `num_computed` whose KV can be loaded from outside."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external: int) -> None: ...
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int],
+                                 num_external: int) -> None: ...
 
     @abstractmethod
     def build_connector_meta(self) -> ConnectorMetadata: ...

@@ -105,7 +105,8 @@ class DecodeGraphs:
             slots.append(blocks[pos // bs] * bs + pos % bs)
             seq_lens.append(pos + 1)
         if slots and not 0 <= min(slots) <= max(slots) < self.capacity:
-            raise ValueError(f"decode slots {min(slots)}..{max(slots)} outside the cache's {self.capacity} slots")
+            raise ValueError(f"decode slots {min(slots)}..{max(slots)} outside the cache's "
+                             f"{self.capacity} slots")
         pad = size - n
         self.input_ids.cpu[:size] = torch.tensor(ids + [0] * pad)
         self.positions.cpu[:size] = torch.tensor(positions + [0] * pad)
@@ -116,7 +117,8 @@ class DecodeGraphs:
         if n:  # entries past a row's seq_len (padding rows: all) are never read, so stale ones stay
             width = max(len(c.seq.block_tables[0]) for c in chunks)
             tables = [c.seq.block_tables[0] + [0] * (width - len(c.seq.block_tables[0])) for c in chunks]
-            self.block_table[:n, :width].copy_(async_tensor_h2d(tables, torch.int32, self.block_table.device, True))
+            self.block_table[:n, :width].copy_(
+                async_tensor_h2d(tables, torch.int32, self.block_table.device, True))
 
     def _context(self, size: int) -> StepContext:
         """Metadata over the static buffers, with the Python values as upper bounds."""

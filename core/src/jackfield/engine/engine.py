@@ -92,7 +92,8 @@ class Engine:
             self.step()
         self._next_id = 0
 
-    def add_request(self, token_ids: list[int], params: SamplingParams, pooling: str | None = None) -> Sequence:
+    def add_request(self, token_ids: list[int], params: SamplingParams,
+                    pooling: str | None = None) -> Sequence:
         """Queue a request (pooling: an embedding request, run whole in one step)."""
         self.check_request(token_ids, params, pooling)
         seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
@@ -122,13 +123,15 @@ class Engine:
                              "not generate")
         if pooling is not None and len(token_ids) > engine.max_num_batched_tokens:
             raise ValueError(f"a prompt of {len(token_ids)} tokens exceeds engine.max_num_batched_tokens "
-                             f"({engine.max_num_batched_tokens}): embedding runs each prompt whole in one step")
+                             f"({engine.max_num_batched_tokens}): embedding runs each prompt whole in one "
+                             "step")
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
         needed = max_request_blocks(self.runner.kv.groups.windows, engine.block_size, total,
                                     engine.max_num_batched_tokens)
         if needed > self.block_manager.num_usable:
-            raise ValueError(f"a request of {len(token_ids)} + {params.max_tokens} tokens needs {needed} KV blocks; "
-                             f"the cache has {self.block_manager.num_usable} (raise the KV budget)")
+            raise ValueError(f"a request of {len(token_ids)} + {params.max_tokens} tokens needs {needed} "
+                             f"KV blocks; the cache has {self.block_manager.num_usable} "
+                             "(raise the KV budget)")
         check_named_tokens(params, vocab)
 
     def step(self) -> list[Sequence]:

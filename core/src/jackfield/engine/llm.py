@@ -30,7 +30,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()  # one call steps the engine at a time (calls from threads queue)
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs come back in prompt order.
         `progress(done, total)` is called as requests finish."""
@@ -41,7 +42,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        seqs = self._run([(self._encode(p), sp) for p, sp in zip(prompts, params, strict=True)], None, progress)
+        requests = [(self._encode(p), sp) for p, sp in zip(prompts, params, strict=True)]
+        seqs = self._run(requests, None, progress)
         return [self._output(seq) for seq in seqs]
 
     def embed(self, inputs: Prompt | Seq[Prompt]) -> torch.Tensor:
@@ -78,7 +80,8 @@ class LLM:
         """Text through the tokenizer; token ids as given (Engine.check_request checks them)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.engine.model_dir} has no tokenizer: give prompts as lists of token ids")
+                raise ValueError(f"{self.engine.model_dir} has no tokenizer: "
+                                 "give prompts as lists of token ids")
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8 (argv, files)
@@ -100,7 +103,8 @@ class LLM:
             finish_reason=seq.finish_reason,
             seed=seq.seed,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            timings=RequestTimings(seq.first_token_time - seq.arrival_time, seq.finish_time - seq.arrival_time),
+            timings=RequestTimings(seq.first_token_time - seq.arrival_time,
+                                   seq.finish_time - seq.arrival_time),
             num_cached_tokens=seq.num_cached_prefix,
             num_preemptions=seq.num_preemptions,
         )

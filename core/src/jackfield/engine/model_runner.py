@@ -44,11 +44,13 @@ def greedy(logits: torch.Tensor) -> SamplerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: ModelFamily, backends: AttentionBackends, sampler: Sampler, engine: EngineConfig,
-                 max_model_len: int, device: torch.device, say: Callable[[str], None]) -> None:
+    def __init__(self, model: ModelFamily, backends: AttentionBackends, sampler: Sampler,
+                 engine: EngineConfig, max_model_len: int, device: torch.device,
+                 say: Callable[[str], None]) -> None:
         self.model, self.backends, self.sampler, self.device = model, backends, sampler, device
         self.capabilities = model.capabilities
-        self.kv = KVCache.allocate(model.kv_cache_layers, engine, max_model_len, self.capabilities.dtype, device)
+        self.kv = KVCache.allocate(model.kv_cache_layers, engine, max_model_len, self.capabilities.dtype,
+                                   device)
         self.kv_caches, self.block_size, self.groups = self.kv.layer_caches, engine.block_size, self.kv.groups
         self.contexts = StepContextBuilder(backends, model.kv_cache_layers, self.groups.layer_group)
         self.decode_graphs_off = self._decode_graphs_off_reason(engine)
@@ -87,14 +89,16 @@ class ModelRunner:
             return "engine.prefill_graph_max_tokens = 0"
         return reason
 
-    def _capture_decode(self, engine: EngineConfig, max_model_len: int, say: Callable[[str], None]) -> DecodeGraphs:
+    def _capture_decode(self, engine: EngineConfig, max_model_len: int,
+                        say: Callable[[str], None]) -> DecodeGraphs:
         graphs = DecodeGraphs(self.model, self.kv_caches, self.contexts, self.kv.num_blocks, self.block_size,
                               max_model_len, engine.max_num_seqs, self.device)
         try:
             graphs.capture(say)
         except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
-            raise RuntimeError(f"recording decode CUDA graphs with attention backend {self.backends.decode.name} "
-                               f"failed ({exc}); set engine.cuda_graphs = false to decode eagerly") from exc
+            raise RuntimeError(f"recording decode CUDA graphs with attention backend "
+                               f"{self.backends.decode.name} failed ({exc}); set engine.cuda_graphs = false "
+                               "to decode eagerly") from exc
         return graphs
 
     def _capture_pieces(self, engine: EngineConfig, say: Callable[[str], None]) -> PiecewiseGraphs:
@@ -104,16 +108,17 @@ class ModelRunner:
             pieces.capture(say)
         except RuntimeError as exc:  # a failed body makes capture_end raise its own error: name the first
             cause = exc.__context__ or exc
-            raise RuntimeError(f"recording prefill CUDA graphs of {type(self.model).__name__} up to {max_tokens} "
-                               f"tokens failed ({cause}); lower engine.prefill_graph_max_tokens (or "
-                               "engine.gpu_memory_fraction) if memory ran out, or set it to 0 to run "
-                               "prefill steps eagerly") from exc
+            raise RuntimeError(f"recording prefill CUDA graphs of {type(self.model).__name__} up to "
+                               f"{max_tokens} tokens failed ({cause}); lower "
+                               "engine.prefill_graph_max_tokens (or engine.gpu_memory_fraction) if memory "
+                               "ran out, or set it to 0 to run prefill steps eagerly") from exc
         return pieces
 
     def _h2d(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return async_tensor_h2d(data, dtype, self.device, pin_memory=True)
 
-    def _metadata(self, chunks: list[ScheduledChunk]) -> tuple[list[AttentionMetadata], list[int], torch.Tensor]:
+    def _metadata(self, chunks: list[ScheduledChunk],
+                  ) -> tuple[list[AttentionMetadata], list[int], torch.Tensor]:
         """(metadata per KV cache group, input ids, positions) for the step's flat batch. The
         groups' metadata differ only in block tables and slots."""
         input_ids: list[int] = []
@@ -222,7 +227,8 @@ class ModelRunner:
                     logprobs[i] = dict(zip(ids[i][:k], values[i][:k], strict=True))
         return StepResult(token_ids, logprobs, embeddings)
 
-    def _pool(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _pool(self, chunks: list[ScheduledChunk],
+              hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(the sampling rows of `hidden`, one pooled vector per pooling chunk). `hidden` holds
         the rows `_output_rows` chose, in chunk order."""
         sample_rows: list[int] = []

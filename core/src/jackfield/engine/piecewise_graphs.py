@@ -43,7 +43,8 @@ def piece_sizes(max_tokens: int) -> list[int]:
 class PiecewiseGraphs:
     """Per recorded token count, the L + 1 graphs of the pieces between attention calls."""
 
-    def __init__(self, model: ModelFamily, max_tokens: int, device: torch.device, record: bool = True) -> None:
+    def __init__(self, model: ModelFamily, max_tokens: int, device: torch.device,
+                 record: bool = True) -> None:
         """record=False runs the same pieces over the same static buffers without graphs (on any
         device): the data flow of a replay, checkable where CUDA graphs are not."""
         self.model, self.max_tokens, self.device, self.record = model, max_tokens, device, record

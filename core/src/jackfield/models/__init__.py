@@ -19,13 +19,13 @@ def model_class(architecture: str) -> type[ModelFamily]:
     entry = get_registry().lookup("model", architecture)
     cls = resolve_factory(entry.spec.factory)
     if not (isinstance(cls, type) and issubclass(cls, ModelFamily)):
-        raise TypeError(f"model {architecture!r}: factory {entry.spec.factory!r} of {entry.distribution} is not "
-                        "a subclass of jackfield.contracts.model.ModelFamily")
+        raise TypeError(f"model {architecture!r}: factory {entry.spec.factory!r} of {entry.distribution} "
+                        "is not a subclass of jackfield.contracts.model.ModelFamily")
     return cls
 
 
-def load_model(model_dir: str | Path, backends: AttentionBackends, dtype: torch.dtype, device: torch.device | str,
-               kv_cache_dtype: KVCacheDType = "auto") -> ModelFamily:
+def load_model(model_dir: str | Path, backends: AttentionBackends, dtype: torch.dtype,
+               device: torch.device | str, kv_cache_dtype: KVCacheDType = "auto") -> ModelFamily:
     """Build the registered family for `model_dir`'s architecture and load its weights."""
     hf_config = read_hf_config(model_dir)
     try:

@@ -66,7 +66,8 @@ class MLAAttention(nn.Module):
             self.q_b_proj = Linear(arch.q_lora_rank, h * qk_head_dim, dtype)
         self.kv_a_proj_with_mqa = Linear(d, arch.kv_lora_rank + arch.qk_rope_head_dim, dtype)
         self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, 1e-6, dtype)
-        self.kv_b_proj: Linear | None = Linear(arch.kv_lora_rank, h * (arch.qk_nope_head_dim + arch.v_head_dim), dtype)
+        self.kv_b_proj: Linear | None = Linear(arch.kv_lora_rank,
+                                               h * (arch.qk_nope_head_dim + arch.v_head_dim), dtype)
         self.o_proj = Linear(h * arch.v_head_dim, d, dtype)
         self.attn = RoleImpls(backends, spec)
 
@@ -94,7 +95,8 @@ class MLAAttention(nn.Module):
         q = torch.cat((q[..., : a.qk_nope_head_dim], pe[:, : a.num_heads]), dim=-1)
         return q, kv_c, pe[:, a.num_heads], q_latent
 
-    def attend(self, step: StepContext, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    def attend(self, step: StepContext, q: torch.Tensor, kv_c: torch.Tensor,
+               k_pe: torch.Tensor) -> torch.Tensor:
         """The attention backend's part: writes every row's KV, returns [T, H, V]."""
         return self.attn.run(step, self.index, q, kv_c, k_pe)
 
@@ -112,10 +114,12 @@ class ExpandedMLAAttention(MLAAttention):
     def finish_loading(self) -> None:
         """Nothing to hand over: the MHA impl never sees kv_b_proj."""
 
-    def attend(self, step: StepContext, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    def attend(self, step: StepContext, q: torch.Tensor, kv_c: torch.Tensor,
+               k_pe: torch.Tensor) -> torch.Tensor:
         a, t = self.arch, q.shape[0]
         assert self.kv_b_proj is not None
-        k_nope, v = self.kv_b_proj(kv_c).view(t, a.num_heads, -1).split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        k_nope, v = self.kv_b_proj(kv_c).view(t, a.num_heads, -1).split([a.qk_nope_head_dim, a.v_head_dim],
+                                                                         dim=-1)
         k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(t, a.num_heads, a.qk_rope_head_dim)), dim=-1)
         v = F.pad(v, (0, k.shape[-1] - a.v_head_dim))
         return self.attn.run(step, self.index, q, k, v)[..., : a.v_head_dim]
@@ -126,7 +130,8 @@ def attention_spec(arch: DeepseekArch, kv_cache_dtype: KVCacheDType) -> Attentio
     if arch.non_causal:
         head_size = arch.qk_nope_head_dim + arch.qk_rope_head_dim
         if arch.v_head_dim > head_size:
-            raise ValueError(f"v_head_dim {arch.v_head_dim} exceeds the key width {head_size}: no shared MHA cache")
+            raise ValueError(f"v_head_dim {arch.v_head_dim} exceeds the key width {head_size}: "
+                             "no shared MHA cache")
         return AttentionLayerSpec(num_heads=arch.num_heads, head_size=head_size, scale=arch.softmax_scale,
                                   num_kv_heads=arch.num_heads, kv_cache_dtype=kv_cache_dtype)
     return AttentionLayerSpec(
@@ -148,7 +153,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp: nn.Module = (
-            DeepseekMoE(arch, dtype) if arch.is_moe_layer(index) else GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
+            DeepseekMoE(arch, dtype) if arch.is_moe_layer(index)
+            else GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
         )
 
     def before_attention(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
@@ -157,8 +163,8 @@ class DecoderLayer(nn.Module):
         q, kv_c, k_pe, _ = self.self_attn.project(self.input_layernorm(x), positions, rope)
         return q, kv_c, k_pe
 
-    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor, output_rows: torch.Tensor | None = None,
-                        ) -> torch.Tensor:
+    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor,
+                        output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for `output_rows` of x (all rows when None), from its attention output."""
         x = select_rows(x, output_rows) + self.self_attn.output(attn_out, output_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -174,10 +180,12 @@ class DeepseekForCausalLM(DecoderStack):
         self.arch, self.dtype = arch, dtype
         self.attention_spec = attention_spec(arch, kv_cache_dtype)
         inv_freq, rope_scaling = rope_inv_freq(hf_config, arch.qk_rope_head_dim)
-        self.rope = RotaryEmbedding(inv_freq, rope_scaling, arch.max_position_embeddings, arch.rope_interleave)
+        self.rope = RotaryEmbedding(inv_freq, rope_scaling, arch.max_position_embeddings,
+                                    arch.rope_interleave)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
-        self.model.embed_tokens.weight = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), False)
+        self.model.embed_tokens.weight = nn.Parameter(
+            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), False)
         self.model.layers = nn.ModuleList(
             DecoderLayer(arch, i, self.make_attention(i, backends), dtype) for i in range(arch.num_layers)
         )

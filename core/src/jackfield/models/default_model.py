@@ -50,7 +50,8 @@ def cache_dir() -> Path:
 
 def _byte_to_char() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (byte-level BPE's alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):

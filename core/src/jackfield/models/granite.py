@@ -144,10 +144,11 @@ class DecoderLayer(nn.Module):
         out = self.block_sparse_moe(x)
         return out if self.shared_mlp is None else out + self.shared_mlp(x)
 
-    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor, output_rows: torch.Tensor | None = None,
-                        ) -> torch.Tensor:
+    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor,
+                        output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for `output_rows` of x (all rows when None), from its attention output."""
-        x = select_rows(x, output_rows) + self.self_attn.output(attn_out, output_rows) * self.residual_multiplier
+        x = (select_rows(x, output_rows)
+             + self.self_attn.output(attn_out, output_rows) * self.residual_multiplier)
         return x + self._mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
 
 
@@ -235,7 +236,8 @@ class GraniteForCausalLM(DecoderStack):
 
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layer, rope = self.model.layers[i], self.rope_of_layer[i]
-        return layer.self_attn.project(layer.input_layernorm(x), positions, None if rope is None else self.ropes[rope])
+        return layer.self_attn.project(layer.input_layernorm(x), positions,
+                                       None if rope is None else self.ropes[rope])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight

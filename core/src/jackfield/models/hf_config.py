@@ -61,7 +61,8 @@ def rope_inv_freq(hf_config: PretrainedConfig, rotary_dim: int) -> tuple[torch.T
     params = rope_parameters(hf_config)
     rope_type = str(params["rope_type"])
     if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: {', '.join(STATIC_ROPE_TYPES)})")
+        raise ValueError(f"RoPE type {rope_type!r} is not supported "
+                         f"(supported: {', '.join(STATIC_ROPE_TYPES)})")
     if rope_type == "default":
         base = float(params["rope_theta"])  # type: ignore[arg-type]
         exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
@@ -175,8 +176,8 @@ def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:
     mlp_layer_types = tuple(getattr(c, "mlp_layer_types", None) or ()) if v32 else None
     if v32 and (len(mlp_layer_types or ()) != c.num_hidden_layers
                 or not set(mlp_layer_types or ()) <= {"dense", "sparse"}):
-        problems.append(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {c.num_hidden_layers} "
-                        f"layers, got {list(mlp_layer_types or ())}")
+        problems.append(f"mlp_layer_types must list 'dense' or 'sparse' for each of the "
+                        f"{c.num_hidden_layers} layers, got {list(mlp_layer_types or ())}")
     non_causal = getattr(c, "is_causal", True) is False
     if non_causal and v32:
         problems.append("is_causal=false with the sparse indexer")

@@ -119,7 +119,8 @@ def load_weights(
                 continue
             dest.copy_(tensor)
             written[name] += dest.numel()
-    missing = [f"{n} ({w} of {params[n].numel()} elements)" for n, w in written.items() if w != params[n].numel()]
+    missing = [f"{n} ({w} of {params[n].numel()} elements)"
+               for n, w in written.items() if w != params[n].numel()]
     problems = []
     if unexpected:
         problems.append("unexpected checkpoint tensors: " + ", ".join(sorted(unexpected)))

@@ -572,7 +572,8 @@ def gumbel_argmax_triton(
     out = out if out is not None else _new_out(num_rows, logits.device)
     for r0 in range(0, num_rows, per_launch):
         rows = slice(r0, min(num_rows, r0 + per_launch))
-        part = [t[rows] if t is not None else None for t in (logits, temperature, seeds, positions, cutoff, skip)]
+        part = [t[rows] if t is not None else None
+                for t in (logits, temperature, seeds, positions, cutoff, skip)]
         part_out = (out[0][rows], out[1][rows])
         maxima = approx_maxima(*part[:5], shape, part[5])
         exact_from_maxima(*part[:5], maxima, part_out, shape, part[5])

@@ -66,13 +66,15 @@ class Qwen2ForCausalLM(ModelFamily):
             raise ValueError("Qwen2 with use_sliding_window = true is not supported by this example family")
         self.hf_config, self.dtype = c, dtype
         head_dim = c.hidden_size // c.num_attention_heads
-        self.spec = AttentionLayerSpec(num_heads=c.num_attention_heads, head_size=head_dim, scale=head_dim**-0.5,
-                                       num_kv_heads=c.num_key_value_heads, kv_cache_dtype=kv_cache_dtype)
+        self.spec = AttentionLayerSpec(num_heads=c.num_attention_heads, head_size=head_dim,
+                                       scale=head_dim**-0.5, num_kv_heads=c.num_key_value_heads,
+                                       kv_cache_dtype=kv_cache_dtype)
         inv_freq, scaling = rope_inv_freq(c, head_dim)
         self.rope = RotaryEmbedding(inv_freq, scaling, c.max_position_embeddings, interleaved=False)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
-        self.model.embed_tokens.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype), False)
+        self.model.embed_tokens.weight = nn.Parameter(
+            torch.empty(c.vocab_size, c.hidden_size, dtype=dtype), False)
         self.model.layers = nn.ModuleList(
             Qwen2Layer(c, i, self.spec, backends, dtype) for i in range(c.num_hidden_layers))
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
