@@ -9,8 +9,8 @@ import pytest
 import torch
 from jackfield.models.deepseek_v32 import DeepseekV32ForCausalLM
 from jackfield.models.hf_config import deepseek_arch, read_hf_config
-from jackfield.testing.checkpoints import DEEPSEEK_V32, greedy_reference, write_deepseek_v32
-from jackfield.testing.paged import TORCH_REF, PagedRun, generate
+from jackfield.testing.checkpoints import DEEPSEEK_V32, write_deepseek_v32
+from jackfield.testing.paged import TORCH_REF, PagedRun, assert_generates_like_transformers, generate
 from transformers import DeepseekV32Config
 
 PROMPTS = [[5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 14, 6, 19], [90, 1, 56, 23, 8, 47, 11]]
@@ -29,11 +29,7 @@ def build(tmp_path: Path, index_topk: int,
 def test_logits_and_greedy_tokens_match_transformers(index_topk: int, tmp_path: Path) -> None:
     hf_model, ours = build(tmp_path, index_topk)
     max_new = 5
-    tokens, logits = generate(ours, PROMPTS, max_new, block_size=4, prefill_chunk=6)
-    for prompt, got_tokens, got_logits in zip(PROMPTS, tokens, logits, strict=True):
-        want_tokens, want_logits = greedy_reference(hf_model, prompt, max_new)
-        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
-        assert got_tokens == want_tokens
+    assert_generates_like_transformers(ours, hf_model, PROMPTS, max_new, prefill_chunk=6)
 
 
 def test_mlp_layer_types_win_over_first_k_dense_replace(tmp_path: Path) -> None:
@@ -43,11 +39,7 @@ def test_mlp_layer_types_win_over_first_k_dense_replace(tmp_path: Path) -> None:
     hf_mlps = [type(layer.mlp).__name__ for layer in hf_model.model.layers]
     assert hf_mlps == ["DeepseekV32MoE", "DeepseekV32MLP"]
     assert deepseek_arch(read_hf_config(tmp_path / "v32_4")).mlp_layer_types == ("sparse", "dense")
-    tokens, logits = generate(ours, PROMPTS, 3, block_size=4, prefill_chunk=6)
-    for prompt, got_tokens, got_logits in zip(PROMPTS, tokens, logits, strict=True):
-        want_tokens, want_logits = greedy_reference(hf_model, prompt, 3)
-        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
-        assert got_tokens == want_tokens
+    assert_generates_like_transformers(ours, hf_model, PROMPTS, 3, prefill_chunk=6)
 
 
 @pytest.mark.parametrize("types", [["sparse"], ["sparse", "moe"]], ids=["too_short", "unknown_type"])

@@ -16,10 +16,9 @@ from jackfield.testing.checkpoints import (
     GRANITE_MULTIPLIERS,
     GRANITE_SWA_LAYERS,
     LLAMA,
-    greedy_reference,
     write_granite,
 )
-from jackfield.testing.paged import TORCH_REF, generate
+from jackfield.testing.paged import TORCH_REF, assert_generates_like_transformers, generate
 from transformers import GraniteConfig, GraniteMoeSWAConfig, GraniteSWAConfig, LlamaConfig, PretrainedConfig
 
 PROMPTS = [
@@ -40,12 +39,7 @@ def build(name: str, tmp_path: Path) -> tuple[torch.nn.Module, GraniteForCausalL
 def test_logits_and_greedy_tokens_match_transformers(name: str, tmp_path: Path) -> None:
     hf_model, ours = build(name, tmp_path)
     max_new = 5
-    tokens, logits = generate(ours, PROMPTS, max_new, block_size=4, prefill_chunk=5)
-    for prompt, got_tokens, got_logits in zip(PROMPTS, tokens, logits, strict=True):
-        want_tokens, want_logits = greedy_reference(hf_model, prompt, max_new)
-        assert got_logits.shape == want_logits.shape
-        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
-        assert got_tokens == want_tokens
+    assert_generates_like_transformers(ours, hf_model, PROMPTS, max_new, prefill_chunk=5)
 
 
 def test_swa_layers_and_sinks_are_really_used(tmp_path: Path) -> None:

@@ -106,3 +106,17 @@ def generate(
             logits[r].append(step_logits[r : r + 1])
             out[r].append(int(step_logits[r].argmax()))
     return out, [torch.cat(rows) for rows in logits]
+
+
+def assert_generates_like_transformers(model: nn.Module, reference: nn.Module, prompts: list[list[int]],
+                                       max_new: int, *, prefill_chunk: int) -> None:
+    """`generate` (paged, chunked prefill, batched decode) gives transformers' greedy tokens and
+    float32 logits within 1e-4 for every prompt (`reference`: the transformers model)."""
+    from jackfield.testing.checkpoints import greedy_reference
+
+    tokens, logits = generate(model, prompts, max_new, block_size=4, prefill_chunk=prefill_chunk)
+    for prompt, got_tokens, got_logits in zip(prompts, tokens, logits, strict=True):
+        want_tokens, want_logits = greedy_reference(reference, prompt, max_new)  # type: ignore[arg-type]
+        assert got_logits.shape == want_logits.shape
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+        assert got_tokens == want_tokens
