@@ -64,6 +64,10 @@ class Engine:
         self.eos_token_ids = _eos_ids(config_json, self.tokenizer)
         self.pooling = pooling_of(config_json)
         engine = config.engine
+        # preflight checked config.json's max_position_embeddings; a family may declare a lower limit.
+        if engine.max_model_len is not None and engine.max_model_len > self.capabilities.max_model_len:
+            raise ConfigError([f"engine.max_model_len {engine.max_model_len} exceeds the model's "
+                               f"max_model_len {self.capabilities.max_model_len}"])
         self.max_model_len = engine.max_model_len or self.capabilities.max_model_len
         self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say)
         kv = self.runner.kv
