@@ -23,7 +23,7 @@ LAYERS = [
     ("jackfield.specs", "jackfield.hookspecs", "jackfield.plugins", "jackfield.builtins"),
     ("jackfield.attention", "jackfield.sampling"),
     ("jackfield.models",),
-    ("jackfield.requirements", "jackfield.selection"),
+    ("jackfield.requirements", "jackfield.selection", "jackfield.preflight"),
     ("jackfield.engine",),
     ("jackfield.testing",),
     ("jackfield.commands", "jackfield.cli", "jackfield"),

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from jackfield.cli import main
+from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[2]
 DEEPSEEK_V3 = {
@@ -22,9 +24,12 @@ DEEPSEEK_V3 = {
 
 
 def model_dir(tmp_path: Path, **changes: object) -> Path:
+    """A model folder with a config.json and a (content-free) safetensors file: enough for doctor,
+    which reads no weights but, like run, refuses a folder without any."""
     path = tmp_path / "model"
     path.mkdir(exist_ok=True)
     (path / "config.json").write_text(json.dumps({**DEEPSEEK_V3, **changes}))
+    save_file({"unused": torch.zeros(1)}, str(path / "model.safetensors"))
     return path
 
 

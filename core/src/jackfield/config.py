@@ -290,4 +290,7 @@ def unsupported_features(config: JackfieldConfig) -> list[str]:
         problems.append("KV connectors (kv_connector.name) are not run by this engine yet")
     if config.parallel.dcp_size != 1:
         problems.append("decode context parallel (parallel.dcp_size > 1) is not run by this engine yet")
+    if config.attention.kv_cache_dtype == "fp8_e4m3":
+        problems.append("attention.kv_cache_dtype = \"fp8_e4m3\" needs per-layer KV scales (kv_scale), which "
+                        "no model supplies yet: use \"auto\" or \"bfloat16\"")
     return problems

@@ -15,6 +15,9 @@ from pathlib import Path
 # The files whose `auto_map` transformers follows into the model folder's own Python files.
 CODE_MAP_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 
+# A folder with none of these has no tokenizer: it takes token-id prompts only.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
 # config.json sizes the engine builds tensors from: positive integers, or null where optional.
 POSITIVE_INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from jackfield.config import ConfigError, JackfieldConfig, unsupported_features
+from jackfield.config import ConfigError, JackfieldConfig
 from jackfield.contracts.attention import AttentionBackends
 from jackfield.contracts.sampler import Sampler, SamplingParams
 from jackfield.engine.block_manager import BlockManager, max_request_blocks
@@ -30,6 +30,7 @@ from jackfield.models import load_model
 from jackfield.models.default_model import default_model_dir
 from jackfield.models.embedding import pooling_of
 from jackfield.plugins import get_registry
+from jackfield.preflight import preflight
 from jackfield.requirements import attention_requirements, read_config_json, resolve_device, resolve_dtype
 from jackfield.sampling.processors import check_named_tokens
 from jackfield.selection import BackendChoice, resolve_attention
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 class Engine:
     def __init__(self, config: JackfieldConfig, say: Callable[[str], None]) -> None:
-        problems = unsupported_features(config)
+        problems = preflight(config)  # everything `jackfield doctor` checks, before any loading
         if problems:
             raise ConfigError(problems)
         self.config = config
@@ -63,9 +64,10 @@ class Engine:
         self.eos_token_ids = _eos_ids(config_json, self.tokenizer)
         self.pooling = pooling_of(config_json)
         engine = config.engine
+        # preflight checked config.json's max_position_embeddings; a family may declare a lower limit.
         if engine.max_model_len is not None and engine.max_model_len > self.capabilities.max_model_len:
             raise ConfigError([f"engine.max_model_len {engine.max_model_len} exceeds the model's "
-                               f"max_position_embeddings {self.capabilities.max_model_len}"])
+                               f"max_model_len {self.capabilities.max_model_len}"])
         self.max_model_len = engine.max_model_len or self.capabilities.max_model_len
         self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say)
         kv = self.runner.kv

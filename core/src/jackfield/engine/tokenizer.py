@@ -6,9 +6,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from jackfield.model_files import ModelFileError, read_json_object, refuse_model_code
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+from jackfield.model_files import TOKENIZER_FILES, ModelFileError, read_json_object, refuse_model_code
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:

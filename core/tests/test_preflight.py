@@ -1,0 +1,131 @@
+"""doctor == run: every problem `jackfield doctor` reports, the Engine refuses with the same
+message before loading, and both report all problems at once (jackfield.preflight)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from jackfield import LLM
+from jackfield.cli import main
+from jackfield.config import ConfigError
+from jackfield.models.default_model import default_model_dir
+
+FP8_REASON = 'attention.kv_cache_dtype = "fp8_e4m3" needs per-layer KV scales (kv_scale)'
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A copy of the embedded default model (config, tokenizer, safetensors) to break."""
+    directory = tmp_path / "model"
+    shutil.copytree(default_model_dir(), directory)
+    return directory
+
+
+def max_position_embeddings(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
+
+
+def doctor(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path,
+           overrides: dict[str, object]) -> tuple[int, str]:
+    """`jackfield doctor` on a TOML holding [model].path and `overrides` ("section.key": value)."""
+    lines = [f'[model]\npath = "{model}"']
+    for section in sorted({key.split(".")[0] for key in overrides}):
+        lines.append(f"[{section}]")
+        lines += [f"{key.split('.')[1]} = {json.dumps(value)}"
+                  for key, value in overrides.items() if key.startswith(section + ".")]
+    config = tmp_path / "jackfield.toml"
+    config.write_text("\n".join(lines) + "\n")
+    code = main(["doctor", "--config", str(config)])
+    return code, capsys.readouterr().out
+
+
+def llm_problems(model: Path, overrides: dict[str, object]) -> list[str]:
+    with pytest.raises(ConfigError) as refused:
+        LLM(str(model), device="cpu", **overrides)
+    return refused.value.problems
+
+
+def assert_doctor_and_run_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path,
+                                overrides: dict[str, object], *fragments: str) -> list[str]:
+    code, out = doctor(tmp_path, capsys, model, overrides)
+    problems = llm_problems(model, overrides)
+    assert code == 2, out
+    for problem in problems:  # the same messages, each on its own line
+        assert "  - " + problem.replace("\n", "\n    ") in out
+    for fragment in fragments:
+        assert any(fragment in p for p in problems), (fragment, problems)
+    return problems
+
+
+def test_max_model_len_above_the_models_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              model: Path) -> None:
+    limit = max_position_embeddings(model)
+    too_long = random.randint(limit + 1, 8 * limit)
+    assert_doctor_and_run_agree(tmp_path, capsys, model, {"engine.max_model_len": too_long},
+                                f"engine.max_model_len {too_long} exceeds the model's "
+                                f"max_position_embeddings {limit}")
+
+
+def test_max_model_len_at_the_limit_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                model: Path) -> None:
+    code, out = doctor(tmp_path, capsys, model, {"engine.max_model_len": max_position_embeddings(model)})
+    assert code == 0, out
+
+
+def test_pickle_only_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    (model / "pytorch_model.bin").write_bytes(random.randbytes(64))
+    assert_doctor_and_run_agree(tmp_path, capsys, model, {}, "pytorch_model.bin",
+                                "convert them to safetensors")
+
+
+def test_fp8_kv_cache_without_scales(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
+    assert_doctor_and_run_agree(tmp_path, capsys, model, {"attention.kv_cache_dtype": "fp8_e4m3"}, FP8_REASON)
+
+
+def test_unregistered_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
+    config_json = model / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()),
+                                       "architectures": ["MysteryForCausalLM"]}))
+    assert_doctor_and_run_agree(tmp_path, capsys, model, {}, "config.json", "MysteryForCausalLM",
+                                "not registered")
+
+
+def test_every_problem_is_reported_together(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            model: Path) -> None:
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    limit = max_position_embeddings(model)
+    overrides = {"engine.max_model_len": limit + random.randint(1, limit),
+                 "attention.kv_cache_dtype": "fp8_e4m3", "attention.backend": "no_such_backend",
+                 "sampler.name": "no_such_sampler"}
+    problems = assert_doctor_and_run_agree(tmp_path, capsys, model, overrides, FP8_REASON,
+                                           "exceeds the model's max_position_embeddings",
+                                           "no *.safetensors files", "sampler.name", "no_such_backend")
+    assert len(problems) >= 5
+    backend_lines = [p for p in problems if "no_such_backend" in p]
+    assert len(backend_lines) == 1 and "prefill" in backend_lines[0] and "decode" in backend_lines[0]
+
+
+def test_doctor_notes_a_folder_without_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 model: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        (model / name).unlink(missing_ok=True)
+    code, out = doctor(tmp_path, capsys, model, {})
+    assert code == 0, out
+    assert "note:" in out and "has no tokenizer" in out and "text prompts are refused" in out
+    llm = LLM(str(model), device="cpu")
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        llm.generate("a text prompt")
+
+
+def test_doctor_has_no_tokenizer_note_when_the_folder_has_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
+    code, out = doctor(tmp_path, capsys, model, {})
+    assert code == 0, out
+    assert "note:" not in out
