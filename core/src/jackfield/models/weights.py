@@ -131,4 +131,5 @@ def load_weights(
     if missing:
         problems.append("parameters not written exactly once: " + ", ".join(sorted(missing)))
     if problems:
-        raise ValueError("the checkpoint does not match the model its config.json describes:\n  " + "\n  ".join(problems))
+        raise ValueError("the checkpoint does not match the model its config.json describes:\n  "
+                         + "\n  ".join(problems))
