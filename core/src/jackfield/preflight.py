@@ -4,6 +4,7 @@ raises them (one ConfigError, all at once) before it loads anything, so the two 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from jackfield.config import JackfieldConfig, unsupported_features
@@ -11,9 +12,15 @@ from jackfield.model_files import TOKENIZER_FILES, RemoteCodeError
 from jackfield.models.weights import checkpoint_files
 from jackfield.plugins import Registry, get_registry
 from jackfield.requirements import attention_requirements, read_config_json
-from jackfield.selection import resolve_attention
+from jackfield.selection import BackendChoice, resolve_attention
 
-__all__ = ["model_hf_config", "preflight", "tokenizer_note"]
+__all__ = ["Preflight", "model_hf_config", "preflight", "tokenizer_note"]
+
+
+@dataclass(frozen=True)
+class Preflight:
+    problems: list[str]  # empty: `run` starts
+    attention: dict[str, BackendChoice] | None  # per role, where selection succeeded (kept, not redone)
 
 
 def model_hf_config(config: JackfieldConfig) -> Mapping[str, object]:
@@ -25,8 +32,9 @@ def model_hf_config(config: JackfieldConfig) -> Mapping[str, object]:
     return default_hf_config()
 
 
-def preflight(config: JackfieldConfig, registry: Registry | None = None) -> list[str]:
-    """Every problem `config` has on this machine that shows without loading weights, one per line."""
+def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Preflight:
+    """Every problem `config` has on this machine that shows without loading weights, one per line,
+    and the attention backend chosen per role (selection probes backends: done once, here)."""
     registry = registry or get_registry()
     problems = _named_plugin_problems(config, registry) + unsupported_features(config)
     try:
@@ -34,7 +42,7 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> list
     except RemoteCodeError:  # a folder shipping code is refused outright, as the security error it is
         raise
     except (FileNotFoundError, ValueError) as exc:  # ModelFileError is a ValueError
-        return [*problems, str(exc)]
+        return Preflight([*problems, str(exc)], None)
     architectures = list(hf_config.get("architectures") or [])  # type: ignore[call-overload]
     if not any(a in registry.entries["model"] for a in architectures):
         config_json = Path(config.model.path) / "config.json" if config.model.path else "default config.json"
@@ -50,11 +58,12 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> list
             checkpoint_files(config.model.path)
         except FileNotFoundError as exc:
             problems.append(str(exc))
+    attention = None
     try:
-        resolve_attention(config, attention_requirements(hf_config, config))
+        attention = resolve_attention(config, attention_requirements(hf_config, config))
     except (ValueError, KeyError) as exc:  # SelectionError is a ValueError; KeyError: a missing size
         problems.append(str(exc))
-    return problems
+    return Preflight(problems, attention)
 
 
 def tokenizer_note(config: JackfieldConfig) -> str | None:

@@ -9,7 +9,6 @@ from jackfield.config import JackfieldConfig, load_config
 from jackfield.plugins import Registry, get_registry
 from jackfield.preflight import model_hf_config, preflight, tokenizer_note
 from jackfield.requirements import attention_requirements
-from jackfield.selection import resolve_attention
 
 USER_ERROR_EXIT = 2
 
@@ -24,9 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], list[str]]:
     """(resolved choices and notes, problems) for `config` on this machine. The problems are
     exactly those the Engine raises before loading (`preflight`), so doctor OK means run starts."""
-    problems = preflight(config, registry)
-    if problems:
-        return [], problems
+    checked = preflight(config, registry)
+    if checked.problems:
+        return [], checked.problems
+    assert checked.attention is not None  # no problems: selection succeeded
     hf_config = model_hf_config(config)
     architectures = list(hf_config.get("architectures") or [])  # type: ignore[call-overload]
     known = [a for a in architectures if a in registry.entries["model"]]
@@ -34,7 +34,7 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
     requirements = attention_requirements(hf_config, config)
     dtype_name = str(requirements.dtype).removeprefix("torch.")
     resolved.append(f"device: {requirements.device}, dtype: {dtype_name}")
-    for role, choice in resolve_attention(config, requirements).items():
+    for role, choice in checked.attention.items():
         resolved.append(f"attention[{role}]: {choice.name} - {choice.reason}")
         for name, reasons in sorted(choice.rejected.items()):
             resolved.append(f"    rejected {name}: {'; '.join(reasons)}")
@@ -42,7 +42,7 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
     note = tokenizer_note(config)
     if note is not None:
         resolved.append(f"note: {note}")
-    return resolved, problems
+    return resolved, []
 
 
 def main(args: argparse.Namespace) -> int:

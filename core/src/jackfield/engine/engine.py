@@ -31,9 +31,9 @@ from jackfield.models.default_model import default_model_dir
 from jackfield.models.embedding import pooling_of
 from jackfield.plugins import get_registry
 from jackfield.preflight import preflight
-from jackfield.requirements import attention_requirements, read_config_json, resolve_device, resolve_dtype
+from jackfield.requirements import read_config_json, resolve_device, resolve_dtype
 from jackfield.sampling.processors import check_named_tokens
-from jackfield.selection import BackendChoice, resolve_attention
+from jackfield.selection import BackendChoice
 from jackfield.specs import resolve_factory
 
 if TYPE_CHECKING:
@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 
 class Engine:
     def __init__(self, config: JackfieldConfig, say: Callable[[str], None]) -> None:
-        problems = preflight(config)  # everything `jackfield doctor` checks, before any loading
-        if problems:
-            raise ConfigError(problems)
+        checked = preflight(config)  # everything `jackfield doctor` checks, before any loading
+        if checked.problems:
+            raise ConfigError(checked.problems)
+        assert checked.attention is not None  # no problems: selection succeeded
         self.config = config
         sampler = _sampler(config)  # a config naming a missing sampler fails before any loading
         self.device = torch.device(resolve_device(config))
@@ -52,8 +53,7 @@ class Engine:
             say("creating the embedded default model")
         self.model_dir = Path(config.model.path) if config.model.path else default_model_dir()
         config_json = read_config_json(self.model_dir)  # read once: requirements, eos, pooling
-        self.backend_choices: dict[str, BackendChoice] = resolve_attention(
-            config, attention_requirements(config_json, config))
+        self.backend_choices: dict[str, BackendChoice] = checked.attention
         backends = AttentionBackends(prefill=self.backend_choices["prefill"].backend,
                                      decode=self.backend_choices["decode"].backend)
         say(f"loading {self.model_dir}")
@@ -97,12 +97,21 @@ class Engine:
     def add_request(self, token_ids: list[int], params: SamplingParams,
                     pooling: str | None = None) -> Sequence:
         """Queue a request (pooling: an embedding request, run whole in one step)."""
-        self.check_request(token_ids, params, pooling)
-        seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
-        seq = Sequence(self._next_id, len(token_ids), list(token_ids), params, seed, pooling=pooling)
-        self._next_id += 1
-        self.scheduler.add(seq)
-        return seq
+        return self.add_requests([(token_ids, params)], pooling)[0]
+
+    def add_requests(self, requests: list[tuple[list[int], SamplingParams]],
+                     pooling: str | None = None) -> list[Sequence]:
+        """Queue requests all or none: every one is checked before any is queued."""
+        for token_ids, params in requests:
+            self.check_request(token_ids, params, pooling)
+        seqs = []
+        for token_ids, params in requests:
+            seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
+            seq = Sequence(self._next_id, len(token_ids), list(token_ids), params, seed, pooling=pooling)
+            self._next_id += 1
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        return seqs
 
     def check_request(self, token_ids: list[int], params: SamplingParams, pooling: str | None = None) -> None:
         """Every reason a request cannot run, raised before it touches the engine's state."""

@@ -60,10 +60,8 @@ class LLM:
         then steps until all finish. If a step fails, this call's requests are aborted (their
         blocks freed) before the error propagates, so the engine serves the next call."""
         engine = self.engine
-        for ids, params in requests:
-            engine.check_request(ids, params, pooling)
         with self._lock:
-            seqs = [engine.add_request(ids, params, pooling) for ids, params in requests]
+            seqs = engine.add_requests(requests, pooling)
             done = 0
             try:
                 while engine.scheduler.has_work():
