@@ -1,13 +1,16 @@
-"""Fixtures for core tests: throwaway installed distributions with real entry points."""
+"""Fixtures for core tests: throwaway installed distributions with real entry points, and a
+copy of the embedded default model to break."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from jackfield.models.default_model import default_model_dir
 from jackfield.plugins import reset_registry
 
 MakeDist = Callable[..., Path]
@@ -67,3 +70,11 @@ def second_ref(make_dist: MakeDist) -> str:
     decode roles can name different backends; returns its name."""
     make_dist("jackfield-second-ref", "second_ref_plugin", SECOND_REF)
     return "second_ref"
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A copy of the embedded default model (config, tokenizer, safetensors) to break."""
+    directory = tmp_path / "model"
+    shutil.copytree(default_model_dir(), directory)
+    return directory

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +12,8 @@ import pytest
 from jackfield.engine.tokenizer import load_tokenizer
 from jackfield.model_files import ModelFileError, RemoteCodeError, read_config_json
 from jackfield.models import hf_config
-from jackfield.models.default_model import default_model_dir
 
 CANARY_SOURCE = "from pathlib import Path\nPath({canary!r}).write_text('model code ran')\n"
-
-
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    """A copy of the embedded default model (config, tokenizer, safetensors) to break."""
-    directory = tmp_path / "model"
-    shutil.copytree(default_model_dir(), directory)
-    return directory
 
 
 def edit_json(path: Path, **changes: object) -> None:

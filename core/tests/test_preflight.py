@@ -5,24 +5,14 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 from jackfield import LLM
 from jackfield.cli import main
 from jackfield.config import ConfigError
-from jackfield.models.default_model import default_model_dir
 
 FP8_REASON = 'attention.kv_cache_dtype = "fp8_e4m3" needs per-layer KV scales (kv_scale)'
-
-
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    """A copy of the embedded default model (config, tokenizer, safetensors) to break."""
-    directory = tmp_path / "model"
-    shutil.copytree(default_model_dir(), directory)
-    return directory
 
 
 def max_position_embeddings(model: Path) -> int:
