@@ -98,3 +98,37 @@ def test_resolve_attention_per_role_reports_all_roles() -> None:
     config = load_config(None, {"attention.backend": "torch_ref"})
     roles = resolve_attention(config, MLA)
     assert {role: c.name for role, c in roles.items()} == {"prefill": "torch_ref", "decode": "torch_ref"}
+
+
+@pytest.mark.parametrize(
+    ("decode", "prefill", "want"),
+    [
+        ((16, 64), (16, 64), 64),  # cuda_mla both roles: its preferred 64-key pages
+        ((1, None), (1, None), 16),  # torch_ref: vLLM's default
+        ((1, None), (16, 64), 64),  # decode has no preference: the prefill backend's
+        ((16, 48), (32, None), 32),  # 48 and 16 break prefill's multiple of 32: the smallest both allow
+        ((16, 64), (128, None), 128),  # a preferred size below the other role's multiple is not taken
+    ],
+)
+def test_block_size_left_open_takes_a_preferred_size_both_roles_allow(
+    decode: tuple[int, int | None], prefill: tuple[int, int | None], want: int
+) -> None:
+    from jackfield.attention.torch_ref import TorchRefBackend
+    from jackfield.selection import pick_block_size
+
+    def backend(multiple: int, preferred: int | None) -> type[TorchRefBackend]:
+        caps = dataclasses.replace(TorchRefBackend.capabilities, block_size_multiple=multiple,
+                                   preferred_block_size=preferred)
+        return type("Fake", (TorchRefBackend,), {"capabilities": caps})
+
+    size = pick_block_size(backend(*decode), backend(*prefill))
+    assert size == want
+    assert size % decode[0] == 0 and size % prefill[0] == 0
+
+
+def test_an_unset_block_size_passes_capability_checks_and_a_set_one_is_checked() -> None:
+    from jackfield.builtins import TORCH_REF_CAPABILITIES
+
+    caps = dataclasses.replace(TORCH_REF_CAPABILITIES, block_size_multiple=64)
+    assert capability_mismatches(caps, dataclasses.replace(MLA, block_size=None)) == []
+    assert any("multiple of 64" in r for r in capability_mismatches(caps, MLA))

@@ -65,7 +65,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
-    block_size: int = 16
+    block_size: int | None = None  # None: the chosen backends' preferred size (selection.pick_block_size)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -136,7 +136,7 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
     checks = [
         (config.model.path != "", "model.path is empty (leave it out for the embedded default model)"),
         (device_ok, f"engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {e.device!r}"),
-        (e.block_size > 0, f"engine.block_size must be > 0, got {e.block_size}"),
+        (e.block_size is None or e.block_size > 0, f"engine.block_size must be > 0, got {e.block_size}"),
         (e.max_num_seqs > 0, f"engine.max_num_seqs must be > 0, got {e.max_num_seqs}"),
         (e.max_num_batched_tokens > 0,
          f"engine.max_num_batched_tokens must be > 0, got {e.max_num_batched_tokens}"),

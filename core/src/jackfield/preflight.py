@@ -12,7 +12,7 @@ from jackfield.model_files import TOKENIZER_FILES, RemoteCodeError
 from jackfield.models.weights import checkpoint_files
 from jackfield.plugins import Registry, get_registry
 from jackfield.requirements import attention_requirements, read_config_json
-from jackfield.selection import BackendChoice, resolve_attention
+from jackfield.selection import BackendChoice, pick_block_size, resolve_attention
 
 __all__ = ["Preflight", "model_hf_config", "preflight", "tokenizer_note"]
 
@@ -21,6 +21,7 @@ __all__ = ["Preflight", "model_hf_config", "preflight", "tokenizer_note"]
 class Preflight:
     problems: list[str]  # empty: `run` starts
     attention: dict[str, BackendChoice] | None  # per role, where selection succeeded (kept, not redone)
+    block_size: int | None = None  # engine.block_size, or the chosen backends' pick when it is None
 
 
 def model_hf_config(config: JackfieldConfig) -> Mapping[str, object]:
@@ -58,12 +59,14 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
             checkpoint_files(config.model.path)
         except FileNotFoundError as exc:
             problems.append(str(exc))
-    attention = None
+    attention, block_size = None, config.engine.block_size
     try:
         attention = resolve_attention(config, attention_requirements(hf_config, config))
     except (ValueError, KeyError) as exc:  # SelectionError is a ValueError; KeyError: a missing size
         problems.append(str(exc))
-    return Preflight(problems, attention)
+    if attention is not None and block_size is None:
+        block_size = pick_block_size(attention["decode"].backend, attention["prefill"].backend)
+    return Preflight(problems, attention, block_size)
 
 
 def tokenizer_note(config: JackfieldConfig) -> str | None:

@@ -4,6 +4,7 @@ highest-priority backend whose validate() is empty. Every rejection keeps all of
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field, replace
 
 from jackfield.config import JackfieldConfig
@@ -140,6 +141,18 @@ def resolve_attention(config: JackfieldConfig,
     if problems:
         raise SelectionError("\n".join(problems))
     return choices
+
+
+def pick_block_size(decode: type[AttentionBackend], prefill: type[AttentionBackend]) -> int:
+    """The KV block size when the config leaves it open: the decode backend's preferred size
+    (decode reads the whole cache every step: its kernels' page size matters most), else the
+    prefill backend's, else 16 (vLLM's default), whichever both backends' multiples allow; if
+    none does, the smallest size both allow."""
+    multiples = (decode.capabilities.block_size_multiple, prefill.capabilities.block_size_multiple)
+    for size in (decode.capabilities.preferred_block_size, prefill.capabilities.preferred_block_size, 16):
+        if size and all(size % m == 0 for m in multiples):
+            return size
+    return math.lcm(*multiples)
 
 
 def requirements_for_role(requirements: AttentionRequirements, role: str) -> AttentionRequirements:

@@ -173,3 +173,16 @@ def test_step_preparation_runs_on_one_thread_and_the_model_on_the_pool(v3_dir, m
         torch.set_num_threads(before)
     assert seen["metadata"] and set(seen["metadata"]) == {1}
     assert seen["logits"] and set(seen["logits"]) == {2}
+
+
+
+def test_an_unset_block_size_is_the_decode_backends_preferred_size(v3_dir) -> None:
+    """Left unset, engine.block_size follows the chosen backend's preferred page size end to end
+    (cpu_amx, which `auto` picks for MLA on x86 CPUs, pages in 64-key blocks; torch_ref has none)."""
+    llm = LLM(v3_dir)
+    preferred = llm.engine.backend_choices["decode"].backend.capabilities.preferred_block_size or 16
+    assert llm.config.engine.block_size == preferred
+    assert llm.engine.block_manager.block_size == preferred
+    assert llm.engine.runner.kv.layer_caches[0].shape[1] == preferred
+    out = llm.generate([[1, 2, 3]], GREEDY)[0]
+    assert len(out.token_ids) == GREEDY.max_tokens

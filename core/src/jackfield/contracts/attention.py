@@ -77,7 +77,7 @@ class AttentionRequirements:
     kind: AttentionKind
     dtype: torch.dtype
     head_size: int
-    block_size: int
+    block_size: int | None  # None: not fixed yet (the engine then picks one the backend allows)
     device: str
     kv_cache_dtype: KVCacheDType = "auto"
     sliding_window: bool = False
@@ -100,7 +100,7 @@ def capability_mismatches(caps: AttentionCapabilities, req: AttentionRequirement
         reasons.append(f"kv_cache_dtype {req.kv_cache_dtype!r} not in {list(caps.kv_cache_dtypes)}")
     if caps.head_sizes is not None and req.head_size not in caps.head_sizes:
         reasons.append(f"head size {req.head_size} not in {list(caps.head_sizes)}")
-    if req.block_size <= 0 or req.block_size % caps.block_size_multiple:
+    if req.block_size is not None and (req.block_size <= 0 or req.block_size % caps.block_size_multiple):
         reasons.append(f"block size {req.block_size} is not a multiple of {caps.block_size_multiple}")
     if req.device not in caps.devices:
         reasons.append(f"device {req.device!r} not in {list(caps.devices)}")

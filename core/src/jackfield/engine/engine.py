@@ -9,6 +9,7 @@ connector loads/saves and tensor parallelism enter at those points, nowhere else
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import random
 import time
@@ -45,7 +46,10 @@ class Engine:
         checked = preflight(config)  # everything `jackfield doctor` checks, before any loading
         if checked.problems:
             raise ConfigError(checked.problems)
-        assert checked.attention is not None  # no problems: selection succeeded
+        assert checked.attention is not None and checked.block_size is not None  # selection succeeded
+        # From here on the block size is a number: the config's, or the chosen backends' pick.
+        engine_config = dataclasses.replace(config.engine, block_size=checked.block_size)
+        config = dataclasses.replace(config, engine=engine_config)
         self.config = config
         sampler = _sampler(config)  # a config naming a missing sampler fails before any loading
         self.device = torch.device(resolve_device(config))

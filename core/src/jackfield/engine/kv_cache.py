@@ -27,6 +27,8 @@ class KVCache:
     @classmethod
     def allocate(cls, layers: list[AttentionLayerSpec], engine: EngineConfig, max_model_len: int,
                  dtype: torch.dtype, device: torch.device) -> KVCache:
+        if engine.block_size is None:
+            raise ValueError("engine.block_size is None: the Engine resolves it before allocating")
         groups = plan_kv_cache_groups(layers)
         layer_of_tensor = {t: layer for layer, t in zip(layers, groups.layer_tensor, strict=True)}
         num_blocks = _num_blocks(list(layer_of_tensor.values()), groups, engine, max_model_len, dtype, device)

@@ -25,8 +25,8 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, config: JackfieldConfig | str | Path | None = None,
                  *, progress: Callable[[str], None] | None = None, **overrides: object) -> None:
-        self.config = resolve_config(config, model, overrides)
-        self.engine = Engine(self.config, progress or (lambda _: None))
+        self.engine = Engine(resolve_config(config, model, overrides), progress or (lambda _: None))
+        self.config = self.engine.config  # as the engine runs it (engine.block_size resolved)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()  # one call steps the engine at a time (calls from threads queue)
 
