@@ -1,4 +1,9 @@
-"""End-to-end generation: Jackfield vs transformers' generate on the same random DeepSeek-V3 weights.
+"""End-to-end generation: Jackfield vs transformers' generate on the same weights.
+
+Models (--family): DeepSeek-V3 (MLA + MoE, random weights), Llama in the Llama-3.2-1B shape
+(GQA 32/8, head 64, random weights), Granite SWA in the same shape (sliding-window layers with
+sinks, every fourth layer full), or --model-dir: a real checkpoint (e.g. SmolLM2-135M-Instruct,
+benchmarks/smollm2.py converts it from the package index's GGUF).
 
 Per batch size: time to first token (all requests submitted at once; Jackfield: mean over
 requests) and decode tokens/s (tokens after the
@@ -9,6 +14,8 @@ all weights once: ceiling tokens/s = batch * bandwidth / weight bytes).
 
   python benchmarks/bench_e2e.py --device cuda                 # mid-size config, bf16
   python benchmarks/bench_e2e.py --device cpu --small          # reduced config, float32
+  python benchmarks/bench_e2e.py --device cuda --family llama
+  python benchmarks/bench_e2e.py --device cpu --model-dir /tmp/smollm2 --batches 1,8
 """
 
 from __future__ import annotations
@@ -58,6 +65,53 @@ SMALL = dict(
     v_head_dim=64,
     n_routed_experts=8,
 )
+
+LLAMA_1B = dict(  # Llama-3.2-1B's shape
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=4096,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+LLAMA_SMALL = dict(LLAMA_1B, vocab_size=8000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=2)
+SWA_WINDOW = 128
+
+
+def build_hf_model(family: str, small: bool, model_dir: str | None, device: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """(transformers model in `dtype` on `device`, a checkpoint directory the engine loads)."""
+    import transformers
+
+    if model_dir is not None:
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        return hf.eval(), model_dir
+    if family == "deepseek":
+        config = transformers.DeepseekV3Config(**(SMALL if small else MID))
+        model_cls = transformers.DeepseekV3ForCausalLM
+    elif family == "llama":
+        config = transformers.LlamaConfig(**(LLAMA_SMALL if small else LLAMA_1B))
+        model_cls = transformers.LlamaForCausalLM
+    else:  # granite-swa: transformers' default pattern (every fourth layer full) and sinks
+        shape = LLAMA_SMALL if small else LLAMA_1B
+        config = transformers.GraniteSWAConfig(**shape, sliding_window=SWA_WINDOW)
+        model_cls = transformers.GraniteSWAForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = model_cls(config).to(dtype).eval()
+    if family == "granite-swa":  # sinks start at zero: give them values that matter
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if name.endswith("sinks"):
+                    param.normal_(0, 1)
+    directory = tempfile.mkdtemp(prefix="bench_e2e.")
+    hf.save_pretrained(directory)
+    return hf, directory
 
 
 def sync(device: str) -> None:
@@ -165,6 +219,8 @@ def profile_decode(llm, prompts: torch.Tensor, device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--family", choices=("deepseek", "llama", "granite-swa"), default="deepseek")
+    parser.add_argument("--model-dir", help="a real checkpoint instead of a random --family model")
     parser.add_argument("--small", action="store_true", help="the reduced config (for CPUs)")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -181,17 +237,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     from jackfield import LLM, SamplingParams
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    config = DeepseekV3Config(**(SMALL if args.small else MID))
-    torch.manual_seed(0)
-    with torch.device(device):
-        hf = DeepseekV3ForCausalLM(config).to(dtype).eval()
+    hf, directory = build_hf_model(args.family, args.small, args.model_dir, device, dtype)
+    config = hf.config
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-    directory = tempfile.mkdtemp(prefix="bench_e2e.")
-    hf.save_pretrained(directory)
     flops, bandwidth = ceilings(device, dtype)
     llm = LLM(
         directory,
@@ -256,7 +307,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(
-        f"\ndevice {name}, {dtype}, backend {backend}, weights {weight_bytes / 2**20:.0f} MiB, "
+        f"\nmodel {args.model_dir or args.family}, device {name}, {dtype}, backend {backend}, "
+        f"weights {weight_bytes / 2**20:.0f} MiB, "
         f"prompt {args.prompt_len}, new tokens {args.new_tokens}, max_num_batched_tokens "
         f"{args.max_batched_tokens}, decode CUDA graphs: {llm.engine.runner.decode_graphs_off or 'on'}"
     )

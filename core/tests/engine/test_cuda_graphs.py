@@ -48,7 +48,7 @@ def test_only_steps_of_sampling_decodes_are_replayed(v3_dir) -> None:
 
     llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.max_num_seqs": 4})
     runner = llm.engine.runner
-    graphs = DecodeGraphs(llm.engine.model, runner.kv_caches, runner.contexts, runner.kv.num_blocks,
+    graphs = DecodeGraphs(llm.engine.model, runner.kv_caches, runner.contexts, 1, runner.kv.num_blocks,
                           llm.config.engine.block_size, llm.engine.max_model_len, 4, llm.engine.device)
     params = SamplingParams(max_tokens=4)
     decoding = Sequence(0, 3, [5, 6, 7, 8], params, seed=0, num_computed=3)  # its 4th token is new

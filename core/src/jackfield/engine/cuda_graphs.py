@@ -12,6 +12,8 @@ Python values are upper bounds fixed at capture (max_seq_len = max_model_len), w
 backends that declare `cuda_graph` support (their decode path reads lengths from the device
 tensors, never syncs, and accepts rows with no KV) are captured; the engine runs the rest eagerly.
 The slots a replay writes are checked on the host (the kernels' own per-call check would sync).
+A model with several KV cache groups (sliding-window layers beside full ones) has a slot and
+block-table buffer per group; lengths and positions are shared.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ class DecodeGraphs:
     """One CUDA graph of the model's forward per captured batch size (decode rows only)."""
 
     def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor], contexts: StepContextBuilder,
-                 num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                 num_groups: int, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  device: torch.device) -> None:
-        """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's."""
+        """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's;
+        `num_groups`: the model's KV cache groups."""
         self.model, self.kv_caches, self.contexts = model, kv_caches, contexts
         self.block_size, self.max_model_len = block_size, max_model_len
         self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
@@ -48,9 +51,10 @@ class DecodeGraphs:
         largest, width = self.sizes[-1], -(-max_model_len // block_size)
         self.input_ids = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
         self.positions = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
-        self.slot_mapping = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
         self.seq_lens = CpuGpuBuffer(largest, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(largest, width, dtype=torch.int32, device=device)
+        groups = range(num_groups)
+        self.slot_mapping = [CpuGpuBuffer(largest, dtype=torch.int64, device=device) for _ in groups]
+        self.block_table = [torch.zeros(largest, width, dtype=torch.int32, device=device) for _ in groups]
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -94,44 +98,43 @@ class DecodeGraphs:
         """Write the step's rows into the static buffers; rows past the batch see no KV and write none.
         The pinned host buffers are rewritten safely: the previous step's copies finished at its
         token read-back (the one sync a step)."""
-        n, bs = len(chunks), self.block_size
-        ids, positions, slots, seq_lens = [], [], [], []
-        for chunk in chunks:
-            seq = chunk.seq
-            pos = seq.num_computed
-            blocks = seq.block_tables[0]
-            ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            seq_lens.append(pos + 1)
-        if slots and not 0 <= min(slots) <= max(slots) < self.capacity:
-            raise ValueError(f"decode slots {min(slots)}..{max(slots)} outside the cache's "
-                             f"{self.capacity} slots")
-        pad = size - n
+        n, bs, pad = len(chunks), self.block_size, size - len(chunks)
+        positions = [c.seq.num_computed for c in chunks]
+        ids = [c.seq.token_ids[c.seq.num_computed] for c in chunks]
         self.input_ids.cpu[:size] = torch.tensor(ids + [0] * pad)
         self.positions.cpu[:size] = torch.tensor(positions + [0] * pad)
-        self.slot_mapping.cpu[:size] = torch.tensor(slots + [-1] * pad)
-        self.seq_lens.cpu[:size] = torch.tensor(seq_lens + [0] * pad, dtype=torch.int32)
-        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens):
+        self.seq_lens.cpu[:size] = torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32)
+        for buffer in (self.input_ids, self.positions, self.seq_lens):
             buffer.copy_to_device(size)
-        if n:  # entries past a row's seq_len (padding rows: all) are never read, so stale ones stay
-            width = max(len(c.seq.block_tables[0]) for c in chunks)
-            tables = [c.seq.block_tables[0] + [0] * (width - len(c.seq.block_tables[0])) for c in chunks]
-            self.block_table[:n, :width].copy_(
-                async_tensor_h2d(tables, torch.int32, self.block_table.device, True))
+        for group, slot_mapping in enumerate(self.slot_mapping):
+            block_table = self.block_table[group]
+            tables = [c.seq.block_tables[group] for c in chunks]
+            slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions, strict=True)]
+            if slots and not 0 <= min(slots) <= max(slots) < self.capacity:
+                raise ValueError(f"decode slots {min(slots)}..{max(slots)} outside the cache's "
+                                 f"{self.capacity} slots")
+            slot_mapping.cpu[:size] = torch.tensor(slots + [-1] * pad)
+            slot_mapping.copy_to_device(size)
+            if n:  # entries past a row's seq_len (padding rows: all) are never read, so stale ones stay
+                width = max(len(table) for table in tables)
+                padded = [table + [0] * (width - len(table)) for table in tables]
+                block_table[:n, :width].copy_(async_tensor_h2d(padded, torch.int32, block_table.device, True))
 
     def _context(self, size: int) -> StepContext:
         """Metadata over the static buffers, with the Python values as upper bounds."""
-        common = AttentionMetadata(
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens.gpu[:size],
-            block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping.gpu[:size],
-            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            num_decodes=size,
-            num_decode_tokens=size,
-        )
-        return self.contexts.build(self.kv_caches, [common], for_capture=True)
+        per_group = [
+            AttentionMetadata(
+                query_start_loc=self.query_start_loc[: size + 1],
+                seq_lens=self.seq_lens.gpu[:size],
+                block_table=block_table[:size],
+                slot_mapping=slot_mapping.gpu[:size],
+                query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+                seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+                num_decodes=size,
+                num_decode_tokens=size,
+            )
+            for slot_mapping, block_table in zip(self.slot_mapping, self.block_table, strict=True)
+        ]
+        return self.contexts.build(self.kv_caches, per_group, for_capture=True)

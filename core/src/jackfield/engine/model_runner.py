@@ -70,8 +70,6 @@ class ModelRunner:
         if not caps.cuda_graph_safe:
             return (f"{type(self.model).__name__} cannot be recorded here (a host sync in its forward, "
                     "e.g. MoE experts without bf16 grouped matmuls on compute capability >= 9.0)")
-        if self.groups.hybrid:
-            return "the model has several KV cache groups (sliding-window layers)"
         return None
 
     def _decode_graphs_off_reason(self, engine: EngineConfig) -> str | None:
@@ -91,8 +89,9 @@ class ModelRunner:
 
     def _capture_decode(self, engine: EngineConfig, max_model_len: int,
                         say: Callable[[str], None]) -> DecodeGraphs:
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.contexts, self.kv.num_blocks, self.block_size,
-                              max_model_len, engine.max_num_seqs, self.device)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.contexts, len(self.groups.windows),
+                              self.kv.num_blocks, self.block_size, max_model_len, engine.max_num_seqs,
+                              self.device)
         try:
             graphs.capture(say)
         except RuntimeError as exc:  # e.g. a host sync in a backend's decode path

@@ -24,7 +24,7 @@ from jackfield.contracts.model import ModelCapabilities
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
 from jackfield.models.layers import DecoderStack, GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
-from jackfield.models.moe import Experts
+from jackfield.models.moe import Experts, grouped_mm_supported
 from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
 
 _LAYER = r"(?P<layer>model\.layers\.\d+)"
@@ -204,11 +204,13 @@ class GraniteForCausalLM(DecoderStack):
     @functools.cached_property
     def capabilities(self) -> ModelCapabilities:
         a = self.arch
-        # cuda_graph_safe stays False until the standard-attention GPU path is measured with
-        # graphs (the engine then runs every Granite/Llama step eagerly, as before).
+        # Recordable unless MoE experts fall back to the per-expert loop (it reads group sizes on
+        # the host); the attention backend's own graph support is checked by the runner.
+        device = self.model.embed_tokens.weight.device
+        graph_safe = not a.num_experts or grouped_mm_supported(device, self.dtype)
         return ModelCapabilities(vocab_size=a.vocab_size, hidden_size=a.hidden_size,
                                  num_layers=len(self.layer_specs), max_model_len=a.max_position_embeddings,
-                                 dtype=self.dtype)
+                                 dtype=self.dtype, cuda_graph_safe=graph_safe)
 
     @classmethod
     def from_pretrained(
