@@ -5,7 +5,9 @@ set -uo pipefail
 out="${OUT:-/tmp/jackfield-gpu}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JACKFIELD_CACHE=/tmp/jackfield-cache
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/cuda_mla -e plugins/cpu_amx \
+editables=(-e core)
+for plugin in plugins/*/; do editables+=(-e "$plugin"); done
+python3 -m pip install -q --no-deps --no-build-isolation "${editables[@]}" \
     > "$out/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$out/pip.log"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -m jackfield.cli plugins > "$out/plugins.txt" 2>&1; grep -A1 "cuda_mla " "$out/plugins.txt"
@@ -13,8 +15,10 @@ python3 -m jackfield.cli plugins > "$out/plugins.txt" 2>&1; grep -A1 "cuda_mla "
 # where pytest-xdist is installed (serially they outlast 200 s on the H200 host; 8 workers: 124 s).
 # The rest runs serially (engine tests side by side on one GPU have not been tried).
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider $workers plugins/cuda_mla \
-    > "$out/gpu_tests_cuda_mla.log" 2>&1; tail -3 "$out/gpu_tests_cuda_mla.log"
+for plugin in ${GPU_PLUGINS:-cuda_mla cuda_attn}; do
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider $workers "plugins/$plugin" \
+        > "$out/gpu_tests_$plugin.log" 2>&1; echo "== $plugin GPU tests"; tail -3 "$out/gpu_tests_$plugin.log"
+done
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider core plugins/cpu_amx tests \
     > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
 timeout 60 python3 -m jackfield.cli run --max-tokens 32 > "$out/run.txt" 2>&1; tail -4 "$out/run.txt"
