@@ -142,6 +142,15 @@ def test_cli_broken_model_files_are_one_line_errors(model: Path) -> None:
     assert_user_error(run_cli("run", "--model", str(model)), "model.safetensors")
     (model / "model.safetensors").write_bytes(weights)
 
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model / "model.safetensors")
+    name = sorted(n for n, t in tensors.items() if t.is_floating_point())[0]
+    tensors[name].view(-1)[1] = float("nan")
+    save_file(tensors, model / "model.safetensors")
+    assert_user_error(run_cli("run", "--model", str(model)), "NaN or infinite values", name)
+    (model / "model.safetensors").write_bytes(weights)
+
     edit_json(model / "config.json", architectures=["MysteryForCausalLM"])
     assert_user_error(run_cli("run", "--model", str(model)), "config.json", "MysteryForCausalLM")
 

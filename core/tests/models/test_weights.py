@@ -60,3 +60,23 @@ def test_a_piece_written_twice_is_an_error_even_when_sizes_add_up() -> None:
               + [(f"{MLP}.gate_proj.weight", torch.randn(4, 3))])
     with pytest.raises(ValueError, match=r"(?s)written twice: .*gate_proj"):
         load_weights(params(), iter(source), DEEPSEEK_WEIGHTS)
+
+
+def test_non_finite_weights_are_named_in_the_models_dtype() -> None:
+    """A NaN in the file, and a finite float32 value beyond float16's range (inf once converted):
+    both named; a finite checkpoint loads (the params start as NaN, so a skipped copy would fail)."""
+    source = checkpoint()
+    source[f"{EXPERTS}.1.up_proj.weight"][2, 1] = float("nan")
+    source["model.norm.weight"][0] = 1e5  # float16's largest finite value is 65504
+    half = {name: t.half() for name, t in params().items()}
+    with pytest.raises(ValueError) as info:
+        load_weights(half, iter(source.items()), DEEPSEEK_WEIGHTS)
+    message = str(info.value)
+    assert "NaN or infinite values in float16" in message
+    assert f"{EXPERTS}.1.up_proj.weight" in message and "model.norm.weight" in message
+    assert f"{MLP}.gate_proj.weight" not in message
+    source[f"{EXPERTS}.1.up_proj.weight"][2, 1] = 0.5
+    with pytest.raises(ValueError, match="model.norm.weight") as info:  # 1e5 is still beyond float16
+        load_weights({name: t.half() for name, t in params().items()}, iter(source.items()), DEEPSEEK_WEIGHTS)
+    assert "up_proj" not in str(info.value)
+    load_weights(params(), iter(source.items()), DEEPSEEK_WEIGHTS)  # float32 holds 1e5

@@ -87,6 +87,9 @@ def load_weights(
     bad_shapes: list[str] = []
     duplicates: list[str] = []
     seen: set[tuple[str, int | None, tuple[int, int] | None]] = set()  # (param, expert, shard) pieces
+    # Per written float tensor, whether it is finite in the model's dtype (a NaN in the file, or a
+    # value beyond float16's range): device flags, read back once at the end (no sync per tensor).
+    finite: list[tuple[str, torch.Tensor]] = []
     with torch.no_grad():
         for hf_name, tensor in weights:
             try:
@@ -119,6 +122,8 @@ def load_weights(
                 continue
             dest.copy_(tensor)
             written[name] += dest.numel()
+            if dest.is_floating_point():
+                finite.append((hf_name, torch.isfinite(dest).all()))
     missing = [f"{n} ({w} of {params[n].numel()} elements)"
                for n, w in written.items() if w != params[n].numel()]
     problems = []
@@ -130,6 +135,13 @@ def load_weights(
         problems.append("tensors written twice: " + ", ".join(sorted(duplicates)))
     if missing:
         problems.append("parameters not written exactly once: " + ", ".join(sorted(missing)))
+    if finite:
+        flags = torch.stack([flag for _, flag in finite]).tolist()
+        non_finite = [hf_name for (hf_name, _), ok in zip(finite, flags, strict=True) if not ok]
+        if non_finite:
+            dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
+            problems.append(f"NaN or infinite values in {dtype} (in the file, or beyond {dtype}'s range): "
+                            + ", ".join(sorted(non_finite)))
     if problems:
         raise ValueError("the checkpoint does not match the model its config.json describes:\n  "
                          + "\n  ".join(problems))
