@@ -4,6 +4,7 @@ message before loading, and both report all problems at once (jackfield.prefligh
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -84,6 +85,41 @@ def test_unregistered_architecture(tmp_path: Path, capsys: pytest.CaptureFixture
                                        "architectures": ["MysteryForCausalLM"]}))
     assert_doctor_and_run_agree(tmp_path, capsys, model, {}, "config.json", "MysteryForCausalLM",
                                 "not registered")
+
+
+def test_a_kv_budget_below_one_block_or_above_the_hosts_memory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
+    tiny = random.uniform(1e-12, 1e-9)
+    assert_doctor_and_run_agree(tmp_path, capsys, model, {"engine.cpu_kv_cache_gib": tiny},
+                                f"engine.cpu_kv_cache_gib = {tiny}", "does not fit one block")
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    huge = random.uniform(1.5, 100) * host_gib
+    assert_doctor_and_run_agree(tmp_path, capsys, model, {"engine.cpu_kv_cache_gib": huge},
+                                f"engine.cpu_kv_cache_gib = {huge}", "more than this host's memory")
+
+
+def test_a_kv_cache_the_allocator_refuses_is_a_user_error(tmp_path: Path) -> None:
+    """Within the host's memory but beyond what this process may allocate (an address-space
+    limit stands in for a busy host): `run` exits 2 naming the settings, no traceback."""
+    import resource
+    import subprocess
+    import sys
+
+    limit = 7 * 2**30  # room for torch and the model, not for the cache
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    budget_gib = min(0.6 * host, 12 * 2**30) / 2**30
+    assert budget_gib * 2**30 > limit + 2**30, f"a host of {host / 2**30:.1f} GiB is too small for this test"
+    config = tmp_path / "big.toml"
+    config.write_text(f"[engine]\ncpu_kv_cache_gib = {budget_gib}\nmax_num_seqs = 1000000\n"
+                      "max_model_len = 2048\ndevice = \"cpu\"\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "jackfield.cli", "run", "--config", str(config), "--max-tokens", "2"],
+        capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "allocating the KV cache" in result.stderr and "engine.cpu_kv_cache_gib" in result.stderr
 
 
 def test_every_problem_is_reported_together(tmp_path: Path, capsys: pytest.CaptureFixture[str],

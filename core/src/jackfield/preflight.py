@@ -3,11 +3,16 @@ raises them (one ConfigError, all at once) before it loads anything, so the two 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from jackfield.attention.kv_cache import cache_dtype
 from jackfield.config import JackfieldConfig, unsupported_features
+from jackfield.contracts.attention import AttentionRequirements
 from jackfield.model_files import TOKENIZER_FILES, RemoteCodeError
 from jackfield.models.weights import checkpoint_files
 from jackfield.plugins import Registry, get_registry
@@ -61,12 +66,43 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
             problems.append(str(exc))
     attention, block_size = None, config.engine.block_size
     try:
-        attention = resolve_attention(config, attention_requirements(hf_config, config))
+        requirements = attention_requirements(hf_config, config)
+        attention = resolve_attention(config, requirements)
     except (ValueError, KeyError) as exc:  # SelectionError is a ValueError; KeyError: a missing size
         problems.append(str(exc))
-    if attention is not None and block_size is None:
-        block_size = pick_block_size(attention["decode"].backend, attention["prefill"].backend)
+    if attention is not None:
+        if block_size is None:
+            block_size = pick_block_size(attention["decode"].backend, attention["prefill"].backend)
+        problems += kv_budget_problems(config, hf_config, requirements, block_size)
     return Preflight(problems, attention, block_size)
+
+
+def kv_budget_problems(config: JackfieldConfig, hf_config: Mapping[str, object],
+                       requirements: AttentionRequirements, block_size: int) -> list[str]:
+    """A KV budget beyond this host's memory, or below one block of one layer (a lower bound of
+    a block's size: the engine checks the exact size, every layer, once the model is built)."""
+    engine = config.engine
+    if requirements.kind == "mla":
+        per_token = requirements.head_size
+    else:
+        kv_heads = hf_config.get("num_key_value_heads") or hf_config.get("num_attention_heads") or 1
+        per_token = 2 * int(kv_heads) * requirements.head_size  # type: ignore[call-overload]
+    itemsize = cache_dtype(requirements.kv_cache_dtype, requirements.dtype).itemsize
+    one_layer_block = per_token * block_size * itemsize
+    if requirements.device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        budget = free * engine.gpu_memory_fraction
+        where = f"engine.gpu_memory_fraction = {engine.gpu_memory_fraction} of {free / 2**30:.1f} GiB free"
+    else:
+        budget = engine.cpu_kv_cache_gib * 2**30
+        where = f"engine.cpu_kv_cache_gib = {engine.cpu_kv_cache_gib}"
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if budget > host:
+            return [f"{where} is more than this host's memory ({host / 2**30:.1f} GiB)"]
+    if budget < one_layer_block:
+        return [f"the KV cache budget ({where}) does not fit one block of one layer "
+                f"({one_layer_block} bytes: {block_size} tokens x {per_token} values x {itemsize} bytes)"]
+    return []
 
 
 def tokenizer_note(config: JackfieldConfig) -> str | None:

@@ -32,8 +32,13 @@ class KVCache:
         groups = plan_kv_cache_groups(layers)
         layer_of_tensor = {t: layer for layer, t in zip(layers, groups.layer_tensor, strict=True)}
         num_blocks = _num_blocks(list(layer_of_tensor.values()), groups, engine, max_model_len, dtype, device)
-        tensors = {t: allocate_kv_cache(layer, num_blocks, engine.block_size, dtype, device)
-                   for t, layer in layer_of_tensor.items()}
+        try:
+            tensors = {t: allocate_kv_cache(layer, num_blocks, engine.block_size, dtype, device)
+                       for t, layer in layer_of_tensor.items()}
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # the CPU allocator raises RuntimeError
+            setting = "engine.gpu_memory_fraction" if device.type == "cuda" else "engine.cpu_kv_cache_gib"
+            raise ConfigError([f"allocating the KV cache ({num_blocks} blocks) failed: lower {setting} "
+                               f"or engine.max_num_seqs ({str(exc).splitlines()[0][:200]})"]) from exc
         return cls(groups, num_blocks, engine.block_size, [tensors[t] for t in groups.layer_tensor])
 
 
