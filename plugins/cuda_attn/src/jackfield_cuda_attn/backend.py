@@ -53,7 +53,9 @@ class CudaAttnImpl(MHAImpl):
         return_lse: bool = False,
     ) -> AttentionOutput:
         if topk_indices is not None:
-            raise ValueError("cuda_attn does not support sparse top-k attention (capabilities: sparse_topk=False)")
+            raise ValueError(
+                "cuda_attn does not support sparse top-k attention (capabilities: sparse_topk=False)"
+            )
         check_attend_inputs(self.layer, query, kv_cache, metadata, kv_scale, sinks, topk_indices)
         decode_reqs, decode_rows, decode_query_len = decode_part(metadata)
         out, lse = paged_attention(

@@ -34,7 +34,14 @@ import triton
 import triton.language as tl
 from jackfield.ops.launch import DirectLauncher
 
-from jackfield_cuda_attn.kernels.checks import FP8, QUERY_DTYPES, check_cache, check_device, check_scale, require
+from jackfield_cuda_attn.kernels.checks import (
+    FP8,
+    QUERY_DTYPES,
+    check_cache,
+    check_device,
+    check_scale,
+    require,
+)
 
 MAX_DECODE_QUERY_LEN = 8
 LOG2E = 1.4426950408889634
@@ -191,9 +198,8 @@ def _decode_kernel(
     row = (q_start + qi).to(tl.int64)
     pos = seq_len - q_len + qi
     d = tl.arange(0, D)
-    q_tile = tl.load(
-        q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_live[:, None], other=0.0
-    )
+    q_ptrs = q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q_tile = tl.load(q_ptrs, mask=row_live[:, None], other=0.0)
 
     # This split's share of the tiles the request's rows can see (all computed on the device).
     tile_lo = 0
@@ -221,7 +227,8 @@ def _decode_kernel(
         if FP8:
             o = o * tl.load(kv_scale)
         at = row * NUM_HEADS + head
-        tl.store(part_out + split * stride_split_out + at[:, None] * D + d[None, :], o, mask=row_live[:, None])
+        part_ptrs = part_out + split * stride_split_out + at[:, None] * D + d[None, :]
+        tl.store(part_ptrs, o, mask=row_live[:, None])
         part = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(part_lse + split * stride_split_lse + at, part, mask=row_live)
     else:
@@ -264,7 +271,8 @@ def _merge_kernel(
     total = tl.sum(w, 0)
     if HAS_SINKS:
         total = tl.where(seen, total + tl.exp2(sink - top), total)
-    parts = tl.load(part_out + s[:, None] * stride_split_out + at * D + d[None, :], mask=used[:, None], other=0.0)
+    part_ptrs = part_out + s[:, None] * stride_split_out + at * D + d[None, :]
+    parts = tl.load(part_ptrs, mask=used[:, None], other=0.0)
     o = tl.sum(parts * w[:, None], 0) / tl.where(seen, total, 1.0)
     tl.store(out + row * stride_ot + head * D + d, o.to(out.dtype.element_ty))
     tl.store(lse + at, tl.where(seen, (top + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453,
@@ -334,9 +342,8 @@ def _prefill_kernel(
     row = (q_start + qi).to(tl.int64)
     pos = seq_len - q_len + qi
     d = tl.arange(0, D)
-    q_tile = tl.load(
-        q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_live[:, None], other=0.0
-    )
+    q_ptrs = q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q_tile = tl.load(q_ptrs, mask=row_live[:, None], other=0.0)
 
     # Tiles [tile_lo, tile_hi) hold every key a row of this block sees; [full_lo, full_hi) of them
     # are visible to all rows (no mask), the others lie on the window's or the diagonal's edge.
@@ -486,7 +493,9 @@ def paged_attention(
         0 <= decode_query_len <= MAX_DECODE_QUERY_LEN,
         lambda: f"decode_query_len {decode_query_len} must be in [0, {MAX_DECODE_QUERY_LEN}]",
     )
-    require(sliding_window is None or sliding_window > 0, lambda: f"sliding_window {sliding_window} must be > 0")
+    require(
+        sliding_window is None or sliding_window > 0, lambda: f"sliding_window {sliding_window} must be > 0"
+    )
     tokens, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_reqs = seq_lens.shape[0]
