@@ -5,7 +5,7 @@ set -uo pipefail
 out="${OUT:-/tmp/jackfield-gpu}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JACKFIELD_CACHE=/tmp/jackfield-cache
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/cuda_mla -e plugins/cpu_amx \
+python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/cuda_mla -e plugins/cuda_attn -e plugins/cpu_amx \
     > "$out/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$out/pip.log"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -m jackfield.cli plugins > "$out/plugins.txt" 2>&1; grep -A1 "cuda_mla " "$out/plugins.txt"
@@ -15,10 +15,13 @@ python3 -m jackfield.cli plugins > "$out/plugins.txt" 2>&1; grep -A1 "cuda_mla "
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider $workers plugins/cuda_mla \
     > "$out/gpu_tests_cuda_mla.log" 2>&1; tail -3 "$out/gpu_tests_cuda_mla.log"
+# cuda_attn: its gpu tests and its kernel tests (which take the GPU where there is one).
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider $workers plugins/cuda_attn -k "not Interpreted" \
+    > "$out/gpu_tests_cuda_attn.log" 2>&1; tail -3 "$out/gpu_tests_cuda_attn.log"
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider core plugins/cpu_amx tests \
     > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
 timeout 60 python3 -m jackfield.cli run --max-tokens 32 > "$out/run.txt" 2>&1; tail -4 "$out/run.txt"
-for bench in ${BENCHES:-bench_mla bench_e2e bench_sampler accuracy_e2e}; do
+for bench in ${BENCHES:-bench_mla bench_attn bench_e2e bench_sampler accuracy_e2e}; do
     timeout "${BENCH_TIMEOUT:-240}" python3 "benchmarks/$bench.py" > "$out/$bench.txt" 2>&1
     echo "== $bench (rc=$?)"; tail -25 "$out/$bench.txt"
 done
