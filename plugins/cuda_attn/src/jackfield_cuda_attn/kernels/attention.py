@@ -318,7 +318,7 @@ def _prefill_kernel(
     chunk = tl.program_id(1) % NUM_CHUNKS
     first_row = tl.load(query_start)
     # The request whose blocks hold `target`: the last b with start(b) <= target.
-    lo = 0
+    lo: tl.int32 = 0  # a tensor from the start: the loop reassigns it
     hi = num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
