@@ -29,7 +29,7 @@ def decode_part(metadata: AttentionMetadata) -> tuple[int, int, int]:
     """(requests, rows, longest query) the decode kernel serves: all of a step whose queries are
     short (no host values read but the upper bound max_query_len), else its leading decodes."""
     if metadata.max_query_len <= MAX_DECODE_QUERY_LEN:
-        return metadata.num_reqs, metadata.num_tokens, metadata.max_query_len
+        return metadata.num_reqs, int(metadata.query_start_loc_cpu[-1]), metadata.max_query_len
     decodes = metadata.num_decodes
     if decodes == 0:
         return 0, 0, 0
