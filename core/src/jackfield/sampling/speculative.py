@@ -29,6 +29,19 @@ NO_TOKEN = -1
 ACCEPT_TOKEN = MASK32  # the token word of the acceptance uniforms: no vocabulary reaches 2**32 - 1
 
 
+def greedy_accept(draft_ids: list[int], target_ids: list[int]) -> list[int]:
+    """The greedy rule on host lists (rejection_verify with one-hot p, without the vocabulary-wide
+    work): the target's argmax at each draft while it equals the draft, then the argmax at the
+    first mismatch, or the bonus target_ids[len(draft_ids)] when every draft matched."""
+    if len(target_ids) != len(draft_ids) + 1:
+        raise ValueError(f"{len(draft_ids)} drafts need {len(draft_ids) + 1} target tokens, "
+                         f"got {len(target_ids)}")
+    for j, (draft, target) in enumerate(zip(draft_ids, target_ids, strict=False)):
+        if draft != target:
+            return target_ids[: j + 1]
+    return list(target_ids)
+
+
 def target_probabilities(logits: torch.Tensor, temperature: torch.Tensor,
                          cutoff: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [R, V]: softmax(logits / T) over the tokens the sampler could draw (finite logits
