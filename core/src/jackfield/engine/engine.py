@@ -163,17 +163,14 @@ class Engine:
         pooled = iter(result.embeddings)
         for chunk in chunks:
             seq, samples = chunk.seq, chunk.samples  # `samples` reads num_computed: before the update
-            new_tokens, logprobs = next(sampled) if samples and seq.pooling is None else ([], None)
-            # KV is valid for the known rows and the accepted drafts (the first new tokens);
-            # a rejected draft's slot is overwritten when its position is computed again.
-            accepted = max(len(new_tokens) - 1, 0)
-            seq.num_computed += chunk.num_tokens - chunk.num_drafts + accepted
-            if chunk.num_drafts:
-                seq.speculative.record(chunk.num_drafts, accepted)
             seq.draft_ids = []
             if not samples:
+                seq.num_computed += chunk.num_tokens
                 self.block_manager.commit(seq)
                 continue
+            new_tokens, logprobs = next(sampled) if seq.pooling is None else ([], None)
+            if chunk.num_drafts:
+                seq.speculative.record(chunk.num_drafts, len(new_tokens) - 1)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason: str | None = None
@@ -187,8 +184,9 @@ class Engine:
                 reason = self._stop_reason(seq, token)
                 if reason:
                     break
-            # The last new token has no KV yet (a request that stopped early emitted fewer tokens).
-            seq.num_computed = min(seq.num_computed, seq.num_tokens - (seq.pooling is None))
+            # Every token but the newest has its KV now: the chunk's known rows and its accepted
+            # drafts (a rejected draft's slot is overwritten when that position is computed again).
+            seq.num_computed = seq.num_tokens - (seq.pooling is None)
             self.block_manager.commit(seq)
             if reason:
                 seq.finish_time = now
