@@ -49,6 +49,9 @@ class SamplerConfig:
 class SpeculativeConfig:
     method: str | None = None  # a registered drafter name
     num_speculative_tokens: int = 0
+    model: str | None = None  # a draft checkpoint directory (drafters with their own weights)
+    prompt_lookup_min: int = 5  # n-gram: the shortest suffix matched (vLLM's default)
+    prompt_lookup_max: int = 5  # n-gram: the longest suffix matched
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,11 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
          f"speculative.num_speculative_tokens must be >= 0, got {s.num_speculative_tokens}"),
         (s.method is None or s.num_speculative_tokens > 0,
          "speculative.num_speculative_tokens must be > 0 when speculative.method is set"),
+        (1 <= s.prompt_lookup_min <= s.prompt_lookup_max,
+         f"speculative.prompt_lookup_min ({s.prompt_lookup_min}) must be >= 1 and <= "
+         f"speculative.prompt_lookup_max ({s.prompt_lookup_max})"),
+        (s.model is None or s.model != "",
+         "speculative.model is empty (leave it out when the drafter has none)"),
         (config.parallel.dcp_size >= 1, f"parallel.dcp_size must be >= 1, got {config.parallel.dcp_size}"),
         (config.sampler.seed >= 0, f"sampler.seed must be >= 0, got {config.sampler.seed}"),
         (config.attention.drafter_backend is None or s.method is not None,
@@ -284,8 +292,6 @@ def resolve_config(config: JackfieldConfig | str | Path | None = None, model: st
 def unsupported_features(config: JackfieldConfig) -> list[str]:
     """Config features this engine does not run yet: fail before anything loads (doctor says so too)."""
     problems = []
-    if config.speculative.method is not None:
-        problems.append("speculative decoding (speculative.method) is not run by this engine yet")
     if config.kv_connector.name is not None:
         problems.append("KV connectors (kv_connector.name) are not run by this engine yet")
     if config.parallel.dcp_size != 1:

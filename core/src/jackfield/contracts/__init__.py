@@ -11,7 +11,13 @@ from jackfield.contracts.attention import (
     AttentionRequirements,
     Availability,
 )
-from jackfield.contracts.drafter import Drafter, DraftProposal, combined_lookahead, exportable_tokens
+from jackfield.contracts.drafter import (
+    Drafter,
+    DrafterOptions,
+    DraftProposal,
+    combined_lookahead,
+    exportable_tokens,
+)
 from jackfield.contracts.kv_connector import (
     ConnectorMetadata,
     KVConnectorScheduler,
@@ -33,6 +39,7 @@ __all__ = [
     "ConnectorMetadata",
     "DraftProposal",
     "Drafter",
+    "DrafterOptions",
     "KVConnectorScheduler",
     "KVConnectorWorker",
     "KVCoverageSpec",

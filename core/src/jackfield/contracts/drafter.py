@@ -16,14 +16,30 @@ class DraftProposal:
     token_ids: list[list[int]]
 
 
+@dataclass(frozen=True)
+class DrafterOptions:
+    """What a drafter is built from (the config's [speculative] table): the engine calls a
+    registered drafter's factory with one of these."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5  # n-gram lookup: shortest and longest suffix matched
+    prompt_lookup_max: int = 5
+    model: str | None = None  # a draft checkpoint directory, for drafters with their own weights
+
+
 class Drafter(ABC):
     """Proposes up to `num_speculative_tokens` tokens per request for the target to verify."""
 
     name: str
 
+    def __init__(self, options: DrafterOptions) -> None:
+        if options.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {options.num_speculative_tokens}")
+        self.options = options
+
     @property
-    @abstractmethod
-    def num_speculative_tokens(self) -> int: ...
+    def num_speculative_tokens(self) -> int:
+        return self.options.num_speculative_tokens
 
     @property
     def lookahead_tokens(self) -> int:

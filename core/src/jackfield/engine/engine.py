@@ -21,6 +21,7 @@ import torch
 
 from jackfield.config import ConfigError, JackfieldConfig
 from jackfield.contracts.attention import AttentionBackends
+from jackfield.contracts.drafter import Drafter, DrafterOptions
 from jackfield.contracts.sampler import Sampler, SamplingParams
 from jackfield.engine.block_manager import BlockManager, max_request_blocks
 from jackfield.engine.model_runner import ModelRunner
@@ -52,6 +53,7 @@ class Engine:
         config = dataclasses.replace(config, engine=engine_config)
         self.config = config
         sampler = _sampler(config)  # a config naming a missing sampler fails before any loading
+        self.drafter = _drafter(config)
         self.device = torch.device(resolve_device(config))
         if config.model.path is None:
             say("creating the embedded default model")
@@ -161,26 +163,50 @@ class Engine:
         pooled = iter(result.embeddings)
         for chunk in chunks:
             seq, samples = chunk.seq, chunk.samples  # `samples` reads num_computed: before the update
-            seq.num_computed += chunk.num_tokens
-            self.block_manager.commit(seq)
+            seq.draft_ids = []
             if not samples:
+                seq.num_computed += chunk.num_tokens
+                self.block_manager.commit(seq)
                 continue
+            new_tokens, logprobs = next(sampled) if seq.pooling is None else ([], None)
+            if chunk.num_drafts:
+                seq.speculative.record(chunk.num_drafts, len(new_tokens) - 1)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            reason: str | None = None
             if seq.pooling is not None:
                 seq.embedding = next(pooled)
-                reason: str | None = "pooled"
-            else:
-                token, logprobs = next(sampled)
+                reason = "pooled"
+            for j, token in enumerate(new_tokens):  # up to the first that ends the request
                 seq.token_ids.append(token)
                 if logprobs is not None:
-                    seq.logprobs.append(logprobs)
+                    seq.logprobs.append(logprobs[j])
                 reason = self._stop_reason(seq, token)
+                if reason:
+                    break
+            # Every token but the newest has its KV now: the chunk's known rows and its accepted
+            # drafts (a rejected draft's slot is overwritten when that position is computed again).
+            seq.num_computed = seq.num_tokens - (seq.pooling is None)
+            self.block_manager.commit(seq)
             if reason:
                 seq.finish_time = now
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
+        if self.drafter is not None:
+            self._propose([c.seq for c in chunks if c.seq in self.scheduler.running])
         return finished
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        """Drafts for the requests that decode next step, no more than their remaining tokens and
+        max_model_len leave room for (a verify step emits up to drafts + 1 tokens)."""
+        assert self.drafter is not None
+        decoding = [s for s in seqs if s.num_uncomputed == 1 and s.pooling is None]
+        if not decoding:
+            return
+        proposal = self.drafter.propose([s.token_ids for s in decoding])
+        for seq, drafts in zip(decoding, proposal.token_ids, strict=True):
+            room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
+            seq.draft_ids = list(drafts[: max(room, 0)])
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -197,6 +223,24 @@ def _sampler(config: JackfieldConfig) -> Sampler:
     except KeyError as exc:
         raise ConfigError([f"sampler.name: {exc.args[0]}"]) from None
     return resolve_factory(entry.spec.factory)()  # type: ignore[operator,return-value]
+
+
+def _drafter(config: JackfieldConfig) -> Drafter | None:
+    """The drafter [speculative] names, built from its options (None: no speculative decoding)."""
+    spec = config.speculative
+    if spec.method is None:
+        return None
+    entry = get_registry().lookup("drafter", spec.method)  # preflight named a missing one
+    options = DrafterOptions(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                             spec.model)
+    try:
+        drafter = resolve_factory(entry.spec.factory)(options)  # type: ignore[operator]
+    except ValueError as exc:  # the drafter refuses its options
+        raise ConfigError([f"speculative.method {spec.method!r}: {exc}"]) from None
+    if not isinstance(drafter, Drafter):
+        raise ConfigError([f"speculative.method {spec.method!r}: {entry.spec.factory} built a "
+                           f"{type(drafter).__name__}, not a Drafter"])
+    return drafter
 
 
 def _eos_ids(config_json: dict[str, object], tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

@@ -105,6 +105,7 @@ class LLM:
                                    seq.finish_time - seq.arrival_time),
             num_cached_tokens=seq.num_cached_prefix,
             num_preemptions=seq.num_preemptions,
+            speculative=seq.speculative if self.engine.drafter is not None else None,
         )
 
 

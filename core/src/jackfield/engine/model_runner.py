@@ -8,6 +8,7 @@ request's known tokens); an embedding request's rows are pooled instead.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,13 +26,15 @@ from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import StepContextBuilder
 from jackfield.models.embedding import pool
 from jackfield.ops.staging import async_tensor_h2d, host_single_threaded
-from jackfield.sampling.processors import bias_and_mask_from_params
+from jackfield.sampling.filters import filter_cutoffs
+from jackfield.sampling.processors import apply_bias_and_mask, bias_and_mask_from_params
+from jackfield.sampling.speculative import NO_TOKEN, greedy_accept, rejection_verify, target_probabilities
 
 
 @dataclass(frozen=True)
 class StepResult:
-    token_ids: list[int]  # one per sampling chunk, in chunk order
-    logprobs: list[dict[int, float] | None]
+    token_ids: list[list[int]]  # per sampling chunk, in chunk order: its new tokens (1 + accepted drafts)
+    logprobs: list[list[dict[int, float]] | None]  # per sampling chunk: one dict per new token
     embeddings: list[torch.Tensor]  # one [hidden] float32 per pooling chunk, in chunk order
 
 
@@ -124,11 +127,11 @@ class ModelRunner:
         query_start = [0]
         seq_lens: list[int] = []
         for chunk in chunks:
-            seq, start = chunk.seq, chunk.seq.num_computed
-            input_ids += seq.token_ids[start : start + chunk.num_tokens]
+            seq, start, known = chunk.seq, chunk.seq.num_computed, chunk.num_tokens - chunk.num_drafts
+            input_ids += seq.token_ids[start : start + known] + seq.draft_ids[: chunk.num_drafts]
             query_start.append(query_start[-1] + chunk.num_tokens)
             seq_lens.append(start + chunk.num_tokens)
-        num_decodes = sum(1 for c in chunks if c.num_tokens == 1)  # the scheduler put them first
+        decodes = [c for c in chunks if c.is_decode]  # the scheduler put them first
         qsl_cpu = torch.tensor(query_start, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         # Per row: its request and position (vectorized: a prefill chunk has thousands of rows).
@@ -142,8 +145,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_cpu,
             max_query_len=max(c.num_tokens for c in chunks),
             max_seq_len=max(seq_lens),
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
+            num_decodes=len(decodes),
+            num_decode_tokens=sum(c.num_tokens for c in decodes),
             causal=self.capabilities.causal,
         )
         bs = self.block_size
@@ -158,7 +161,10 @@ class ModelRunner:
         return per_group, input_ids, positions
 
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
-        params = [c.seq.params for c in sampling]
+        """One row per sampled position: a verify chunk's row i samples position num_tokens + i
+        (its last row is the bonus token's distribution)."""
+        rows = [(c.seq, c.seq.num_tokens + i) for c in sampling for i in range(1 + c.num_drafts)]
+        params = [seq.params for seq, _ in rows]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         bias, allowed = bias_and_mask_from_params(params, self.capabilities.vocab_size, self.device)
         return SamplingMetadata(
@@ -166,8 +172,8 @@ class ModelRunner:
             top_k=self._h2d([max(p.top_k, 0) for p in params], torch.int64),
             top_p=self._h2d([p.top_p for p in params], torch.float32),
             min_p=self._h2d([p.min_p for p in params], torch.float32),
-            seeds=self._h2d([c.seq.seed for c in sampling], torch.int64),
-            positions=self._h2d([c.seq.num_tokens for c in sampling], torch.int64),
+            seeds=self._h2d([seq.seed for seq, _ in rows], torch.int64),
+            positions=self._h2d([position for _, position in rows], torch.int64),
             max_num_logprobs=max(asked) if asked else None,
             logit_bias=bias,
             allowed_token_mask=allowed,
@@ -204,7 +210,8 @@ class ModelRunner:
             hidden, embeddings = self._pool(chunks, hidden)
         if not sampling:
             return StepResult([], [], embeddings)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)  # one row per sampled position
+        metadata = None
         if all(_plain_greedy(c.seq.params) for c in sampling):
             out = greedy(logits)
         else:
@@ -214,17 +221,51 @@ class ModelRunner:
         tokens = out.token_ids
         if out.invalid_rows is not None:
             tokens = torch.where(out.invalid_rows, -1, tokens)
-        token_ids = tokens.tolist()  # the step's one host sync
+        token_ids = tokens.tolist()  # the step's one host sync (a random verify adds one)
         if -1 in token_ids:
             raise FloatingPointError("the model produced no finite logit for a request (NaN/inf activations)")
-        logprobs: list[dict[int, float] | None] = [None] * len(sampling)
+        first_row = list(itertools.accumulate((1 + c.num_drafts for c in sampling), initial=0))
+        emitted = [greedy_accept(c.seq.draft_ids[: c.num_drafts], token_ids[first_row[i] : first_row[i + 1]])
+                   for i, c in enumerate(sampling)]
+        randomly = [i for i, c in enumerate(sampling) if c.num_drafts and c.seq.params.temperature > 0]
+        if randomly:
+            assert metadata is not None  # a sampled row is never plain greedy
+            verified = self._rejection_verify([sampling[i] for i in randomly],
+                                              [first_row[i] for i in randomly], logits, tokens, metadata)
+            for i, new_tokens in zip(randomly, verified, strict=True):
+                emitted[i] = new_tokens
+        logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)
         if out.logprobs is not None and out.logprob_token_ids is not None:
             ids, values = out.logprob_token_ids.tolist(), out.logprobs.tolist()
             for i, chunk in enumerate(sampling):
                 k = chunk.seq.params.logprobs
-                if k is not None:
-                    logprobs[i] = dict(zip(ids[i][:k], values[i][:k], strict=True))
-        return StepResult(token_ids, logprobs, embeddings)
+                if k is not None:  # token j of a verify chunk came from the chunk's row j
+                    rows = range(first_row[i], first_row[i] + len(emitted[i]))
+                    logprobs[i] = [dict(zip(ids[r][:k], values[r][:k], strict=True)) for r in rows]
+        return StepResult(emitted, logprobs, embeddings)
+
+    def _rejection_verify(self, chunks: list[ScheduledChunk], first_rows: list[int], logits: torch.Tensor,
+                          sampled: torch.Tensor, metadata: SamplingMetadata) -> list[list[int]]:
+        """The new tokens of sampled (temperature > 0) verify chunks: their drafts against the
+        target's distributions at those rows (bias, allowed tokens and top-k/top-p/min-p applied,
+        as the sampler applies them), the bonus being the token the sampler drew at the last row."""
+        m = metadata
+        adjusted = apply_bias_and_mask(logits, m)
+        cutoff = filter_cutoffs(adjusted, m.temperature, m.top_k, m.top_p, m.min_p)
+        width = max(c.num_drafts for c in chunks)
+        # Row of each request's draft j (padding points at its first row: masked by NO_TOKEN).
+        rows = [[first + min(j, c.num_drafts - 1) for j in range(width)]
+                for c, first in zip(chunks, first_rows, strict=True)]
+        index = self._h2d(rows, torch.int64).flatten()
+        probs = target_probabilities(adjusted[index], m.temperature[index],
+                                     None if cutoff is None else cutoff[index]).view(len(chunks), width, -1)
+        drafts = [c.seq.draft_ids[: c.num_drafts] + [NO_TOKEN] * (width - c.num_drafts) for c in chunks]
+        bonus = sampled[self._h2d([first + c.num_drafts for c, first in zip(chunks, first_rows, strict=True)],
+                                  torch.int64)]
+        out = rejection_verify(self._h2d(drafts, torch.int64), probs, None, bonus,
+                               self._h2d([c.seq.seed for c in chunks], torch.int64),
+                               self._h2d([c.seq.num_tokens for c in chunks], torch.int64))
+        return [[t for t in row if t != NO_TOKEN] for row in out.tolist()]
 
     def _pool(self, chunks: list[ScheduledChunk],
               hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -238,9 +279,9 @@ class ModelRunner:
                 n = chunk.num_tokens
                 embeddings.append(pool(hidden[start : start + n], [0, n], chunk.seq.pooling)[0])
                 start += n
-            elif chunk.samples:
-                sample_rows.append(start)
-                start += 1
+            elif chunk.samples:  # its last row, and its drafts' rows
+                sample_rows += range(start, start + 1 + chunk.num_drafts)
+                start += 1 + chunk.num_drafts
         return (hidden if not embeddings else hidden[sample_rows]), embeddings
 
 
@@ -252,7 +293,7 @@ def _output_rows(chunks: list[ScheduledChunk]) -> list[int]:
     for chunk in chunks:
         end = start + chunk.num_tokens
         if chunk.samples:
-            rows += range(start, end) if chunk.seq.pooling is not None else [end - 1]
+            rows += range(start if chunk.seq.pooling is not None else end - 1 - chunk.num_drafts, end)
         start = end
     return rows
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jackfield.engine.sequence import SpeculativeStats
+
 
 @dataclass(frozen=True)
 class RequestTimings:
@@ -23,3 +25,4 @@ class RequestOutput:
     timings: RequestTimings
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     num_preemptions: int
+    speculative: SpeculativeStats | None = None  # drafts and acceptance (None: no speculative decoding)

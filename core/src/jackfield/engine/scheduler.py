@@ -20,12 +20,18 @@ from jackfield.engine.sequence import Sequence, Status
 @dataclass(frozen=True)
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int  # query rows this step, from seq.num_computed on
+    num_tokens: int  # query rows this step, from seq.num_computed on (drafts included)
+    num_drafts: int = 0  # the last rows are seq.draft_ids[:num_drafts], verified this step
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so the step samples the next one."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed + self.num_tokens - self.num_drafts == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token (and its drafts): the attention backends' decode role serves it."""
+        return self.num_tokens - self.num_drafts == 1
 
 
 class Scheduler:
@@ -54,6 +60,13 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             count = min(seq.num_uncomputed, budget)
+            # A decode verifies its drafts when all of them fit the budget (their KV slots are
+            # reserved with the rest; rejected ones are overwritten later), else decodes plainly.
+            drafts = len(seq.draft_ids)
+            drafts = drafts if count == seq.num_uncomputed == 1 <= budget - drafts else 0
+            count += drafts
+            if drafts and not self.blocks.can_grow(seq, seq.num_computed + count):
+                count, drafts = count - drafts, 0  # drafts never preempt another request
             while not self.blocks.can_grow(seq, seq.num_computed + count):
                 self._preempt(self.running[-1])
                 preempted = True
@@ -61,7 +74,7 @@ class Scheduler:
                     break  # seq itself was the newest: it waits now
             else:
                 self.blocks.grow(seq, seq.num_computed + count)
-                chunks.append(ScheduledChunk(seq, count))
+                chunks.append(ScheduledChunk(seq, count, drafts))
                 budget -= count
                 index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
@@ -81,7 +94,7 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, count))
             budget -= count
-        chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first, FCFS within each kind
+        chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first, FCFS within each kind
         return chunks
 
     def _preempt(self, seq: Sequence) -> None:
@@ -89,6 +102,7 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = Status.WAITING
         seq.num_computed = 0
+        seq.draft_ids = []  # proposed again once it decodes
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -17,6 +17,45 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class SpeculativeStats:
+    """Speculative decoding of one request (or, summed, of a run)."""
+
+    drafts: int = 0  # verify steps with at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts whose token j was accepted
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step: 1 + accepted / drafts (1.0 when nothing was drafted)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        grow = num_drafted - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(grow, 0)
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    def add(self, other: SpeculativeStats) -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        grow = len(other.accepted_per_position) - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(grow, 0)
+        for j, count in enumerate(other.accepted_per_position):
+            self.accepted_per_position[j] += count
+
+    def as_dict(self) -> dict[str, object]:
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position),
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4)}
+
+
 @dataclass(eq=False)  # identity: the scheduler's lists hold each request once
 class Sequence:
     """`token_ids` is prompt + generated so far. `num_computed` tokens have their KV in the cache
@@ -34,6 +73,8 @@ class Sequence:
     num_cached_prefix: int = 0  # tokens served by the prefix cache on the first admission
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)  # proposed after token_ids, verified next step
+    speculative: SpeculativeStats = field(default_factory=lambda: SpeculativeStats())
     embedding: torch.Tensor | None = None  # an embedding request's pooled vector [hidden] float32
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
