@@ -97,8 +97,8 @@ def test_bad_requests_fail_with_clear_errors(llm: LLM) -> None:
 def test_bad_engine_configs_fail_before_loading(v3_dir) -> None:
     with pytest.raises(ConfigError, match="matches no config field"):
         LLM(v3_dir, not_a_field=1)
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        LLM(v3_dir, method="ngram", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="decode context parallel"):
+        LLM(v3_dir, dcp_size=2)
     with pytest.raises(ConfigError, match="does not fit one block"):
         LLM(v3_dir, backend="torch_ref", cpu_kv_cache_gib=1e-9)
     with pytest.raises(ValueError, match="needs 6 KV blocks; the cache has 4"):
