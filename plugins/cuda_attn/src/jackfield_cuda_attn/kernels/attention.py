@@ -144,7 +144,10 @@ def _store_rows(
     tl.store(lse_ptrs, lse, mask=row_live)
 
 
-@triton.jit
+# Per-step integers (request and split counts, block-table widths, the split buffers' strides)
+# are not specialized: Triton would compile a variant per divisibility class of each, and a
+# serving engine meets new step shapes for a long time (compiles of 0.5-2 s inside requests).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_split_out", "stride_split_lse", "window"])
 def _decode_kernel(
     q,
     k_cache,
@@ -237,7 +240,7 @@ def _decode_kernel(
                     HAS_SINKS, FP8)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_split_out", "stride_split_lse"])
 def _merge_kernel(
     part_out,
     part_lse,
@@ -279,7 +282,7 @@ def _merge_kernel(
                                 float("-inf")))  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "window"])
 def _prefill_kernel(
     q,
     k_cache,

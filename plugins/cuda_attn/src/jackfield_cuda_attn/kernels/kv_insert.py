@@ -24,7 +24,7 @@ from jackfield_cuda_attn.kernels.checks import FP8, FP8_MAX, check_cache, check_
 BLOCK_T = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a step's token count: one compile, not three
 def _kv_insert_kernel(
     key,
     value,

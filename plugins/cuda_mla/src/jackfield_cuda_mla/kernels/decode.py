@@ -402,6 +402,7 @@ def _launch_triton_stage1(
         and page % cfg.block_n == 0
         and triton.next_power_of_2(kv_lora_rank) == kv_lora_rank
         and triton.next_power_of_2(rope) == rope
+        and rope >= 16  # the TMA tile's rope product is a tl.dot: K >= 16 (narrower ropes gather, padded)
     )
     kv_desc = pe_desc = None
     if use_tma:
