@@ -24,12 +24,14 @@ from jackfield.contracts.attention import AttentionCapabilities, Availability
 ComputePath = Literal["amx_bf16", "avx512_fp32"]
 
 CPU_AMX_CAPABILITIES = AttentionCapabilities(
-    kinds=("mla",),
+    kinds=("mla", "mha"),
     activation_dtypes=(torch.bfloat16, torch.float32),
     kv_cache_dtypes=("auto", "bfloat16"),
     head_sizes=None,
     block_size_multiple=1,
     devices=("cpu",),
+    sliding_window=True,
+    sinks=True,
     non_causal=True,
     dcp=True,
     max_decode_query_len=8,
