@@ -121,4 +121,7 @@ def availability(status: AmxStatus | None = None) -> Availability:
     from jackfield_cpu_amx.native import decode_kernel_name, native_decode_kernel  # builds: not at import
 
     kernel = native_decode_kernel() if status.enabled else "no AMX tiles"
-    return Availability.yes(f"{status.path}: {status.reason}; decode: {decode_kernel_name(kernel)}")
+    return Availability.yes(
+        f"{status.path}: {status.reason}; MLA decode: {decode_kernel_name(kernel)}; "
+        "MHA: PyTorch's CPU flash kernel"
+    )
