@@ -40,9 +40,9 @@ from jackfield_cpu_amx.kernels import (
 )
 from jackfield_cpu_amx.native import NativeKernel, native_decode_kernel, unfit_reason
 from jackfield_cpu_amx.plan import (
+    NATIVE_MAX_Q_LEN,
     PLANS_KEY,
     CpuAmxMetadataBuilder,
-    NATIVE_MAX_Q_LEN,
     RequestGroup,
     Scratch,
     StepPlan,

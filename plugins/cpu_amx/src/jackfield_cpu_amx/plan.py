@@ -143,7 +143,10 @@ class RequestGroup:
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32 rows of this group
     seq_lens: torch.Tensor  # [num_reqs] int64
     decode_tables: DecodeTables | None  # for the native kernel; None past NATIVE_MAX_Q_LEN
-    _chunks: dict[tuple[int, bool, int | None, bool], KeyChunks] = field(default_factory=dict, compare=False, repr=False)
+    # (block size, split, sliding window, kernel_causal) -> layout
+    _chunks: dict[tuple[int, bool, int | None, bool], KeyChunks] = field(
+        default_factory=dict, compare=False, repr=False
+    )
     _native: dict[tuple[int, int, int], NativeLayout] = field(default_factory=dict, compare=False, repr=False)
 
     def native_layout(self, block_size: int, num_heads: int, num_threads: int) -> NativeLayout:
