@@ -107,11 +107,18 @@ def main() -> None:
         "--prefill-tokens", type=int, default=4096,
         help="prefill only where B * S is at most this (torch_ref's per-request prefill is slow)",
     )
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads (default: torch's). On a shared machine one thread can beat two: a parallel "
+        "region waits for its slowest thread, and a thread the OS parked waits a scheduler slice",
+    )
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--ref-iters", type=int, default=2, help="torch_ref's decode runs (prefill: 1)")
     parser.add_argument("--append", default=None, help="append the table to this markdown file")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     status = detected_amx_status()
     load_before = os.getloadavg()[0]
     bandwidth = copy_bandwidth()
@@ -166,7 +173,8 @@ def main() -> None:
         with open(args.append, "a") as f:
             f.write(
                 f"\n### cpu_amx MHA, {args.dtype}, {datetime.date.today()}\n\n{header}\n\n"
-                f"Command: `python benchmarks/bench_cpu_attn.py --dtype {args.dtype}`\n\n"
+                f"Command: `python benchmarks/bench_cpu_attn.py --dtype {args.dtype}"
+                + (f" --threads {args.threads}" if args.threads is not None else "") + "`\n\n"
                 + "\n".join(rows) + "\n"
             )
 
