@@ -1,13 +1,16 @@
 """The per-step plan: everything every layer of a step shares, computed once in build().
 
 Requests are cut into groups. A group is a run of consecutive requests with the same query
-length (decode and prefill requests never share one), within a budget of gathered keys (the
-gather buffer's size). Each group's query rows are contiguous, so its queries fold into one
-[g, q_len * H, D] batch: every product has q_len * H >= 16 rows (one AMX tile height) whenever
-H >= 16, or several tokens of H >= 8 heads. Each request's keys are cut into chunks of whole
-blocks, each chunk one task of the fused attention kernel. The block size is a property of the
-cache, not of the metadata, so the gather layout (block ids, never-written rows, masks) is
-resolved for it once per step, on the first layer, and reused by the rest.
+length (decode and prefill requests never share one), within budgets of gathered keys (the
+gather buffer's size) and mask entries (requests x query rows x keys). Each group's query rows
+are contiguous, so its queries fold into one [g, q_len * H, D] batch: every product has
+q_len * H >= 16 rows (one AMX tile height) whenever H >= 16, or several tokens of H >= 8 heads.
+Each request's keys are cut into chunks of whole blocks, each chunk one task of the fused
+attention kernel. The block size is a property of the cache, not of the metadata, so the gather
+layout (block ids, never-written rows, masks) is resolved for it once per step, on the first
+layer, and reused by the rest; likewise per sliding window (a property of the layer: a windowed
+layout starts at the first block the window reaches).
+MLA and MHA layers read the same plan.
 
 Decode groups (q_len <= NATIVE_MAX_Q_LEN) also carry what the native AMX kernel reads instead
 (native/mla_decode.c reads the cache in place through the block table, no gather): int32 tables
