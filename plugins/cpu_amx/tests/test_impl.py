@@ -8,8 +8,8 @@ import pytest
 import torch
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.testing.conformance import forward_by_role
-from jackfield.testing.problems import mla_layer
-from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMLAImpl
+from jackfield.testing.problems import mha_layer, mla_layer
+from jackfield_cpu_amx.backend import CpuAmxBackend, CpuAmxMHAImpl, CpuAmxMLAImpl
 from jackfield_cpu_amx.plan import PLANS_KEY, CpuAmxMetadataBuilder
 from jackfield_cpu_amx.testing import make_problem
 
@@ -62,10 +62,8 @@ def decode_case():
     return impl, problem, CpuAmxBackend.metadata_builder().build(problem.metadata)
 
 
-def test_rejects_sinks_and_topk(decode_case) -> None:
+def test_rejects_topk(decode_case) -> None:
     impl, p, md = decode_case
-    with pytest.raises(ValueError, match="does not support sinks"):
-        impl.attend(p.query, p.kv_cache, md, sinks=torch.zeros(4))
     with pytest.raises(ValueError, match="does not support topk_indices"):
         impl.attend(p.query, p.kv_cache, md, topk_indices=torch.zeros(2, 3, dtype=torch.int32))
 
@@ -115,9 +113,9 @@ def test_rejects_wrong_query_shape_and_dtype(decode_case) -> None:
         impl.attend(p.query.double(), p.kv_cache, md)
 
 
-def test_make_impl_refuses_mha_layers() -> None:
-    with pytest.raises(ValueError, match="MLA layers only"):
-        CpuAmxBackend.make_impl(dataclasses.replace(mla_layer(4), kv_lora_rank=0))
+def test_make_impl_serves_each_layer_kind() -> None:
+    assert isinstance(CpuAmxBackend.make_impl(mla_layer(4)), CpuAmxMLAImpl)
+    assert isinstance(CpuAmxBackend.make_impl(mha_layer(9, 3, 64)), CpuAmxMHAImpl)
 
 
 def test_weights_must_be_loaded_before_forward(decode_case) -> None:

@@ -1,4 +1,5 @@
-"""jackfield-cpu-amx: the `cpu_amx` MLA attention backend for x86 CPUs (Intel AMX-BF16, AVX-512)."""
+"""jackfield-cpu-amx: the `cpu_amx` attention backend (MLA and MHA/GQA/MQA) for x86 CPUs (Intel
+AMX-BF16, AVX-512)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,6 @@ def register_attention_backends() -> list[AttentionBackendSpec]:
             capabilities=CPU_AMX_CAPABILITIES,
             availability=availability,
             priority=20,  # above torch_ref on CPUs
-            description="MLA on x86 CPUs: bfloat16 products on AMX tiles, AVX-512 float32 otherwise",
+            description="MLA and MHA/GQA on x86 CPUs: bfloat16 products on AMX tiles, float32 otherwise",
         )
     ]

@@ -1,14 +1,19 @@
-"""The cpu_amx backend: MLA on x86 CPUs, bfloat16 products on AMX tiles, float32 on AVX-512 otherwise.
+"""The cpu_amx backend: MLA and standard attention (MHA/GQA/MQA) on x86 CPUs, bfloat16 products on
+AMX tiles, float32 on AVX-512 otherwise.
 
-Decode groups go to the native AMX kernel (native.py) when it is built and the group fits it,
-everything else to the PyTorch kernels (kernels.py): gather the group's cache, then the flash
+MLA: decode groups go to the native AMX kernel (native.py) when it is built and the group fits
+it, everything else to the PyTorch kernels (kernels.py): gather the group's cache, then the flash
 kernel (or, for many float32 rows, two batched products).
+MHA: every group gathers its keys and values with one index op, then runs one call of the flash
+kernel with the KV heads shared in it (GQA), masks from the step's plan.
 """
 
 from __future__ import annotations
 
 import torch
 from jackfield.attention.checks import check_attend_inputs
+from jackfield.attention.kv_cache import is_mla
+from jackfield.attention.mha import MHAImpl
 from jackfield.attention.mla import MLAImpl
 from jackfield.contracts.attention import (
     AttentionBackend,
@@ -25,9 +30,17 @@ from jackfield_cpu_amx.capabilities import (
     availability,
     detected_amx_status,
 )
-from jackfield_cpu_amx.kernels import attend_group_bmm, attend_group_fused, gather_group_cache
+from jackfield_cpu_amx.kernels import (
+    add_sinks,
+    attend_group_bmm,
+    attend_group_fused,
+    attend_group_mha,
+    gather_group_cache,
+    gather_group_kv,
+)
 from jackfield_cpu_amx.native import NativeKernel, native_decode_kernel, unfit_reason
 from jackfield_cpu_amx.plan import (
+    NATIVE_MAX_Q_LEN,
     PLANS_KEY,
     CpuAmxMetadataBuilder,
     RequestGroup,
@@ -115,9 +128,10 @@ class CpuAmxMLAImpl(MLAImpl):
         return_lse: bool = False,
     ) -> AttentionOutput:
         check_attend_inputs(self.layer, query, kv_cache, metadata, kv_scale, sinks, topk_indices)
+        _refuse_topk(topk_indices)
         lay = self.layer
         dtype = compute_dtype(self.path, query.dtype)
-        plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale, sinks, topk_indices)
+        plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale)
         q = query.to(dtype)
         # Every row is written below: the plan's groups tile the query rows (StepPlan checks).
         out = query.new_empty((query.shape[0], lay.num_heads, lay.kv_lora_rank))
@@ -128,11 +142,13 @@ class CpuAmxMLAImpl(MLAImpl):
                 self._decode_native(group, q[t0:t1], kv_cache, out[t0:t1], lse[t0:t1])
                 continue
             fused = plan.fused(group, lay.num_heads, dtype)
-            chunks = group.key_chunks(kv_cache.shape[1], split=fused)
-            _check_block_span(chunks.block_span, kv_cache)
+            chunks = group.key_chunks(kv_cache.shape[1], split=fused, sliding_window=lay.sliding_window)
+            _check_block_span(chunks.block_span, kv_cache.shape[0])
             keys = gather_group_cache(kv_cache, group, chunks, dtype, scratch)
             attend = attend_group_fused if fused else attend_group_bmm
             attend(q[t0:t1], keys, group, chunks, lay.kv_lora_rank, lay.scale, out[t0:t1], lse[t0:t1])
+        if sinks is not None:
+            add_sinks(out, lse, sinks)
         return AttentionOutput(out, lse if return_lse else None)
 
     def _decode_native(
@@ -158,14 +174,65 @@ class CpuAmxMLAImpl(MLAImpl):
             return self.native_kernel
         if self.path != "amx_bf16":
             return f"the {self.path} path was asked for"
+        if self.layer.sliding_window is not None:
+            return "the native kernel has no sliding window"
         return unfit_reason(query, kv_cache, self.layer.kv_lora_rank, group.q_len)
 
 
-def _check_block_span(span: tuple[int, int], kv_cache: torch.Tensor) -> None:
+class CpuAmxMHAImpl(MHAImpl):
+    """Standard attention with grouped KV heads (MHA, GQA, MQA), sliding windows and sinks."""
+
+    def __init__(self, layer: AttentionLayerSpec, path: ComputePath | None = None) -> None:
+        super().__init__(layer)
+        self.path: ComputePath = detected_amx_status().path if path is None else path
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        kv_scale: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ) -> AttentionOutput:
+        check_attend_inputs(self.layer, query, kv_cache, metadata, kv_scale, sinks, topk_indices)
+        _refuse_topk(topk_indices)
+        lay = self.layer
+        dtype = compute_dtype(self.path, query.dtype)
+        plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale)
+        q = query.to(dtype)
+        # Every row is written below: the plan's groups tile the query rows (StepPlan checks).
+        out = query.new_empty(query.shape)
+        lse = torch.empty(query.shape[:2], dtype=torch.float32)
+        for group in plan.groups:
+            t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
+            # Short queries (decode, speculative verification) have few rows per KV head: split
+            # their keys so every core has work, and read each key tile once for the heads that
+            # share it. Prefill rows fill the cores themselves; a fresh causal one needs no mask.
+            short = group.q_len <= NATIVE_MAX_Q_LEN
+            chunks = group.key_chunks(
+                kv_cache.shape[2], split=short, sliding_window=lay.sliding_window, kernel_causal=not short
+            )
+            _check_block_span(chunks.block_span, kv_cache.shape[1])
+            kv = gather_group_kv(kv_cache, group, chunks, dtype, scratch)
+            attend_group_mha(q[t0:t1], kv, group, chunks, lay.scale, short, out[t0:t1], lse[t0:t1])
+        if sinks is not None:
+            add_sinks(out, lse, sinks)
+        return AttentionOutput(out, lse if return_lse else None)
+
+
+def _refuse_topk(topk_indices: torch.Tensor | None) -> None:
+    if topk_indices is not None:
+        raise ValueError("cpu_amx does not support topk_indices (sparse attention)")
+
+
+def _check_block_span(span: tuple[int, int], num_blocks: int) -> None:
     """The block ids the gather reads (from the step's layout, built once) against this cache."""
     low, high = span
-    if high >= kv_cache.shape[0] or low < 0:
-        raise ValueError(f"block_table holds block {high} / {low}, the cache has {kv_cache.shape[0]}")
+    if high >= num_blocks or low < 0:
+        raise ValueError(f"block_table holds block {high} / {low}, the cache has {num_blocks}")
 
 
 def _checked_plan(
@@ -173,15 +240,8 @@ def _checked_plan(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     kv_scale: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-    topk_indices: torch.Tensor | None,
 ) -> tuple[StepPlan, Scratch]:
     """What cpu_amx needs beyond the common checks: its own plan, a CPU cache it can read."""
-    unsupported = [
-        name for name, arg in (("sinks", sinks), ("topk_indices", topk_indices)) if arg is not None
-    ]
-    if unsupported:
-        raise ValueError(f"cpu_amx does not support {', '.join(unsupported)}")
     if kv_scale is not None or kv_cache.dtype not in CACHE_DTYPES:
         raise ValueError(
             f"cpu_amx reads bfloat16 or float32 caches, got {kv_cache.dtype} "
@@ -217,6 +277,4 @@ class CpuAmxBackend(AttentionBackend):
 
     @classmethod
     def make_impl(cls, layer: AttentionLayerSpec) -> AttentionImpl:
-        if layer.kv_lora_rank <= 0:
-            raise ValueError("cpu_amx serves MLA layers only (kv_lora_rank > 0)")
-        return CpuAmxMLAImpl(layer)
+        return CpuAmxMLAImpl(layer) if is_mla(layer) else CpuAmxMHAImpl(layer)

@@ -24,12 +24,14 @@ from jackfield.contracts.attention import AttentionCapabilities, Availability
 ComputePath = Literal["amx_bf16", "avx512_fp32"]
 
 CPU_AMX_CAPABILITIES = AttentionCapabilities(
-    kinds=("mla",),
+    kinds=("mla", "mha"),
     activation_dtypes=(torch.bfloat16, torch.float32),
     kv_cache_dtypes=("auto", "bfloat16"),
     head_sizes=None,
     block_size_multiple=1,
     devices=("cpu",),
+    sliding_window=True,
+    sinks=True,
     non_causal=True,
     dcp=True,
     max_decode_query_len=8,
@@ -119,4 +121,7 @@ def availability(status: AmxStatus | None = None) -> Availability:
     from jackfield_cpu_amx.native import decode_kernel_name, native_decode_kernel  # builds: not at import
 
     kernel = native_decode_kernel() if status.enabled else "no AMX tiles"
-    return Availability.yes(f"{status.path}: {status.reason}; decode: {decode_kernel_name(kernel)}")
+    return Availability.yes(
+        f"{status.path}: {status.reason}; MLA decode: {decode_kernel_name(kernel)}; "
+        "MHA: PyTorch's CPU flash kernel"
+    )

@@ -48,6 +48,27 @@ def _copy_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     return kv_cache.view(num_blocks * parts, -1).view(_INT_OF_SIZE[int_size]), parts
 
 
+def _gather_blocks(
+    blocks: torch.Tensor, block_ids: torch.Tensor, stale_rows: torch.Tensor, compute_dtype: torch.dtype,
+    scratch: Scratch,
+) -> torch.Tensor:
+    """blocks [num_blocks, block_size, width] gathered as [len(block_ids) * block_size, width] in
+    `compute_dtype` by one index op, the stale rows (indices into that) zeroed."""
+    width = blocks.shape[-1]
+    rows, parts = _copy_rows(blocks)
+    row_ids = block_ids
+    if parts > 1:
+        row_ids = (row_ids[:, None] * parts + torch.arange(parts)).view(-1)
+    as_rows = scratch.get(rows.dtype, row_ids.numel() * rows.shape[1]).view(-1, rows.shape[1])
+    torch.index_select(rows, 0, row_ids, out=as_rows)
+    gathered = as_rows.view(blocks.dtype).view(-1, width)
+    if stale_rows.numel():
+        gathered.index_fill_(0, stale_rows, 0)
+    if blocks.dtype != compute_dtype:
+        gathered = scratch.get(compute_dtype, gathered.numel()).view_as(gathered).copy_(gathered)
+    return gathered
+
+
 def gather_group_cache(
     kv_cache: torch.Tensor,
     group: RequestGroup,
@@ -56,19 +77,26 @@ def gather_group_cache(
     scratch: Scratch,
 ) -> torch.Tensor:
     """The group's cache records laid out as `chunks` says: [num_reqs, blocks_per_req * block_size, L+R]."""
-    width = kv_cache.shape[-1]
-    rows, parts = _copy_rows(kv_cache)
-    row_ids = chunks.block_ids
-    if parts > 1:
-        row_ids = (row_ids[:, None] * parts + torch.arange(parts)).view(-1)
-    as_rows = scratch.get(rows.dtype, row_ids.numel() * rows.shape[1]).view(-1, rows.shape[1])
-    torch.index_select(rows, 0, row_ids, out=as_rows)
-    gathered = as_rows.view(kv_cache.dtype).view(-1, width)
-    if chunks.stale_rows.numel():
-        gathered.index_fill_(0, chunks.stale_rows, 0)
-    if kv_cache.dtype != compute_dtype:
-        gathered = scratch.get(compute_dtype, gathered.numel()).view_as(gathered).copy_(gathered)
-    return gathered.view(group.num_reqs, -1, width)
+    gathered = _gather_blocks(kv_cache, chunks.block_ids, chunks.stale_rows, compute_dtype, scratch)
+    return gathered.view(group.num_reqs, -1, kv_cache.shape[-1])
+
+
+def gather_group_kv(
+    kv_cache: torch.Tensor,
+    group: RequestGroup,
+    chunks: KeyChunks,
+    compute_dtype: torch.dtype,
+    scratch: Scratch,
+) -> torch.Tensor:
+    """An MHA cache's [2, num_blocks, block_size, H_kv, D] blocks of the group, keys and values in
+    one index op, laid out as `chunks` says: [2, num_reqs, blocks_per_req * block_size, H_kv, D]."""
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    blocks = kv_cache.view(2 * num_blocks, block_size, num_kv_heads * head_size)
+    block_ids = torch.cat([chunks.block_ids, chunks.block_ids + num_blocks])  # keys', then values'
+    stale = chunks.stale_rows
+    stale_rows = torch.cat([stale, stale + chunks.block_ids.numel() * block_size])
+    gathered = _gather_blocks(blocks, block_ids, stale_rows, compute_dtype, scratch)
+    return gathered.view(2, group.num_reqs, -1, num_kv_heads, head_size)
 
 
 def attend_group_fused(
@@ -146,3 +174,58 @@ def attend_group_bmm(
         latent = torch.bmm(probs, keys[r0:r1])[:, :, :kv_lora_rank]
         out[t0:t1].view(n, rows, kv_lora_rank).copy_(latent)
         lse[t0:t1].view(n, rows).copy_(group_lse.view(n, rows))
+
+
+def attend_group_mha(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    group: RequestGroup,
+    chunks: KeyChunks,
+    scale: float,
+    fold_heads: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """query [g * q_len, H, D] (in kv's dtype) over kv [2, g, chunked keys, H_kv, D] (as gathered
+    for `chunks`); writes out [g * q_len, H, D] and lse [g * q_len, H].
+
+    One call of PyTorch's CPU flash kernel, whose batch is (request, key chunk) and whose heads
+    are GQA heads: query head h reads KV head h // (H / H_kv) inside the kernel, K/V never
+    repeated. `fold_heads` (short queries) makes the query heads sharing a KV head rows of one
+    kernel head instead, so each task reads its key tile once for all of them.
+    """
+    g, q_len, n = group.num_reqs, group.q_len, chunks.num_chunks
+    num_heads, head_size, num_kv_heads = query.shape[1], query.shape[2], kv.shape[3]
+    fold = num_heads // num_kv_heads if fold_heads else 1
+    kernel_heads, rows = num_heads // fold, q_len * fold
+    # [g, q_len, heads, fold, D] -> [g, heads, q_len * fold, D]: a view when q_len or fold is 1.
+    q = query.view(g, 1, q_len, kernel_heads, fold, head_size).permute(0, 1, 3, 2, 4, 5)
+    q = q.expand(g, n, -1, -1, -1, -1).reshape(g * n, kernel_heads, rows, head_size)
+    keys, values = (half.view(g * n, -1, num_kv_heads, head_size).transpose(1, 2) for half in kv)
+    part_out, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys, values, 0.0, chunks.kernel_causal, attn_mask=chunks.row_mask(fold), scale=scale
+    )
+    # Back to the token-major layout of the outputs: [g, n, q_len, heads, fold, (D)].
+    part_out = part_out.view(g, n, kernel_heads, q_len, fold, head_size).permute(0, 1, 3, 2, 4, 5)
+    part_lse = part_lse.view(g, n, kernel_heads, q_len, fold).permute(0, 1, 3, 2, 4)
+    if chunks.chunk_bias is not None:  # the kernel reports LSE 0, not -inf, for a row blind to its chunk
+        part_lse = part_lse + chunks.chunk_bias.view(g, n, q_len, 1, 1)
+    out_view = out.view(g, q_len, kernel_heads, fold, head_size)
+    lse_view = lse.view(g, q_len, kernel_heads, fold)
+    if n == 1:
+        out_view.copy_(part_out[:, 0])
+        lse_view.copy_(part_lse[:, 0])
+        return
+    # Split-K merge: each chunk's output weighted by its share of the row's softmax mass.
+    torch.logsumexp(part_lse, dim=1, out=lse_view)
+    weights = torch.softmax(part_lse, dim=1)  # [g, n, q_len, heads, fold]
+    out_view.copy_(torch.einsum("gnqhf,gnqhfd->gqhfd", weights, part_out.float()))
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Sinks [H]: a per-head logit in each row's softmax denominator, with no value. In place on
+    out [T, H, D] and lse [T, H]: out scaled by the keys' share exp(lse) / (exp(lse) + exp(sink));
+    a row that saw no key keeps out 0 and lse -inf."""
+    seen = torch.isfinite(lse)
+    out.mul_(torch.sigmoid(lse - sinks).unsqueeze(-1).to(out.dtype))
+    torch.where(seen, torch.logaddexp(lse, sinks), lse, out=lse)

@@ -1,13 +1,16 @@
 """The per-step plan: everything every layer of a step shares, computed once in build().
 
 Requests are cut into groups. A group is a run of consecutive requests with the same query
-length (decode and prefill requests never share one), within a budget of gathered keys (the
-gather buffer's size). Each group's query rows are contiguous, so its queries fold into one
-[g, q_len * H, D] batch: every product has q_len * H >= 16 rows (one AMX tile height) whenever
-H >= 16, or several tokens of H >= 8 heads. Each request's keys are cut into chunks of whole
-blocks, each chunk one task of the fused attention kernel. The block size is a property of the
-cache, not of the metadata, so the gather layout (block ids, never-written rows, masks) is
-resolved for it once per step, on the first layer, and reused by the rest.
+length (decode and prefill requests never share one), within budgets of gathered keys (the
+gather buffer's size) and mask entries (requests x query rows x keys). Each group's query rows
+are contiguous, so its queries fold into one [g, q_len * H, D] batch: every product has
+q_len * H >= 16 rows (one AMX tile height) whenever H >= 16, or several tokens of H >= 8 heads.
+Each request's keys are cut into chunks of whole blocks, each chunk one task of the fused
+attention kernel. The block size is a property of the cache, not of the metadata, so the gather
+layout (block ids, never-written rows, masks) is resolved for it once per step, on the first
+layer, and reused by the rest; likewise per sliding window (a property of the layer: a windowed
+layout starts at the first block the window reaches).
+MLA and MHA layers read the same plan.
 
 Decode groups (q_len <= NATIVE_MAX_Q_LEN) also carry what the native AMX kernel reads instead
 (native/mla_decode.c reads the cache in place through the block table, no gather): int32 tables
@@ -27,6 +30,9 @@ MIN_CHUNK_KEYS = 256
 # beat 4 and 16 smaller ones (2.5-2.9 against 3.5-7.6 ms, benchmarks/RESULTS.md), each fused-kernel
 # call costing ~0.3 ms beyond its share of the work. The bmm kernel slices a group itself.
 DEFAULT_GROUP_KEYS = 65536
+# A group's masks hold num_reqs x q_len x keys float32 entries: 16 MB at most, so prefills of long
+# prompts go one request (or a few) per group.
+DEFAULT_GROUP_MASK_ENTRIES = 1 << 22
 FUSED_MAX_ROWS = 32  # the flash kernel's query slice for short queries (see kernels.py)
 NATIVE_MAX_Q_LEN = 8  # decode (speculative tokens included); longer queries are prefill
 NATIVE_CHUNK_KEYS = 64  # CHUNK_KEYS of native/mla_decode.c: splits start at its multiples
@@ -58,18 +64,40 @@ class Scratch:
 
 @dataclass(frozen=True)
 class KeyChunks:
-    """A group's gather layout for one block size: each request's keys as num_chunks equal chunks
-    of whole blocks; blocks past a request's own repeat its first block (read, then masked)."""
+    """A group's gather layout for one block size (and sliding window): each request's keys as
+    num_chunks equal chunks of whole blocks, from the first block its queries' window reaches
+    (block 0 without a window); blocks past a request's own repeat its first (read, then masked)."""
 
     num_chunks: int
     blocks_per_req: int  # num_chunks * blocks per chunk
     block_ids: torch.Tensor  # [num_reqs * blocks_per_req] int64 physical blocks to gather
     stale_rows: torch.Tensor  # int64 gathered records at or past their request's seq_len
-    # [num_reqs, num_chunks, q_len, chunk keys] float32: 0 visible, -inf hidden; None: all visible
+    # [num_reqs, num_chunks, q_len, chunk keys] float32: 0 visible, -inf hidden; None: all visible,
+    # or (kernel_causal) the flash kernel's own causal mask
     mask: torch.Tensor | None
     # [num_reqs, num_chunks, q_len, 1] float32: -inf where a row sees no key; None: every row sees one
     chunk_bias: torch.Tensor | None
     block_span: tuple[int, int]  # smallest and largest block id read, checked against each cache
+    # Causal with every seq_len equal to q_len (a fresh prefill) and one chunk: query row i sees
+    # keys 0..i, the kernel's is_causal mask, which also skips the hidden key tiles.
+    kernel_causal: bool = False
+    _row_masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def row_mask(self, rows_per_token: int) -> torch.Tensor | None:
+        """The mask with each query token's row repeated for `rows_per_token` consecutive rows:
+        [num_reqs * num_chunks, 1, q_len * rows_per_token, chunk keys], memoized (a view when
+        q_len is 1, a copy otherwise, made once per step rather than once per layer)."""
+        if self.mask is None:
+            return None
+        mask = self._row_masks.get(rows_per_token)
+        if mask is None:
+            g, n, q_len, keys = self.mask.shape
+            mask = self._row_masks[rows_per_token] = (
+                self.mask.view(g * n, 1, q_len, 1, keys)
+                .expand(-1, -1, -1, rows_per_token, -1)
+                .reshape(g * n, 1, q_len * rows_per_token, keys)
+            )
+        return mask
 
 
 @dataclass(frozen=True)
@@ -114,11 +142,14 @@ class RequestGroup:
     q_len: int
     num_keys: int  # keys read per request: the longest seq_len in the group
     chunk_keys: int  # about this many keys per chunk
-    key_bias: torch.Tensor  # [num_reqs, q_len, num_keys] float32: 0 visible, -inf hidden
+    causal: bool
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32 rows of this group
     seq_lens: torch.Tensor  # [num_reqs] int64
     decode_tables: DecodeTables | None  # for the native kernel; None past NATIVE_MAX_Q_LEN
-    _chunks: dict[tuple[int, bool], KeyChunks] = field(default_factory=dict, compare=False, repr=False)
+    # (block size, split, sliding window, kernel_causal) -> layout
+    _chunks: dict[tuple[int, bool, int | None, bool], KeyChunks] = field(
+        default_factory=dict, compare=False, repr=False
+    )
     _native: dict[tuple[int, int, int], NativeLayout] = field(default_factory=dict, compare=False, repr=False)
 
     def native_layout(self, block_size: int, num_heads: int, num_threads: int) -> NativeLayout:
@@ -147,36 +178,60 @@ class RequestGroup:
         num_splits = max(1, -(-self.num_keys // split_keys))
         return NativeLayout(block_size, num_splits, split_keys, span, self.num_keys, self.decode_tables)
 
-    def key_chunks(self, block_size: int, split: bool = True) -> KeyChunks:
+    def key_chunks(
+        self,
+        block_size: int,
+        split: bool = True,
+        sliding_window: int | None = None,
+        kernel_causal: bool = False,
+    ) -> KeyChunks:
         """The gather layout (one chunk per request unless `split`), memoized per block size (a
-        property of the cache, not of the metadata)."""
-        chunks = self._chunks.get((block_size, split))
+        property of the cache, not of the metadata) and window (a property of the layer).
+        `kernel_causal`: the caller's kernel applies KeyChunks.kernel_causal where it holds."""
+        key = (block_size, split, sliding_window, kernel_causal)
+        chunks = self._chunks.get(key)
         if chunks is None:
             chunk_blocks = -(-self.chunk_keys // block_size) if split else None  # whole blocks, rounded up
-            chunks = self._chunks[(block_size, split)] = self._layout(block_size, chunk_blocks)
+            chunks = self._chunks[key] = self._layout(block_size, chunk_blocks, sliding_window, kernel_causal)
         return chunks
 
-    def _layout(self, block_size: int, chunk_blocks: int | None) -> KeyChunks:
-        num_blocks = -(-self.num_keys // block_size)
-        if num_blocks > self.block_table.shape[1]:
+    def _layout(
+        self, block_size: int, chunk_blocks: int | None, sliding_window: int | None, kernel_causal: bool
+    ) -> KeyChunks:
+        owned_blocks = -(-self.seq_lens // block_size)
+        if int(owned_blocks.max()) > self.block_table.shape[1]:
             raise ValueError(
                 f"block_table has {self.block_table.shape[1]} columns, seq_len {self.num_keys} "
-                f"needs {num_blocks} blocks of {block_size}"
+                f"needs {int(owned_blocks.max())} blocks of {block_size}"
             )
+        if sliding_window is None:
+            first_block = torch.zeros_like(self.seq_lens)
+        else:  # the block of the first key the first query row's window reaches
+            first_key = self.seq_lens - self.q_len - sliding_window + 1
+            first_block = first_key.clamp_(min=0) // block_size
+        num_blocks = int((owned_blocks - first_block).max())
         num_chunks = 1 if chunk_blocks is None else -(-num_blocks // chunk_blocks)
         padded = num_chunks * -(-num_blocks // num_chunks)  # equal chunks, fewest padding blocks
-        table = self.block_table[:, :num_blocks].long()
-        owned = torch.arange(padded) < (-(-self.seq_lens // block_size))[:, None]
-        ids = torch.where(owned, torch.nn.functional.pad(table, (0, padded - num_blocks)), table[:, :1])
+        columns = first_block[:, None] + torch.arange(padded)
+        owned = columns < owned_blocks[:, None]
+        table = self.block_table.long()
+        ids = torch.where(
+            owned,
+            table.gather(1, columns.clamp(max=table.shape[1] - 1)),
+            table.gather(1, first_block[:, None]),
+        )
         # Never-written slots may hold NaN; a masked key still multiplies its value by 0.
-        pos = torch.arange(padded * block_size)
-        stale = (torch.arange(self.num_reqs)[:, None] * pos.numel() + pos)[pos >= self.seq_lens[:, None]]
-        bias = torch.nn.functional.pad(self.key_bias, (0, pos.numel() - self.num_keys), value=float("-inf"))
+        key_pos = first_block[:, None] * block_size + torch.arange(padded * block_size)
+        stale = (key_pos >= self.seq_lens[:, None]).view(-1).nonzero().view(-1)
+        span = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
+        if (kernel_causal and self.causal and sliding_window is None and num_chunks == 1
+                and bool((self.seq_lens == self.q_len).all())):
+            return KeyChunks(1, padded, ids.reshape(-1), stale, None, None, span, kernel_causal=True)
+        bias = _key_bias(self.seq_lens, self.q_len, key_pos, self.causal, sliding_window)
         mask = bias.view(self.num_reqs, self.q_len, num_chunks, -1).transpose(1, 2).contiguous()
         blind = (mask == float("-inf")).all(-1, keepdim=True)
         chunk_bias = torch.zeros(blind.shape).masked_fill_(blind, float("-inf")) if blind.any() else None
         visible_mask = None if bool((mask == 0).all()) else mask
-        span = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
         return KeyChunks(num_chunks, padded, ids.reshape(-1), stale, visible_mask, chunk_bias, span)
 
 
@@ -206,13 +261,18 @@ class StepPlan:
         return group.q_len * num_heads <= self.fused_max_rows or compute_dtype != torch.float32
 
 
-def _key_bias(seq_lens: torch.Tensor, q_len: int, num_keys: int, causal: bool) -> torch.Tensor:
-    """Query row i of a request with seq_len n sits at n - q_len + i; it sees keys < n (non-causal)
-    or keys <= its own position (causal)."""
-    keys = torch.arange(num_keys)
-    last_row_offset = torch.arange(q_len) - (q_len - 1)  # row i is (q_len - 1 - i) before the last
-    visible_end = seq_lens[:, None] + (last_row_offset if causal else torch.zeros_like(last_row_offset))
-    visible = keys[None, None, :] < visible_end[:, :, None]
+def _key_bias(
+    seq_lens: torch.Tensor, q_len: int, key_pos: torch.Tensor, causal: bool, sliding_window: int | None
+) -> torch.Tensor:
+    """[num_reqs, q_len, keys] float32, 0 where visible, -inf where hidden, for keys at positions
+    key_pos [num_reqs, keys]. Query row i of a request with seq_len n sits at p = n - q_len + i; it
+    sees keys < n (non-causal) or <= p (causal), and of those only keys > p - window."""
+    row_pos = seq_lens[:, None] - q_len + torch.arange(q_len)  # [num_reqs, q_len]
+    keys = key_pos[:, None, :]
+    visible_end = (row_pos + 1 if causal else seq_lens[:, None].expand(-1, q_len))[:, :, None]
+    visible = keys < visible_end
+    if sliding_window is not None:
+        visible &= keys > row_pos[:, :, None] - sliding_window
     return torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
 
 
@@ -242,8 +302,10 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
         group_keys: int = DEFAULT_GROUP_KEYS,
         chunk_keys: int | None = None,
         fused_max_rows: int = FUSED_MAX_ROWS,
+        group_mask_entries: int = DEFAULT_GROUP_MASK_ENTRIES,
     ) -> None:
         self.group_keys = group_keys  # keys gathered per group: bounds the working set
+        self.group_mask_entries = group_mask_entries
         self.chunk_keys = chunk_keys  # keys per attention task (split-K); None: by thread count
         self.fused_max_rows = fused_max_rows
         self.scratch = Scratch()
@@ -270,9 +332,7 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
                 q_len=int(q_lens[r0]),
                 num_keys=int(seq_lens[r0:r1].max()),
                 chunk_keys=self._chunk_keys(r1 - r0, int(seq_lens[r0:r1].max())),
-                key_bias=_key_bias(
-                    seq_lens[r0:r1], int(q_lens[r0]), int(seq_lens[r0:r1].max()), common.causal
-                ),
+                causal=common.causal,
                 block_table=block_table[r0:r1],
                 seq_lens=seq_lens[r0:r1],
                 decode_tables=_decode_tables(
@@ -288,14 +348,17 @@ class CpuAmxMetadataBuilder(AttentionMetadataBuilder):
         return common.replace(extra={**common.extra, PLANS_KEY: plans, "cpu_amx_scratch": scratch})
 
     def _groups(self, q_lens: list[int], seq_lens: list[int], num_decodes: int) -> list[tuple[int, int]]:
-        """[start, end) request ranges: equal q_len, one side of the decode boundary, within budget."""
+        """[start, end) request ranges: equal q_len, one side of the decode boundary, within the
+        budgets of gathered keys and mask entries."""
         groups: list[tuple[int, int]] = []
         start, longest = 0, 0
         for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+            keys = max(longest, seq_len) * (r - start + 1)
             if r > start and (
                 q_len != q_lens[start]
                 or r == num_decodes
-                or max(longest, seq_len) * (r - start + 1) > self.group_keys
+                or keys > self.group_keys
+                or keys * q_len > self.group_mask_entries
             ):
                 groups.append((start, r))
                 start, longest = r, 0
