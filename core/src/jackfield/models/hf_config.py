@@ -354,7 +354,9 @@ def layer_attention(cfg: Mapping[str, object]) -> LayerAttention:
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if model_type in FULL_ATTENTION_MODEL_TYPES:
-        _refuse_unread_windows(cfg, str(model_type), window, types)
+        problems = unread_window_problems(cfg)
+        if problems:
+            raise ValueError("config.json: " + "; ".join(problems))
         return LayerAttention(windows=(None,) * num_layers, sinks=False)
     if types is None:
         if model_type in SINK_MODEL_TYPES:
@@ -373,19 +375,23 @@ def layer_attention(cfg: Mapping[str, object]) -> LayerAttention:
     return LayerAttention(windows=windows, sinks=model_type in SINK_MODEL_TYPES)
 
 
-def _refuse_unread_windows(cfg: Mapping[str, object], model_type: str, window: object, types: object) -> None:
-    """A ValueError when a config.json of a full-attention model type asks for sliding windows
-    (a window shorter than the context, or sliding layer_types) that transformers never applies."""
-    limit = cfg.get("max_position_embeddings")
+def unread_window_problems(cfg: Mapping[str, object]) -> list[str]:
+    """For a full-attention model type, the sliding windows its config.json asks for (a window
+    shorter than the context, or sliding layer_types) that transformers never applies."""
+    model_type = cfg.get("model_type")
+    if model_type not in FULL_ATTENTION_MODEL_TYPES:
+        return []
+    window, types, limit = cfg.get("sliding_window"), cfg.get("layer_types"), cfg.get("max_position_embeddings")
     asks = []
     if isinstance(types, list) and any(t != "full_attention" for t in types):
         asks.append(f"layer_types {sorted(set(map(str, types)))}")
     if window is not None and not (isinstance(window, int) and isinstance(limit, int) and window >= limit):
         asks.append(f"sliding_window {window!r}")
-    if asks:
-        raise ValueError(f"config.json: {' and '.join(asks)}: transformers' {model_type} model never applies "
-                         "sliding windows (every layer attends to the whole context); remove the field, "
-                         "or serve the checkpoint as a model type with sliding windows (granite_swa)")
+    if not asks:
+        return []
+    return [f"{' and '.join(asks)} (transformers' {model_type} model never applies sliding windows: every "
+            "layer attends to the whole context; remove the field, or serve the checkpoint as a model "
+            "type with sliding windows, granite_swa)"]
 
 
 @dataclass(frozen=True)
@@ -423,7 +429,7 @@ def _granite_unread_field_problems(c: PretrainedConfig, arch: str, head_dim: int
     """Fields of a sibling architecture that `arch`'s transformers model never reads, set to a value
     that would change the outputs had it been read (by the sibling, or the checkpoint's author):
     refused, since either reading would be a guess."""
-    problems = model_type_problems(c, arch) + rope_problems(c)
+    problems = model_type_problems(c, arch) + rope_problems(c) + unread_window_problems(c.to_dict())
     if arch == "LlamaForCausalLM":
         problems += [f"{name} {getattr(c, name)!r} (Llama has no Granite multipliers)"
                      for name in GRANITE_MULTIPLIER_FIELDS if getattr(c, name, 1) not in (None, 1)]
