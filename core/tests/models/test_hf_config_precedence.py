@@ -175,6 +175,7 @@ REFUSED: dict[str, tuple[Callable[[], dict[str, object]], str]] = {
     "v2_sigmoid": (lambda: deepseek_v2(scoring_func="sigmoid"), "scoring_func 'sigmoid'"),
     "v2_rope_not_interleaved": (lambda: deepseek_v2(rope_interleave=False), "rope_interleave=false"),
     "v2_groups_missing": (lambda: deepseek_v2(topk_method="group_limited_greedy"), "needs n_group and topk_group"),
+    "v2_moe_layer_freq": (lambda: deepseek_v2(moe_layer_freq=2), "moe_layer_freq 2"),
     "v3_greedy": (lambda: deepseek_v3(topk_method="greedy"), "topk_method 'greedy'"),
     "v3_softmax": (lambda: deepseek_v3(scoring_func="softmax"), "scoring_func 'softmax'"),
     "v3_topk_group": (lambda: deepseek_v3(topk_group=3), "topk_group 3 exceeds n_group 2"),
@@ -197,7 +198,7 @@ def test_fields_jackfield_does_not_implement_are_refused_by_name(name: str) -> N
     llama(sliding_window=64),  # a window as long as the context (64) never bites
     llama(sliding_window=None, layer_types=["full_attention"] * 4),
     llama(embedding_multiplier=1.0, attention_multiplier=8**-0.5, use_sinks=False),
-    deepseek_v2(scoring_func="softmax", topk_method="greedy", norm_topk_prob=False),
+    deepseek_v2(scoring_func="softmax", topk_method="greedy", norm_topk_prob=False, moe_layer_freq=1),
     deepseek_v3(scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True),
 ], ids=["window_at_the_limit", "full_layer_types", "neutral_multipliers", "v2_as_published", "v3_as_published"])
 def test_fields_that_agree_with_the_architecture_are_accepted(data: dict[str, object]) -> None:

@@ -205,8 +205,9 @@ def _finite(arch_record: ArchT, arch: str) -> ArchT:
 def _deepseek_routing_problems(c: PretrainedConfig, v3: bool) -> list[str]:
     """Routing fields transformers' model ignores or cannot run, where they would change the
     experts chosen: V2 routes by softmax, greedy or group-limited, unnormalized; V3 by sigmoid
-    with noaux_tc groups. DeepSeek's own code reads scoring_func, topk_method and norm_topk_prob,
-    so a config.json that sets them otherwise is refused rather than read one way or the other."""
+    with noaux_tc groups; every layer from first_k_dense_replace on is MoE. DeepSeek's own code
+    reads scoring_func, topk_method, norm_topk_prob and moe_layer_freq, so a config.json that
+    sets them otherwise is refused rather than read one way or the other."""
     problems = []
     scoring = "sigmoid" if v3 else "softmax"
     if getattr(c, "scoring_func", scoring) != scoring:
@@ -217,6 +218,9 @@ def _deepseek_routing_problems(c: PretrainedConfig, v3: bool) -> list[str]:
         topk_method = methods[0]
     if topk_method not in methods:
         problems.append(f"topk_method {topk_method!r} (this architecture: {' or '.join(methods)})")
+    if getattr(c, "moe_layer_freq", 1) != 1:  # DeepSeek's code makes layers off the stride dense
+        problems.append(f"moe_layer_freq {c.moe_layer_freq!r} (transformers' model: every layer from "
+                        "first_k_dense_replace on is MoE)")
     if not v3 and getattr(c, "norm_topk_prob", False):
         problems.append("norm_topk_prob=true (transformers' DeepSeek-V2 never renormalizes the top-k weights)")
     if topk_method in ("noaux_tc", "group_limited_greedy"):
