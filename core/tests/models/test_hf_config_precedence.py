@@ -91,33 +91,37 @@ def assert_engine_and_model_match(reference: PreTrainedModel, path: Path) -> Non
     assert_generates_like_transformers(model, reference, prompts(vocab), GREEDY.max_tokens, prefill_chunk=5)
 
 
-PARITY: dict[str, tuple[PretrainedConfig, type[PreTrainedModel], Callable[[dict[str, object]], None] | None]] = {
+Rewrite = Callable[[dict[str, object]], None]
+V3_YARN = {**YARN, "mscale_all_dim": 1.0, "mscale": 1.0}
+PARITY: dict[str, tuple[PretrainedConfig, type[PreTrainedModel], Rewrite | None]] = {
     # head_dim wins over hidden_size // num_attention_heads (32 // 4 = 8)
     "llama_head_dim": (LlamaConfig(**LLAMA, head_dim=16), LlamaForCausalLM, None),
     # GraniteConfig has no head_dim field, yet its attention reads one from config.json
-    "granite_head_dim": (GraniteConfig(**LLAMA, **GRANITE_MULTIPLIERS, head_dim=12), GraniteForCausalLM, None),
+    "granite_head_dim": (
+        GraniteConfig(**LLAMA, **GRANITE_MULTIPLIERS, head_dim=12), GraniteForCausalLM, None),
     # num_key_value_heads null: as many KV heads as query heads
     "llama_kv_heads_null": (LlamaConfig(**{**LLAMA, "num_key_value_heads": None}), LlamaForCausalLM, None),
     # legacy rope_theta at the top level with no rope_scaling: the default RoPE at that base
-    "llama_legacy_theta": (LlamaConfig(**LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 300.0}),
-                           LlamaForCausalLM, legacy_rope),
+    "llama_legacy_theta": (
+        LlamaConfig(**LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 300.0}),
+        LlamaForCausalLM, legacy_rope),
     # legacy rope_scaling {"type": "linear"} + rope_theta, read as rope_parameters
-    "llama_legacy_linear": (LlamaConfig(**LLAMA, rope_parameters={"rope_type": "linear", "factor": 3.0,
-                                                                  "rope_theta": 700.0}),
-                            LlamaForCausalLM, legacy_rope),
+    "llama_legacy_linear": (
+        LlamaConfig(**LLAMA, rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 700.0}),
+        LlamaForCausalLM, legacy_rope),
     "llama_llama3": (LlamaConfig(**LLAMA, rope_parameters=LLAMA3), LlamaForCausalLM, None),
     "llama_yarn_legacy": (LlamaConfig(**LLAMA, rope_parameters=YARN), LlamaForCausalLM, legacy_rope),
     # Granite SWA without layer_types: transformers' default (layer i full when i % 4 == 0)
-    "granite_swa_default_layers": (GraniteSWAConfig(**{**LLAMA, "num_hidden_layers": 5}, **GRANITE_MULTIPLIERS,
-                                                    sliding_window=3), GraniteSWAForCausalLM, None),
+    "granite_swa_default_layers": (
+        GraniteSWAConfig(**{**LLAMA, "num_hidden_layers": 5}, **GRANITE_MULTIPLIERS, sliding_window=3),
+        GraniteSWAForCausalLM, None),
     # V3: norm_topk_prob off (the class default is on), groups, YaRN; a real-world topk_method and
     # scoring_func that agree with the architecture
-    "v3_unnormalized_yarn": (DeepseekV3Config(**DEEPSEEK, q_lora_rank=48, n_group=4, topk_group=2,
-                                              norm_topk_prob=False, routed_scaling_factor=2.5,
-                                              rope_parameters={**YARN, "mscale_all_dim": 1.0, "mscale": 1.0}),
-                             DeepseekV3ForCausalLM,
-                             lambda data: data.update(topk_method="noaux_tc", scoring_func="sigmoid")),
-}  # fmt: skip
+    "v3_unnormalized_yarn": (
+        DeepseekV3Config(**DEEPSEEK, q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=False,
+                         routed_scaling_factor=2.5, rope_parameters=V3_YARN),
+        DeepseekV3ForCausalLM, lambda data: data.update(topk_method="noaux_tc", scoring_func="sigmoid")),
+}
 
 
 @pytest.mark.parametrize("name", list(PARITY))
@@ -142,48 +146,56 @@ def llama(**changes: object) -> dict[str, object]:
 
 
 def deepseek_v2(**changes: object) -> dict[str, object]:
-    return config_dict(DeepseekV2Config(**DEEPSEEK, q_lora_rank=None), "DeepseekV2ForCausalLM", **changes)
+    config = DeepseekV2Config(**DEEPSEEK, q_lora_rank=None)
+    return config_dict(config, "DeepseekV2ForCausalLM", **changes)
 
 
 def deepseek_v3(**changes: object) -> dict[str, object]:
-    return config_dict(DeepseekV3Config(**DEEPSEEK, n_group=2, topk_group=1), "DeepseekV3ForCausalLM", **changes)
+    config = DeepseekV3Config(**DEEPSEEK, n_group=2, topk_group=1)
+    return config_dict(config, "DeepseekV3ForCausalLM", **changes)
 
 
 SWA_LAYERS = ["sliding_attention", "full_attention", "full_attention", "full_attention"]
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+LONGROPE = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+            "original_max_position_embeddings": 16}
+PARTIAL = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
 REFUSED: dict[str, tuple[Callable[[], dict[str, object]], str]] = {
     "llama_window": (lambda: llama(sliding_window=3), "sliding_window 3"),
     "llama_layer_types": (lambda: llama(layer_types=SWA_LAYERS, sliding_window=3), "layer_types"),
-    "granite_window": (lambda: config_dict(GraniteConfig(**LLAMA), "GraniteForCausalLM", sliding_window=5),
-                       "sliding_window 5"),
+    "granite_window": (
+        lambda: config_dict(GraniteConfig(**LLAMA), "GraniteForCausalLM", sliding_window=5),
+        "sliding_window 5"),
     "llama_embedding_multiplier": (lambda: llama(embedding_multiplier=2.0), "embedding_multiplier 2.0"),
     "llama_attention_multiplier": (lambda: llama(attention_multiplier=0.3), "attention_multiplier 0.3"),
-    "llama_layer_rope_theta": (lambda: llama(layer_rope_theta=[10000.0, 0, 500.0, 10000.0]), "layer_rope_theta"),
+    "llama_layer_rope_theta": (lambda: llama(layer_rope_theta=[1e4, 0, 500.0, 1e4]), "layer_rope_theta"),
     "llama_sinks": (lambda: llama(use_sinks=True), "use_sinks=True"),
-    "granitemoe_shared": (lambda: config_dict(GraniteMoeConfig(**LLAMA, **GRANITE_MOE), "GraniteMoeForCausalLM",
-                                              shared_intermediate_size=24), "shared_intermediate_size 24"),
-    "dynamic_rope": (lambda: llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-                     "rope_parameters.rope_type 'dynamic'"),
-    "longrope": (lambda: llama(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
-                                                "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}),
-                 "rope_parameters.rope_type 'longrope'"),
-    "partial_rotary": (lambda: llama(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                      "partial_rotary_factor": 0.5}), "partial_rotary_factor 0.5"),
+    "granitemoe_shared": (
+        lambda: config_dict(GraniteMoeConfig(**LLAMA, **GRANITE_MOE), "GraniteMoeForCausalLM",
+                            shared_intermediate_size=24),
+        "shared_intermediate_size 24"),
+    "dynamic_rope": (lambda: llama(rope_parameters=DYNAMIC), "rope_parameters.rope_type 'dynamic'"),
+    "longrope": (lambda: llama(rope_parameters=LONGROPE), "rope_parameters.rope_type 'longrope'"),
+    "partial_rotary": (lambda: llama(rope_parameters=PARTIAL), "partial_rotary_factor 0.5"),
     "model_type_mismatch": (lambda: llama(architectures=["GraniteForCausalLM"]),
                             "model_type 'llama' makes transformers build LlamaForCausalLM"),
-    "v2_noaux_tc": (lambda: deepseek_v2(topk_method="noaux_tc", n_group=2, topk_group=1), "topk_method 'noaux_tc'"),
+    "v2_noaux_tc": (
+        lambda: deepseek_v2(topk_method="noaux_tc", n_group=2, topk_group=1), "topk_method 'noaux_tc'"),
     "v2_norm_topk_prob": (lambda: deepseek_v2(norm_topk_prob=True), "norm_topk_prob=true"),
     "v2_sigmoid": (lambda: deepseek_v2(scoring_func="sigmoid"), "scoring_func 'sigmoid'"),
     "v2_rope_not_interleaved": (lambda: deepseek_v2(rope_interleave=False), "rope_interleave=false"),
-    "v2_groups_missing": (lambda: deepseek_v2(topk_method="group_limited_greedy"), "needs n_group and topk_group"),
+    "v2_groups_missing": (
+        lambda: deepseek_v2(topk_method="group_limited_greedy"), "needs n_group and topk_group"),
     "v2_moe_layer_freq": (lambda: deepseek_v2(moe_layer_freq=2), "moe_layer_freq 2"),
     "v3_greedy": (lambda: deepseek_v3(topk_method="greedy"), "topk_method 'greedy'"),
     "v3_softmax": (lambda: deepseek_v3(scoring_func="softmax"), "scoring_func 'softmax'"),
     "v3_topk_group": (lambda: deepseek_v3(topk_group=3), "topk_group 3 exceeds n_group 2"),
     "v3_experts_per_group": (lambda: deepseek_v3(n_group=3, topk_group=1), "not divisible by n_group 3"),
-    "v32_rope_not_interleaved": (lambda: config_dict(DeepseekV32Config(**DEEPSEEK_V32, index_topk=4),
-                                                     "DeepseekV32ForCausalLM", rope_interleave=False),
-                                 "rope_interleave=false"),
-}  # fmt: skip
+    "v32_rope_not_interleaved": (
+        lambda: config_dict(DeepseekV32Config(**DEEPSEEK_V32, index_topk=4), "DeepseekV32ForCausalLM",
+                            rope_interleave=False),
+        "rope_interleave=false"),
+}
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -200,7 +212,7 @@ def test_fields_jackfield_does_not_implement_are_refused_by_name(name: str) -> N
     llama(embedding_multiplier=1.0, attention_multiplier=8**-0.5, use_sinks=False),
     deepseek_v2(scoring_func="softmax", topk_method="greedy", norm_topk_prob=False, moe_layer_freq=1),
     deepseek_v3(scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True),
-], ids=["window_at_the_limit", "full_layer_types", "neutral_multipliers", "v2_as_published", "v3_as_published"])
+], ids=["window_at_the_limit", "full_layer_types", "neutral_multipliers", "v2_published", "v3_published"])
 def test_fields_that_agree_with_the_architecture_are_accepted(data: dict[str, object]) -> None:
     check_builtin_family(data)
 
@@ -215,16 +227,18 @@ def test_v32_layer_types_follow_mlp_layer_types_over_first_k_dense_replace() -> 
 def test_doctor_and_run_both_name_a_refused_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = LlamaConfig(**LLAMA, architectures=["LlamaForCausalLM"])
     write_model(LlamaForCausalLM, config, tmp_path, GRANITE_CONSTANTS, SEED)
-    rewrite_config(tmp_path, lambda data: data.update(sliding_window=3, layer_rope_theta=[1.0, 2.0, 3.0, 4.0]))
+    stray = {"sliding_window": 3, "layer_rope_theta": [1.0, 2.0, 3.0, 5.0]}  # fields Llama never reads
+    rewrite_config(tmp_path, lambda data: data.update(stray))
     assert main(["doctor", "--model", str(tmp_path)]) == 2
     out = capsys.readouterr().out
     with pytest.raises(ConfigError) as refused:
         LLM(str(tmp_path), device="cpu")
     problems = refused.value.problems
-    assert any("layer_rope_theta" in p and "config.json" in p for p in problems), problems
+    named = [p for p in problems if "config.json" in p and "layer_rope_theta" in p and "sliding_window 3" in p]
+    assert named, problems  # both fields, in one problem line
     for problem in problems:
         assert problem.replace("\n", "\n    ") in out
     assert "Traceback" not in out
     # the same folder loads once the field transformers ignores is gone (a read_hf_config check)
-    rewrite_config(tmp_path, lambda data: [data.pop("sliding_window"), data.pop("layer_rope_theta")])
+    rewrite_config(tmp_path, lambda data: [data.pop(field) for field in stray])
     assert read_hf_config(tmp_path).architectures == ["LlamaForCausalLM"]

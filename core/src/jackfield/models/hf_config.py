@@ -67,7 +67,8 @@ def hf_config_from_dict(data: Mapping[str, object]) -> PretrainedConfig:
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(data))
     except Exception as exc:  # as in read_hf_config: transformers' rejections come in assorted types
-        raise ModelFileError(f"config.json: transformers cannot read it: {type(exc).__name__}: {exc}") from exc
+        raise ModelFileError(f"config.json: transformers cannot read it: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def check_builtin_family(data: Mapping[str, object]) -> None:
@@ -222,12 +223,14 @@ def _deepseek_routing_problems(c: PretrainedConfig, v3: bool) -> list[str]:
         problems.append(f"moe_layer_freq {c.moe_layer_freq!r} (transformers' model: every layer from "
                         "first_k_dense_replace on is MoE)")
     if not v3 and getattr(c, "norm_topk_prob", False):
-        problems.append("norm_topk_prob=true (transformers' DeepSeek-V2 never renormalizes the top-k weights)")
+        problems.append("norm_topk_prob=true (transformers' DeepSeek-V2 never renormalizes the top-k "
+                        "weights)")
     if topk_method in ("noaux_tc", "group_limited_greedy"):
         n_group, topk_group = getattr(c, "n_group", None), getattr(c, "topk_group", None)
         experts = getattr(c, "n_routed_experts", None)
         if n_group is None or topk_group is None:
-            problems.append(f"{topk_method} routing needs n_group and topk_group, got {n_group!r}, {topk_group!r}")
+            problems.append(f"{topk_method} routing needs n_group and topk_group, "
+                            f"got {n_group!r}, {topk_group!r}")
         elif topk_group > n_group:
             problems.append(f"topk_group {topk_group} exceeds n_group {n_group}")
         elif experts is not None and experts % n_group:
@@ -385,7 +388,8 @@ def unread_window_problems(cfg: Mapping[str, object]) -> list[str]:
     model_type = cfg.get("model_type")
     if model_type not in FULL_ATTENTION_MODEL_TYPES:
         return []
-    window, types, limit = cfg.get("sliding_window"), cfg.get("layer_types"), cfg.get("max_position_embeddings")
+    window, types = cfg.get("sliding_window"), cfg.get("layer_types")
+    limit = cfg.get("max_position_embeddings")
     asks = []
     if isinstance(types, list) and any(t != "full_attention" for t in types):
         asks.append(f"layer_types {sorted(set(map(str, types)))}")
