@@ -234,7 +234,8 @@ def test_doctor_and_run_both_name_a_refused_field(tmp_path: Path, capsys: pytest
     with pytest.raises(ConfigError) as refused:
         LLM(str(tmp_path), device="cpu")
     problems = refused.value.problems
-    named = [p for p in problems if "config.json" in p and "layer_rope_theta" in p and "sliding_window 3" in p]
+    fields = ("config.json", "layer_rope_theta", "sliding_window 3")
+    named = [p for p in problems if all(f in p for f in fields)]
     assert named, problems  # both fields, in one problem line
     for problem in problems:
         assert problem.replace("\n", "\n    ") in out
