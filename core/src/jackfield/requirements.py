@@ -32,7 +32,11 @@ def resolve_dtype(config: JackfieldConfig, device: str) -> torch.dtype:
 
 
 def attention_requirements(hf_config: Mapping[str, object], config: JackfieldConfig) -> AttentionRequirements:
-    """MLA for DeepSeek-style configs (kv_lora_rank set), MHA/GQA otherwise."""
+    """MLA for DeepSeek-style configs (kv_lora_rank set), MHA/GQA otherwise. A config.json the
+    built-in family would refuse at load raises its ValueError here (doctor and run report it)."""
+    from jackfield.models.hf_config import check_builtin_family  # imports transformers: only when needed
+
+    check_builtin_family(hf_config)
     device = resolve_device(config)
     num_spec = config.speculative.num_speculative_tokens
     common = dict(
@@ -56,7 +60,7 @@ def attention_requirements(hf_config: Mapping[str, object], config: JackfieldCon
     if kv_lora_rank:  # bidirectional DeepSeek: the expanded form, per-head k_nope ‖ k_pe, on an MHA backend
         head_size = int(hf_config.get("qk_nope_head_dim", 128)) + rope_dim  # type: ignore[arg-type]
         return AttentionRequirements(kind="mha", head_size=head_size, non_causal=True, **common)  # type: ignore[arg-type]
-    from jackfield.models.hf_config import layer_attention  # imports transformers: only when needed
+    from jackfield.models.hf_config import layer_attention
 
     pattern = layer_attention(hf_config)
     heads = int(hf_config["num_attention_heads"])  # type: ignore[arg-type]
