@@ -101,6 +101,15 @@ def test_dense_decode_matches_float64(dtype: torch.dtype, causal: bool, splits: 
     assert_close(out, lse, *reference(batch, causal), TOL[dtype])
 
 
+@pytest.mark.parametrize(("rank", "rope", "page"), [(32, 8, 16), (32, 8, 64), (8, 16, 16)])
+def test_latents_and_ropes_narrower_than_a_dot_are_padded(rank: int, rope: int, page: int) -> None:
+    """tl.dot needs K >= 16: a rope of 8 (the engine's tiny test models) or a latent of 8 runs
+    padded (with 64-key pages too, where the TMA tile path would otherwise take it)."""
+    batch = make_batch([37, 80, 5], [1, 4, 2], torch.float16, rank=rank, rope=rope, page=page)
+    out, lse = run_decode(batch, True, rank=rank)
+    assert_close(out, lse, *reference(batch, True, rank=rank), TOL[torch.float16])
+
+
 @pytest.mark.parametrize("splits", [None, 2])
 def test_without_gluon_every_call_takes_the_triton_kernel(monkeypatch: pytest.MonkeyPatch, splits) -> None:
     """A Triton without the Gluon kernels (e.g. 3.5): decode.py holds None for both modules, and a

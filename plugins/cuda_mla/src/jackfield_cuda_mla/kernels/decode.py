@@ -440,8 +440,9 @@ def _launch_triton_stage1(
         stride_ls,
         RANK=kv_lora_rank,
         ROPE=rope,
-        BLOCK_R=triton.next_power_of_2(kv_lora_rank),
-        BLOCK_P=triton.next_power_of_2(rope),
+        # tl.dot needs K >= 16: narrower latents or ropes are padded (masked loads give zeros)
+        BLOCK_R=max(16, triton.next_power_of_2(kv_lora_rank)),
+        BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         PAGE=page,
