@@ -130,3 +130,19 @@ def test_user_errors_exit_2_without_traceback(tmp_path: Path, args: list[str], m
     )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_run_with_a_drafter_reports_its_acceptance(capsys: pytest.CaptureFixture[str]) -> None:
+    """--speculative-method / --num-speculative-tokens reach the engine; --json's summary has the
+    run's drafts and acceptance, and the text output a line of them."""
+    args = ["run", "--speculative-method", "ngram", "--num-speculative-tokens", "2", "--max-tokens", "12",
+            "--prompt", "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3"]
+    assert main([*args, "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)["summary"]["speculative"]
+    assert spec["method"] == "ngram" and spec["draft_tokens"] >= spec["accepted_tokens"] >= 0
+    want = 1 + spec["accepted_tokens"] / max(spec["drafts"], 1)
+    assert spec["mean_acceptance_length"] == pytest.approx(want, abs=1e-4)
+    assert main(args) == 0
+    assert "speculative (ngram):" in capsys.readouterr().out
+    assert main([*args[:2], "eagle9", *args[3:]]) == 2
+    assert "no drafter named 'eagle9'" in capsys.readouterr().err

@@ -32,6 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int,
                         help="sampling seed for every prompt (default: drawn per request)")
     parser.add_argument("--attention-backend", help="overrides [attention].backend")
+    parser.add_argument("--speculative-method", help="a drafter (overrides [speculative].method), e.g. ngram")
+    parser.add_argument("--num-speculative-tokens", type=int,
+                        help="tokens drafted per step (overrides [speculative].num_speculative_tokens)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(handler=main)
 
@@ -45,12 +48,16 @@ def _stage_bar() -> tuple[Callable[[str], None], Callable[[], None]]:
 def main(args: argparse.Namespace) -> int:
     from jackfield.contracts.sampler import SamplingParams
     from jackfield.engine.llm import LLM
+    from jackfield.engine.sequence import SpeculativeStats
 
     # before loading the model
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     overrides: dict[str, object] = {}
-    if args.attention_backend is not None:
-        overrides["attention.backend"] = args.attention_backend
+    for key, value in (("attention.backend", args.attention_backend),
+                       ("speculative.method", args.speculative_method),
+                       ("speculative.num_speculative_tokens", args.num_speculative_tokens)):
+        if value is not None:
+            overrides[key] = value
     say, close = _stage_bar()
     try:
         llm = LLM(args.model, args.config, progress=say, **overrides)
@@ -78,6 +85,12 @@ def main(args: argparse.Namespace) -> int:
                                 if decode_time > 0 else None),
         "total_s": round(elapsed, 4),
     }
+    if engine.drafter is not None:  # drafts and acceptance over the run
+        run_stats = SpeculativeStats()
+        for output in outputs:
+            assert output.speculative is not None
+            run_stats.add(output.speculative)
+        summary["speculative"] = {"method": engine.drafter.name, **run_stats.as_dict()}
     if args.json:
         results = [
             {"prompt": p if isinstance(p, str) else None, "text": o.text, "token_ids": o.token_ids,
@@ -105,6 +118,11 @@ def main(args: argparse.Namespace) -> int:
         f"\nprompt tokens {summary['prompt_tokens']}, generated tokens {generated}, "
         f"time to first token {first * 1000:.1f} ms, decode {summary['decode_tokens_per_s']} tokens/s"
     )
+    if "speculative" in summary:
+        spec = summary["speculative"]
+        print(f"speculative ({spec['method']}): {spec['drafts']} drafts, {spec['draft_tokens']} draft "
+              f"tokens, {spec['accepted_tokens']} accepted (per position {spec['accepted_per_position']}), "
+              f"mean acceptance length {spec['mean_acceptance_length']}")
     return 0
 
 
