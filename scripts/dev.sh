@@ -14,7 +14,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" "${JACKFIELD_TORCH:-torch==2.13.0}"
-editables=(-e "core[test,triton]")
+editables=(-e "core[test,triton,serve]")
 for plugin in plugins/*/; do
     [ -f "$plugin/pyproject.toml" ] && editables+=(-e "$plugin")
 done

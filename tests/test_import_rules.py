@@ -26,7 +26,7 @@ LAYERS = [
     ("jackfield.requirements", "jackfield.selection", "jackfield.preflight"),
     ("jackfield.engine",),
     ("jackfield.testing",),
-    ("jackfield.commands", "jackfield.cli", "jackfield"),
+    ("jackfield.serving", "jackfield.commands", "jackfield.cli", "jackfield"),
 ]
 TESTING_MAY_IMPORT = {0, 1, 2, 3, 6}  # model harnesses need models; nothing needs the engine
 PLUGIN_SURFACE = (

@@ -1,0 +1,45 @@
+"""`jackfield serve`: the OpenAI-compatible server on one engine (docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)"
+    )
+    parser.add_argument("--config", help="a jackfield TOML file (default: built-in defaults)")
+    parser.add_argument("--model", help="a local Hugging Face model directory (overrides [model].path)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from jackfield.config import resolve_config
+    from jackfield.engine.async_engine import AsyncEngine
+    from jackfield.engine.engine import Engine
+
+    try:
+        import uvicorn
+
+        from jackfield.serving.app import create_app
+    except ImportError as exc:
+        raise ValueError(
+            f"jackfield serve needs the server packages: pip install 'jackfield[serve]' ({exc})"
+        ) from None
+    engine = Engine(
+        resolve_config(args.config, args.model, {}), lambda message: print(message, file=sys.stderr)
+    )
+    name = args.served_model_name or (Path(args.model).name if args.model else Path(engine.model_dir).name)
+    async_engine = AsyncEngine(engine)
+    try:
+        uvicorn.run(create_app(async_engine, name), host=args.host, port=args.port, log_level="warning")
+    finally:
+        async_engine.shutdown()
+    return 0

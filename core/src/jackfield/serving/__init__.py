@@ -1,0 +1,1 @@
+"""The HTTP server (`jackfield serve`): an OpenAI-compatible API over one AsyncEngine."""
