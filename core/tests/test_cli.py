@@ -146,3 +146,23 @@ def test_run_with_a_drafter_reports_its_acceptance(capsys: pytest.CaptureFixture
     assert "speculative (ngram):" in capsys.readouterr().out
     assert main([*args[:2], "eagle9", *args[3:]]) == 2
     assert "no drafter named 'eagle9'" in capsys.readouterr().err
+
+
+def test_run_flags_reach_the_sampler_and_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """--prompt-token-ids gives the Python API's tokens for the same SamplingParams; --top-k 1 at
+    temperature 1 samples the argmax (greedy's tokens); --set and config flags reach the engine."""
+    from jackfield import LLM, SamplingParams
+
+    prompt = [5, 17, 42, 9]
+    want = LLM(None).generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0].token_ids
+    base = ["run", "--prompt-token-ids", ",".join(map(str, prompt)), "--max-tokens", "6", "--json"]
+    for extra in (["--temperature", "0"], ["--top-k", "1", "--seed", "7"]):
+        assert main([*base, *extra, "--set", "engine.max_num_seqs=3", "--dtype", "float32"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["outputs"][0]["token_ids"] == want and out["dtype"] == "torch.float32"
+    assert main([*base, "--set", "engine.max_num_seqs=-3"]) == 2
+    assert "engine.max_num_seqs must be > 0, got -3" in capsys.readouterr().err
+    assert main([*base, "--set", "nonsense"]) == 2
+    assert "expected SECTION.KEY=VALUE" in capsys.readouterr().err
+    assert main(["run", "--prompt-token-ids", "1,x"]) == 2
+    assert "expected comma-separated integers" in capsys.readouterr().err

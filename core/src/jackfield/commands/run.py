@@ -20,23 +20,76 @@ if TYPE_CHECKING:
 DEFAULT_PROMPTS = ("The quick brown fox", "Jackfield is")
 
 
+# Flags that override one config key (the TOML's dotted name); --set reaches every other key.
+CONFIG_FLAGS = (
+    ("--attention-backend", "attention.backend", str),
+    ("--kv-cache-dtype", "attention.kv_cache_dtype", str),
+    ("--dtype", "model.dtype", str),
+    ("--device", "engine.device", str),
+    ("--max-model-len", "engine.max_model_len", int),
+    ("--speculative-method", "speculative.method", str),
+    ("--num-speculative-tokens", "speculative.num_speculative_tokens", int),
+)
+# Sampling flags: SamplingParams' own defaults, so the CLI and the Python API agree.
+SAMPLING_FLAGS = (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
+                  ("--max-tokens", int), ("--logprobs", int), ("--seed", int))
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("run", help="generate text (the embedded tiny model by default)")
+    from jackfield.contracts.sampler import SamplingParams
+
+    parser = subparsers.add_parser("run", help="generate text (the embedded tiny model by default)",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", help="a jackfield TOML file (default: built-in defaults)")
     parser.add_argument("--model", help="a local Hugging Face model directory (overrides [model].path)")
     parser.add_argument("--task", choices=("generate", "embed"), default="generate",
                         help="embed: print one pooled vector per prompt (bidirectional embedding models)")
-    parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int,
-                        help="sampling seed for every prompt (default: drawn per request)")
-    parser.add_argument("--attention-backend", help="overrides [attention].backend")
-    parser.add_argument("--speculative-method", help="a drafter (overrides [speculative].method), e.g. ngram")
-    parser.add_argument("--num-speculative-tokens", type=int,
-                        help="tokens drafted per step (overrides [speculative].num_speculative_tokens)")
+    parser.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
+    parser.add_argument("--prompt-token-ids", action="append", metavar="IDS",
+                        help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)")
+    defaults = SamplingParams()
+    for flag, kind in SAMPLING_FLAGS:
+        name = flag[2:].replace("-", "_")
+        note = " (none: drawn per request)" if name == "seed" else ""
+        parser.add_argument(flag, type=kind, default=getattr(defaults, name),
+                            help=f"SamplingParams.{name}{note}")
+    for flag, key, kind in CONFIG_FLAGS:
+        parser.add_argument(flag, type=kind, help=f"overrides {key}")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override any config key; VALUE is read as TOML (a bare word is a string)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(handler=main)
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The dotted config overrides of --set and the config flags (flags win over --set)."""
+    from jackfield.config import tomllib  # the standard library's, or tomli before Python 3.11
+
+    overrides: dict[str, object] = {}
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text  # a bare word: a string
+        overrides[key.strip()] = value
+    for flag, key, _ in CONFIG_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            overrides[key] = value
+    return overrides
+
+
+def _token_id_prompts(items: list[str] | None) -> list[list[int]]:
+    prompts = []
+    for item in items or []:
+        try:
+            prompts.append([int(t) for t in item.split(",") if t.strip()])
+        except ValueError:
+            raise ValueError(f"--prompt-token-ids {item!r}: expected comma-separated integers") from None
+    return prompts
 
 
 def _stage_bar() -> tuple[Callable[[str], None], Callable[[], None]]:
@@ -51,19 +104,16 @@ def main(args: argparse.Namespace) -> int:
     from jackfield.engine.sequence import SpeculativeStats
 
     # before loading the model
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    overrides: dict[str, object] = {}
-    for key, value in (("attention.backend", args.attention_backend),
-                       ("speculative.method", args.speculative_method),
-                       ("speculative.num_speculative_tokens", args.num_speculative_tokens)):
-        if value is not None:
-            overrides[key] = value
+    params = SamplingParams(**{flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+                               for flag, _ in SAMPLING_FLAGS})
+    overrides = config_overrides(args)
+    token_prompts = _token_id_prompts(args.prompt_token_ids)
     say, close = _stage_bar()
     try:
         llm = LLM(args.model, args.config, progress=say, **overrides)
     finally:
         close()
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    prompts: list[str | list[int]] = [*(args.prompt or []), *token_prompts] or list(DEFAULT_PROMPTS)
     if args.task == "embed":
         return _embed(llm, prompts, args.json)
     bar = tqdm(total=len(prompts), desc="generating", unit="req", file=sys.stderr, delay=1.0, leave=False)
