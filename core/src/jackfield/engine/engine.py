@@ -14,7 +14,6 @@ import numbers
 import random
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +27,7 @@ from jackfield.engine.model_runner import ModelRunner
 from jackfield.engine.scheduler import Scheduler
 from jackfield.engine.sequence import Sequence
 from jackfield.engine.tokenizer import load_tokenizer
+from jackfield.gguf_files import checkpoint_dir
 from jackfield.models import load_model
 from jackfield.models.default_model import default_model_dir
 from jackfield.models.embedding import pooling_of
@@ -57,7 +57,8 @@ class Engine:
         self.device = torch.device(resolve_device(config))
         if config.model.path is None:
             say("creating the embedded default model")
-        self.model_dir = Path(config.model.path) if config.model.path else default_model_dir()
+        # A GGUF file was converted (and cached) by preflight; this finds that folder.
+        self.model_dir = checkpoint_dir(config.model.path) if config.model.path else default_model_dir()
         config_json = read_config_json(self.model_dir)  # read once: requirements, eos, pooling
         self.backend_choices: dict[str, BackendChoice] = checked.attention
         backends = AttentionBackends(prefill=self.backend_choices["prefill"].backend,

@@ -7,12 +7,13 @@ it; the engine then loads it like any other checkpoint.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+
+from jackfield.gguf_files import cache_dir
 
 DEFAULT_MODEL_NAME = "tiny-deepseek-v3-r1"  # bump the suffix when the recipe below changes
 SEED = 20261129
@@ -42,10 +43,6 @@ TINY_CONFIG = dict(
     eos_token_id=EOS_ID,
     initializer_range=0.1,  # livelier logits than 0.02, so sampled text is not uniform noise
 )
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("JACKFIELD_CACHE") or Path.home() / ".cache" / "jackfield")
 
 
 def _byte_to_char() -> dict[int, str]:
