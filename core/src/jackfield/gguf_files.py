@@ -79,7 +79,7 @@ def _convert(gguf: Path, out: Path) -> None:
             local_files_only=True,
             trust_remote_code=False,
         )
-    except ImportError as exc:
+    except ImportError as exc:  # (accelerate missing is a ValueError, below: its message says so)
         raise ModelFileError(
             f"{gguf}: reading GGUF needs the gguf package (pip install gguf): {exc}"
         ) from None
