@@ -79,9 +79,10 @@ def _convert(gguf: Path, out: Path) -> None:
             local_files_only=True,
             trust_remote_code=False,
         )
-    except ImportError as exc:  # (accelerate missing is a ValueError, below: its message says so)
+    except ImportError as exc:
         raise ModelFileError(
-            f"{gguf}: reading GGUF needs the gguf package (pip install gguf): {exc}"
+            f"{gguf}: reading GGUF needs the gguf and accelerate packages "
+            f"(pip install 'jackfield[gguf]'): {exc}"
         ) from None
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         raise ModelFileError(
