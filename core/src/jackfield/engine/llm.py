@@ -14,6 +14,7 @@ from jackfield.contracts.sampler import SamplingParams
 from jackfield.engine.engine import Engine
 from jackfield.engine.outputs import RequestOutput, RequestTimings
 from jackfield.engine.sequence import Sequence
+from jackfield.engine.tokenizer import chat_prompt_ids
 
 Prompt = str | Seq[int]
 
@@ -45,6 +46,15 @@ class LLM:
         requests = [(self._encode(p), sp) for p, sp in zip(prompts, params, strict=True)]
         seqs = self._run(requests, None, progress)
         return [self._output(seq) for seq in seqs]
+
+    def chat(self, messages: Seq[Mapping[str, object]] | Seq[Seq[Mapping[str, object]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             *, progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        """`generate` for one conversation ([{role, content}, ...]) or a list of them, each rendered
+        by the model's chat template with the assistant's turn opened (vLLM's `LLM.chat`)."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [chat_prompt_ids(self.tokenizer, self.engine.model_dir, c) for c in conversations]
+        return self.generate(prompts, sampling_params, progress=progress)
 
     def embed(self, inputs: Prompt | Seq[Prompt]) -> torch.Tensor:
         """One pooled vector per prompt, [B, hidden] float32 (config.json's `pooling`: mean, last

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from jackfield.engine.async_engine import AsyncEngine, RequestDelta, RequestStream
+from jackfield.engine.tokenizer import chat_prompt_ids
 from jackfield.serving.protocol import GenerationRequest, RequestError, field_named, parse_generation
 
 
@@ -180,26 +181,10 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         return many  # type: ignore[return-value]
 
     def _chat_ids(body: Mapping[str, object]) -> list[int]:
-        messages = body.get("messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages)
-        ):
-            raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
-        tok = _tokenizer()
-        if not tok.chat_template:
-            raise RequestError(
-                f"{engine.model_dir} has no chat template (tokenizer_config.json "
-                "chat_template): use /v1/completions",
-                "messages",
-            )
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # the template's own error (a role it does not know, ...)
-            raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
-        ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
-        return list(ids)
+            return chat_prompt_ids(tokenizer, engine.model_dir, body.get("messages"))
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from None
 
     async def _respond(
         request: Request, prompts: list[list[int]], gen: GenerationRequest, chat: bool
