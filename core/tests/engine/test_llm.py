@@ -92,6 +92,17 @@ def test_bad_requests_fail_with_clear_errors(llm: LLM) -> None:
         llm.generate([[1, 2]], [GREEDY, GREEDY])
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[1] * 600], GREEDY)
+    with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
+        llm.generate([{"prompt_token_ids": [1, 2], "prompt": "x"}], GREEDY)
+
+
+def test_vllm_dict_prompts_are_their_token_ids(llm: LLM) -> None:
+    """{"prompt_token_ids": ids} (vLLM's TokensPrompt) gives what the ids give, alone and in a list."""
+    ids = _prompts(11, (7, 4))
+    want = [o.token_ids for o in llm.generate(ids, GREEDY)]
+    got = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY)
+    assert [o.token_ids for o in got] == want
+    assert llm.generate({"prompt_token_ids": ids[0]}, GREEDY)[0].token_ids == want[0]
 
 
 def test_bad_engine_configs_fail_before_loading(v3_dir) -> None:

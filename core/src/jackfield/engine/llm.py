@@ -16,7 +16,8 @@ from jackfield.engine.outputs import RequestOutput, RequestTimings
 from jackfield.engine.sequence import Sequence
 from jackfield.engine.tokenizer import chat_prompt_ids
 
-Prompt = str | Seq[int]
+# text, token ids, or vLLM's dict form ({"prompt": text} or {"prompt_token_ids": ids})
+Prompt = str | Seq[int] | Mapping[str, object]
 
 
 class LLM:
@@ -85,7 +86,17 @@ class LLM:
         return seqs
 
     def _encode(self, prompt: Prompt) -> list[int]:
-        """Text through the tokenizer; token ids as given (Engine.check_request checks them)."""
+        """Text through the tokenizer; token ids as given (Engine.check_request checks them); a
+        vLLM-style dict holds one of them ({"prompt": text} or {"prompt_token_ids": ids})."""
+        if isinstance(prompt, Mapping):
+            keys = set(prompt) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1 or set(prompt) - keys:
+                raise ValueError(f"a dict prompt holds exactly one of 'prompt' or 'prompt_token_ids', "
+                                 f"got keys {sorted(map(str, prompt))}")
+            inner = prompt[keys.pop()]
+            if isinstance(inner, Mapping):
+                raise ValueError("a dict prompt's value is a string or a list of token ids")
+            return self._encode(inner)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.engine.model_dir} has no tokenizer: "
@@ -96,7 +107,7 @@ class LLM:
                 raise ValueError(f"prompt {prompt[:40]!r} is not valid UTF-8 text "
                                  f"(at character {exc.start})") from None
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        if isinstance(prompt, bytes | Mapping) or not isinstance(prompt, Iterable):
+        if isinstance(prompt, bytes) or not isinstance(prompt, Iterable):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
@@ -120,7 +131,7 @@ class LLM:
 
 
 def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    """One prompt (a string or a list of token ids) or a list of prompts -> a list of prompts."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    """One prompt (a string, a list of token ids or a dict) or a list of prompts -> a list."""
+    if isinstance(prompts, str | Mapping) or (prompts and isinstance(prompts[0], int)):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
