@@ -70,6 +70,24 @@ def test_logprobs_are_the_top_k_of_the_log_softmax(llm: LLM, v3_dir) -> None:
         assert out.token_ids[step] == expected.indices[step, 0]
 
 
+def test_a_sampled_tokens_logprob_is_reported_even_outside_the_top_k(llm: LLM, v3_dir) -> None:
+    """vLLM's semantics: each step's dict holds the top k and the token that was emitted."""
+    prompt = _prompts(5, (9,))[0]
+    params = SamplingParams(temperature=5.0, seed=2, max_tokens=12, logprobs=1, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(v3_dir)).eval()
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
+    want = torch.log_softmax(logits.double(), -1)
+    outside = 0
+    for step, (token, top) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert token in top and abs(top[token] - want[step, token].item()) < 1e-4
+        outside += len(top) == 2  # the sampled token was not the most likely one
+    assert outside > 0, "temperature 5 was meant to sample some unlikely tokens"
+
+
 def test_outputs_report_seed_timings_and_finish_reasons(llm: LLM) -> None:
     first, second = llm.generate(_prompts(4, (6, 6)), SamplingParams(max_tokens=4))
     assert first.seed != second.seed  # drawn from the engine generator (config sampler.seed)

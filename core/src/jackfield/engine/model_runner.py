@@ -237,11 +237,17 @@ class ModelRunner:
         logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)
         if out.logprobs is not None and out.logprob_token_ids is not None:
             ids, values = out.logprob_token_ids.tolist(), out.logprobs.tolist()
-            for i, chunk in enumerate(sampling):
-                k = chunk.seq.params.logprobs
-                if k is not None:  # token j of a verify chunk came from the chunk's row j
-                    rows = range(first_row[i], first_row[i] + len(emitted[i]))
-                    logprobs[i] = [dict(zip(ids[r][:k], values[r][:k], strict=True)) for r in rows]
+            # As vLLM: the new token's own logprob too (a sampled token may be outside the top k).
+            asking = [i for i, c in enumerate(sampling) if c.seq.params.logprobs is not None]
+            rows = [first_row[i] + j for i in asking for j in range(len(emitted[i]))]
+            new = [t for i in asking for t in emitted[i]]
+            chosen = iter(torch.log_softmax(logits[self._h2d(rows, torch.int64)].float(), dim=-1)
+                          .gather(1, self._h2d(new, torch.int64).unsqueeze(1)).squeeze(1).tolist())
+            for i in asking:  # token j of a verify chunk came from the chunk's row j
+                k = sampling[i].seq.params.logprobs
+                logprobs[i] = [{**dict(zip(ids[r][:k], values[r][:k], strict=True)), token: next(chosen)}
+                               for r, token in zip(range(first_row[i], first_row[i] + len(emitted[i])),
+                                                   emitted[i], strict=True)]
         return StepResult(emitted, logprobs, embeddings)
 
     def _rejection_verify(self, chunks: list[ScheduledChunk], first_rows: list[int], logits: torch.Tensor,
