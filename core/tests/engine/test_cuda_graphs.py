@@ -111,3 +111,43 @@ def test_pieces_over_static_buffers_give_the_eager_tokens(v3_dir) -> None:
         assert got.token_ids == want.token_ids
         for w, g in zip(want.logprobs, got.logprobs, strict=True):
             assert w.keys() == g.keys() and max(abs(w[t] - g[t]) for t in w) < 1e-4
+
+
+def test_graph_buffers_hold_each_kv_groups_slots_and_tables(tmp_path, rng_seed: int) -> None:
+    """Granite SWA (window layers beside full ones: several KV cache groups): the decode graphs' static
+    buffers, filled for a step of decodes past the window, hold each group's slots, block tables,
+    token ids and positions as the eager step's metadata has them; padded rows write nothing.
+    (On the CPU the buffers are host tensors; recording itself needs a GPU.)"""
+    import torch
+    from jackfield.engine.cuda_graphs import DecodeGraphs
+    from jackfield.testing.checkpoints import write_granite
+
+    write_granite("granite_swa", tmp_path / "swa")
+    llm = LLM(str(tmp_path / "swa"), device="cpu", backend="torch_ref", block_size=4, max_num_seqs=8)
+    engine, runner = llm.engine, llm.engine.runner
+    num_groups = len(runner.groups.windows)
+    assert num_groups > 1 and None in runner.groups.windows and 3 in runner.groups.windows
+    g = torch.Generator().manual_seed(rng_seed)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_requests([(p, params) for p in prompts])
+    for _ in range(12):  # every request decodes, past its window (3): trimmed window tables
+        engine.step()
+    chunks = engine.scheduler.schedule()
+    assert len(chunks) == 3 and all(c.num_tokens == 1 for c in chunks)
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.contexts, num_groups,
+                          runner.kv.num_blocks, runner.block_size, engine.max_model_len, 8, engine.device)
+    size = next(s for s in graphs.sizes if s >= len(chunks))
+    assert size > len(chunks)  # a padded row too
+    graphs._fill(chunks, size)
+    per_group, input_ids, positions = runner._metadata(chunks)
+    n = len(chunks)
+    assert graphs.input_ids.gpu[:n].tolist() == input_ids
+    assert torch.equal(graphs.positions.gpu[:n], positions)
+    for group, eager in enumerate(per_group):
+        assert torch.equal(graphs.slot_mapping[group].gpu[:n], eager.slot_mapping)
+        assert (graphs.slot_mapping[group].gpu[n:size] == -1).all()
+        for row, seq_len in enumerate(eager.seq_lens_cpu.tolist()):
+            used = -(-seq_len // runner.block_size)
+            assert torch.equal(graphs.block_table[group][row, :used], eager.block_table[row, :used])
+    assert len({tuple(md.slot_mapping.tolist()) for md in per_group}) > 1  # the groups' slots differ
