@@ -38,3 +38,29 @@ def test_chat_renders_the_template_and_generates(model: Path) -> None:
     ]  # one conversation
     with pytest.raises(ValueError, match="messages must be a non-empty list"):
         llm.chat([{"content": "no role"}], GREEDY)
+
+
+def test_a_stop_string_ends_the_output_before_it(model: Path, rng_seed: int) -> None:
+    """A stop string taken from the middle of the greedy text (it spans several byte tokens):
+    the output stops at the token that completes it, the text ends before it, reason "stop"."""
+    llm = LLM(str(model), device="cpu")
+    prompt = "The quick brown fox"
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    assert full.text is not None and len(full.text) > 12
+    # three characters with no replacement mark (a byte that only a later token completes)
+    starts = [i for i in range(2, len(full.text) - 3) if "\ufffd" not in full.text[i : i + 3]]
+    assert starts, f"no clean stop string in {full.text!r}"
+    start = starts[rng_seed % len(starts)]
+    stop = full.text[start : start + 3]
+    got = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop, "never appears \u2603"]),
+    )[0]
+    assert got.finish_reason == "stop"
+    assert got.text == full.text[: full.text.index(stop)]
+    assert got.token_ids == full.token_ids[: len(got.token_ids)]  # a prefix: the run stopped early
+    assert stop in llm.tokenizer.decode(got.token_ids) and stop not in llm.tokenizer.decode(
+        got.token_ids[:-1]
+    )
+    with pytest.raises(ValueError, match="stop must be a non-empty string"):
+        SamplingParams(stop=[""])

@@ -18,6 +18,8 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those filters.
     seed None: the engine draws one from its seeded generator and reports it in the output.
     logprobs k: the top-k logprobs of each generated token's distribution are returned.
+    stop: strings that end the output when its text contains one (the text is cut before it; the
+    tokens up to the one that completed it are kept), as vLLM's `stop`.
     logit_bias {token id: bias} is added to the logits; allowed_token_ids restricts sampling to
     those tokens (both before temperature, filters and greedy argmax).
     """
@@ -29,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # text that ends the output (not included in it), across token boundaries
     logprobs: int | None = None
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None
@@ -43,6 +46,7 @@ class SamplingParams:
         seed = self._integer("seed", errors, optional=True)
         logprobs = self._integer("logprobs", errors, optional=True)
         self._token_ids("stop_token_ids", errors)
+        self._stop_strings(errors)
         allowed = self._token_ids("allowed_token_ids", errors, optional=True)
         if not isinstance(self.ignore_eos, bool):
             errors.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -94,6 +98,13 @@ class SamplingParams:
             return None
         object.__setattr__(self, name, tuple(int(t) for t in items))
         return getattr(self, name)
+
+    def _stop_strings(self, errors: list[str]) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+            errors.append(f"stop must be a non-empty string or a sequence of them, got {self.stop!r}")
+            return
+        object.__setattr__(self, "stop", tuple(stop))
 
     def _logit_bias(self, errors: list[str]) -> None:
         bias = self.logit_bias

@@ -151,6 +151,9 @@ class Engine:
                              f"KV blocks; the cache has {self.block_manager.num_usable} "
                              "(raise the KV budget)")
         check_named_tokens(params, vocab)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and {self.model_dir} has none: "
+                             "use stop_token_ids")
 
     def step(self) -> list[Sequence]:
         """One engine step; returns the requests it finished."""
@@ -213,9 +216,22 @@ class Engine:
         p = seq.params
         if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
             return "stop"
+        if p.stop and self._stop_string_end(seq) is not None:
+            return "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+
+    def _stop_string_end(self, seq: Sequence) -> int | None:
+        """Where the first stop string begins in the output text, if one has appeared; kept in
+        `seq.text_end`. The whole output is decoded each time: a token may complete a character
+        or a stop string that began in earlier tokens."""
+        assert self.tokenizer is not None  # check_request refuses stop strings without one
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        found = [at for at in (text.find(s) for s in seq.params.stop) if at >= 0]
+        seq.text_end = min(found) if found else None
+        return seq.text_end
 
 
 def _sampler(config: JackfieldConfig) -> Sampler:

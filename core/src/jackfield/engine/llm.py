@@ -114,6 +114,8 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         assert seq.first_token_time is not None and seq.finish_time is not None and seq.finish_reason
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else None
+        if text is not None and seq.text_end is not None:  # a stop string is not part of the output
+            text = text[: seq.text_end]
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.token_ids[: seq.prompt_len],

@@ -73,6 +73,7 @@ class Sequence:
     num_cached_prefix: int = 0  # tokens served by the prefix cache on the first admission
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    text_end: int | None = None  # where a stop string begins in the decoded output (text is cut there)
     draft_ids: list[int] = field(default_factory=list)  # proposed after token_ids, verified next step
     speculative: SpeculativeStats = field(default_factory=lambda: SpeculativeStats())
     embedding: torch.Tensor | None = None  # an embedding request's pooled vector [hidden] float32
