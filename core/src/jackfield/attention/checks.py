@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from jackfield.attention.kv_cache import ACTIVATION_DTYPES, FP8_DTYPE, is_mla
@@ -118,3 +120,37 @@ def check_written_rows(name: str, rows: torch.Tensor, shape: tuple[int, ...], kv
         raise ValueError(f"{name} must be {list(shape)}, got {list(rows.shape)}")
     if rows.device != kv_cache.device:
         raise ValueError(f"{name} is on {rows.device}, the cache on {kv_cache.device}")
+
+
+class _LastCheckedSlots:
+    """The last slot_mapping whose range passed, by identity and version (no strong reference)."""
+
+    tensor: weakref.ref | None = None
+    version: int = -1
+    capacity: int = -1
+
+
+def check_slot_range_once(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """slot_mapping's largest slot is inside the cache's num_blocks x block_size slots, checked once
+    per (tensor, version, capacity).
+
+    Every layer of a step inserts with the same slot_mapping, so a kernel's insert pays the one
+    device sync once a step, not once a layer. Skipped while a CUDA graph records (it cannot sync:
+    the recording engine checks the slots of every replay on the host), so the kernels themselves
+    must never write a slot outside the cache. Inference-mode tensors carry no version counter:
+    they are checked on every call.
+    """
+    if slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    capacity = num_blocks * block_size
+    last = _LastCheckedSlots
+    remembered = not slot_mapping.is_inference()
+    if (remembered and last.tensor is not None and last.tensor() is slot_mapping
+            and last.version == slot_mapping._version and last.capacity == capacity):
+        return
+    top = int(slot_mapping.max().item())  # the one device sync
+    if top >= capacity:
+        raise ValueError(f"slot_mapping holds slot {top}, but the cache has {capacity} slots "
+                         f"({num_blocks} x {block_size})")
+    if remembered:
+        last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity

@@ -12,11 +12,10 @@ cannot sync: the recording engine checks the slots of every replay on the host i
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
+from jackfield.attention.checks import check_slot_range_once
 from jackfield.ops.launch import DirectLauncher
 
 from jackfield_cuda_mla.kernels.checks import FP8, FP8_MAX, check_cache, check_device, check_scale, require
@@ -64,38 +63,7 @@ def _kv_insert_kernel(
     tl.store(base[:, None] + RANK + p[None, :], e.to(out_ty), mask=mask_p)
 
 
-class _CheckedSlots:
-    """The last slot_mapping whose range passed, by identity and version (no strong reference)."""
-
-    tensor: weakref.ref | None = None
-    version: int = -1
-    capacity: int = -1
-
-
 _launch_kv_insert = DirectLauncher(_kv_insert_kernel)  # Triton's dispatch outlasts a small insert
-
-
-def _check_slot_range(slot_mapping: torch.Tensor, capacity: int, num_blocks: int, block_size: int) -> None:
-    last = _CheckedSlots
-    # Inference-mode tensors carry no version counter: they are checked on every call.
-    remembered = not slot_mapping.is_inference()
-    if (
-        remembered
-        and last.tensor is not None
-        and last.tensor() is slot_mapping
-        and last.version == slot_mapping._version
-        and last.capacity == capacity
-    ):
-        return
-    top = int(slot_mapping.max().item())  # the one device sync
-    require(
-        top < capacity,
-        lambda: (
-            f"slot_mapping holds slot {top}, but the cache has {capacity} slots ({num_blocks} x {block_size})"
-        ),
-    )
-    if remembered:
-        last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
 
 
 def mla_kv_insert(
@@ -148,8 +116,7 @@ def mla_kv_insert(
     if tokens == 0:
         return
     capacity = num_blocks * block_size
-    if not (kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_slot_range(slot_mapping, capacity, num_blocks, block_size)
+    check_slot_range_once(slot_mapping, num_blocks, block_size)
     _launch_kv_insert(
         (triton.cdiv(tokens, BLOCK_T),),
         kv_c,
