@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from jackfield.contracts.attention import AttentionCapabilities, Availability
+from jackfield.ops.gpu_checks import triton_cuda_availability
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
@@ -30,12 +29,4 @@ CUDA_MLA_CAPABILITIES = AttentionCapabilities(
 
 def cuda_mla_availability() -> Availability:
     """A CUDA device of compute capability >= 8.0 and an importable Triton; otherwise the reason."""
-    if importlib.util.find_spec("triton") is None:
-        return Availability.no("triton is not installed (pip install triton)")
-    if not torch.cuda.is_available():
-        return Availability.no("no CUDA device is visible to PyTorch")
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < MIN_COMPUTE_CAPABILITY:
-        name = torch.cuda.get_device_name()
-        return Availability.no(f"{name} has compute capability {major}.{minor}; cuda_mla needs >= 8.0")
-    return Availability.yes(f"{torch.cuda.get_device_name()} (sm_{major}{minor}) with Triton")
+    return triton_cuda_availability("cuda_mla", MIN_COMPUTE_CAPABILITY)

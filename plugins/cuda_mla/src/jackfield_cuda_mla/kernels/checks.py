@@ -1,21 +1,12 @@
-"""Entry-point validation shared by the kernels: every bad input gets a clear error."""
+"""Entry-point validation shared by the kernels: every bad input gets a clear error (the
+checks every Triton GPU backend shares are core's, jackfield.ops.gpu_checks; re-exported here)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+from jackfield.ops.gpu_checks import FP8, FP8_MAX, check_device, check_scale, require  # noqa: F401
 
-FP8 = torch.float8_e4m3fn
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def require(ok: bool, message: str | Callable[[], str]) -> None:
-    """Raise ValueError(message) unless ok; a callable message is only formatted on failure
-    (the checks run on every decode and insert call, so eager f-strings cost real host time)."""
-    if not ok:
-        raise ValueError(message() if callable(message) else message)
 
 
 def check_cache(kv_cache: torch.Tensor) -> None:
@@ -34,32 +25,6 @@ def check_cache(kv_cache: torch.Tensor) -> None:
             "kv_cache blocks must be dense (stride(0) == block_size * stride(1)), "
             f"strides {kv_cache.stride()}"
         ),
-    )
-
-
-def check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """The per-tensor fp8 scale tensor the kernels read (no host sync); fp8 without one fails.
-
-    Non-fp8 caches get the kernels' unused dummy (the cache itself, never dereferenced).
-    """
-    if kv_cache.dtype != FP8:
-        return kv_cache
-    require(
-        kv_scale is not None,
-        "fp8 (float8_e4m3fn) kv_cache needs kv_scale (a per-tensor scale); none was given",
-    )
-    assert kv_scale is not None
-    require(
-        kv_scale.numel() == 1, f"kv_scale must hold one per-tensor value, got shape {tuple(kv_scale.shape)}"
-    )
-    require(kv_scale.dtype == torch.float32, lambda: f"kv_scale dtype {kv_scale.dtype} must be float32")
-    check_device("kv_scale", kv_scale, kv_cache.device)
-    return kv_scale
-
-
-def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
-    require(
-        tensor.device == device, f"{name} is on {tensor.device}, expected {device} (where kv_cache lives)"
     )
 
 
