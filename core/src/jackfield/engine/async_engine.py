@@ -32,6 +32,7 @@ class RequestDelta:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     error: str | None = None
+    text_end: int | None = None  # where a stop string begins in the output text (Sequence.text_end)
 
     @property
     def finished(self) -> bool:
@@ -146,7 +147,9 @@ class AsyncEngine:
             return
         logprobs = seq.logprobs[stream.sent :] if seq.params.logprobs is not None else None
         stream.sent += len(new)
-        delta = RequestDelta(new, logprobs, seq.finish_reason if seq.status == Status.FINISHED else None)
+        finished = seq.status == Status.FINISHED
+        delta = RequestDelta(new, logprobs, seq.finish_reason if finished else None,
+                             text_end=seq.text_end if finished else None)
         if delta.finished:
             self._finish(stream, delta)
         else:

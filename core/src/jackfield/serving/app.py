@@ -27,24 +27,22 @@ from jackfield.serving.protocol import GenerationRequest, RequestError, field_na
 @dataclass
 class TextState:
     """Incremental text of one completion: decoded whole each time (a token may complete a
-    multi-byte character of the one before), stop strings searched across token boundaries."""
+    multi-byte character of the one before). The engine finds stop strings (SamplingParams.stop)
+    and says where the text ends; this only holds back what could still become one."""
 
     tokenizer: PreTrainedTokenizerBase
     stops: tuple[str, ...]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # sent so far
-    stopped: bool = False
 
-    def add(self, token_ids: list[int], final: bool) -> str:
-        """The new text of `token_ids` (held back while it ends in a partial character or could
-        be the start of a stop string, unless `final`)."""
-        self.token_ids += token_ids
+    def add(self, delta: RequestDelta) -> str:
+        """The new text of the delta's tokens (held back while it ends in a partial character or
+        could be the start of a stop string, unless the delta is the last)."""
+        self.token_ids += delta.token_ids
         full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        for stop in self.stops:
-            at = full.find(stop, max(0, len(self.text) - len(stop) + 1))
-            if at >= 0:
-                full, self.stopped, final = full[:at], True, True
-        if not final:
+        if delta.text_end is not None:  # a stop string begins there: it and what follows go
+            full = full[: delta.text_end]
+        if not delta.finished:
             hold = max((len(s) - 1 for s in self.stops), default=0)
             end = len(full) - hold if hold else len(full)
             while end > len(self.text) and full[end - 1] == "\ufffd":
@@ -244,17 +242,14 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
     ) -> tuple[str, str, list[int]]:
         """(text, finish reason, token ids) of one completion; a model without a tokenizer gives
         token ids and empty text (stop strings need one: refused)."""
-        text = TextState(_tokenizer(), gen.stop) if tokenizer is not None or gen.stop else None
+        text = TextState(tokenizer, gen.params.stop) if tokenizer is not None else None
         token_ids: list[int] = []
         while True:
             delta = await queue.get()
             _raise_error(delta)
             token_ids += delta.token_ids
             if text is not None:
-                text.add(delta.token_ids, delta.finished)
-                if text.stopped:
-                    async_engine.abort(stream)
-                    return text.text, _finished("stop", len(token_ids)), token_ids
+                text.add(delta)
             if delta.finished:
                 reason = _finished(delta.finish_reason or "abort", len(token_ids))
                 return (text.text if text else ""), reason, token_ids
@@ -267,7 +262,7 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         request_id: str,
         created: int,
     ) -> AsyncIterator[str]:
-        text = TextState(_tokenizer(), gen.stop)
+        text = TextState(_tokenizer(), gen.params.stop)
         count = 0
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -299,14 +294,11 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                     yield f"data: {json.dumps(RequestError(delta.error, status=500).body())}\n\n"
                     break
                 count += len(delta.token_ids)
-                piece = text.add(delta.token_ids, delta.finished)
-                reason = "stop" if text.stopped else delta.finish_reason
-                if piece or reason:
-                    yield chunk(piece, reason)
-                if text.stopped or delta.finished:
-                    if text.stopped:
-                        async_engine.abort(stream)
-                    _finished(reason or "abort", count)
+                piece = text.add(delta)
+                if piece or delta.finish_reason:
+                    yield chunk(piece, delta.finish_reason)
+                if delta.finished:
+                    _finished(delta.finish_reason or "abort", count)
                     break
             if gen.include_usage:
                 payload = {

@@ -42,8 +42,7 @@ UNSUPPORTED = {
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    params: SamplingParams
-    stop: tuple[str, ...]  # text that ends a completion (not included in it)
+    params: SamplingParams  # stop strings included: the engine finds them
     stream: bool
     include_usage: bool
 
@@ -57,10 +56,6 @@ def parse_generation(
         value = body.get(name)
         if value is not None and value != neutral and not (name == "logprobs" and chat and value is False):
             raise RequestError(why, name)
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else stop if stop is not None else ()
-    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("stop must be a non-empty string or a list of them", "stop")
     max_key = (
         "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     )
@@ -83,12 +78,13 @@ def parse_generation(
             seed=body.get("seed"),
             max_tokens=max_tokens,
             stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+            stop=body.get("stop") or (),
             ignore_eos=_get(body, "ignore_eos", False),
             logit_bias=_token_keys(bias) if isinstance(bias, Mapping) else bias,
         )
     except (ValueError, TypeError) as exc:
         raise RequestError(str(exc), field_named(str(exc))) from None
-    return GenerationRequest(params, tuple(stops), stream, bool(options.get("include_usage", False)))
+    return GenerationRequest(params, stream, bool(options.get("include_usage", False)))
 
 
 def _get(body: Mapping[str, object], name: str, default: object) -> object:
@@ -111,6 +107,7 @@ def field_named(message: str) -> str | None:
         "seed",
         "max_tokens",
         "stop_token_ids",
+        "stop",  # after stop_token_ids, which contains it
         "ignore_eos",
         "logit_bias",
     ):
