@@ -166,3 +166,33 @@ def test_run_flags_reach_the_sampler_and_the_config(capsys: pytest.CaptureFixtur
     assert "expected SECTION.KEY=VALUE" in capsys.readouterr().err
     assert main(["run", "--prompt-token-ids", "1,x"]) == 2
     assert "expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_run_n_and_penalty_flags_match_the_python_api(capsys: pytest.CaptureFixture[str]) -> None:
+    """--n gives one JSON entry per sample (seeds seed, seed + 1); penalties and --stop reach
+    SamplingParams as the API takes them."""
+    from jackfield import LLM, SamplingParams
+
+    prompt = [5, 17, 42, 9, 5, 17]
+    params = SamplingParams(n=2, seed=4, max_tokens=6, repetition_penalty=1.4, frequency_penalty=0.3)
+    want = LLM(None).generate([prompt], params, use_tqdm=False)[0]
+    args = ["run", "--prompt-token-ids", ",".join(map(str, prompt)), "--max-tokens", "6", "--n", "2",
+            "--seed", "4", "--repetition-penalty", "1.4", "--frequency-penalty", "0.3", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)["outputs"]
+    assert [(o["index"], o["seed"], o["token_ids"]) for o in out] == [
+        (c.index, c.seed, c.token_ids) for c in want.outputs]
+
+
+def test_bench_reports_one_row_per_batch_size(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "--input-len", "8", "--output-len", "4", "--batch-size", "1", "3", "--num-iters", "1",
+            "--warmup-iters", "0", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["batch_size"] for r in out["results"]] == [1, 3]
+    for row in out["results"]:
+        assert row["output_tokens_per_s"] == pytest.approx(row["batch_size"] * 4 / row["latency_s_mean"],
+                                                           rel=1e-2)
+        assert 0 < row["time_to_first_token_s"] <= row["latency_s_mean"]
+    assert main([*args[:-1], "--output-len", "0"]) == 2
+    assert "--output-len must be >= 1" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from jackfield import __version__
 
-SUBCOMMANDS = ("run", "serve", "plugins", "doctor")
+SUBCOMMANDS = ("run", "serve", "bench", "plugins", "doctor")
 USER_ERROR_EXIT = 2
 BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE, as a shell reports a command killed by it
 

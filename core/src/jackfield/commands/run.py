@@ -32,7 +32,9 @@ CONFIG_FLAGS = (
 )
 # Sampling flags: SamplingParams' own defaults, so the CLI and the Python API agree.
 SAMPLING_FLAGS = (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
-                  ("--max-tokens", int), ("--logprobs", int), ("--seed", int))
+                  ("--max-tokens", int), ("--logprobs", int), ("--seed", int), ("--n", int),
+                  ("--presence-penalty", float), ("--frequency-penalty", float),
+                  ("--repetition-penalty", float))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,12 +55,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         note = " (none: drawn per request)" if name == "seed" else ""
         parser.add_argument(flag, type=kind, default=getattr(defaults, name),
                             help=f"SamplingParams.{name}{note}")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="SamplingParams.stop: text that ends the output (repeatable)")
+    add_config_flags(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.set_defaults(handler=main)
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """The config flags and --set, read back by `config_overrides` (run and bench share them)."""
     for flag, key, kind in CONFIG_FLAGS:
         parser.add_argument(flag, type=kind, help=f"overrides {key}")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key; VALUE is read as TOML (a bare word is a string)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.set_defaults(handler=main)
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -105,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
 
     # before loading the model
     params = SamplingParams(**{flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-                               for flag, _ in SAMPLING_FLAGS})
+                               for flag, _ in SAMPLING_FLAGS}, stop=tuple(args.stop))
     overrides = config_overrides(args)
     token_prompts = _token_id_prompts(args.prompt_token_ids)
     say, close = _stage_bar()
@@ -118,34 +127,35 @@ def main(args: argparse.Namespace) -> int:
         return _embed(llm, prompts, args.json)
     bar = tqdm(total=len(prompts), desc="generating", unit="req", file=sys.stderr, delay=1.0, leave=False)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params,
+    outputs = llm.generate(prompts, params, use_tqdm=False,
                            progress=lambda done, _: done > bar.n and bar.update(done - bar.n))
     elapsed = time.perf_counter() - start
     bar.close()
     engine = llm.engine
     backends = {role: {"name": c.name, "reason": c.reason} for role, c in llm.engine.backend_choices.items()}
-    generated = sum(len(o.token_ids) for o in outputs)
+    samples = [(p, c) for p, o in zip(prompts, outputs, strict=True) for c in o.outputs]
+    generated = sum(len(c.token_ids) for _, c in samples)
     first = min(o.timings.time_to_first_token_s for o in outputs)
     decode_time = elapsed - first
     summary = {
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
         "generated_tokens": generated,
         "time_to_first_token_s": round(first, 4),
-        "decode_tokens_per_s": (round((generated - len(outputs)) / decode_time, 1)
+        "decode_tokens_per_s": (round((generated - len(samples)) / decode_time, 1)
                                 if decode_time > 0 else None),
         "total_s": round(elapsed, 4),
     }
     if engine.drafter is not None:  # drafts and acceptance over the run
         run_stats = SpeculativeStats()
-        for output in outputs:
-            assert output.speculative is not None
-            run_stats.add(output.speculative)
+        for _, sample in samples:
+            assert sample.speculative is not None
+            run_stats.add(sample.speculative)
         summary["speculative"] = {"method": engine.drafter.name, **run_stats.as_dict()}
     if args.json:
-        results = [
-            {"prompt": p if isinstance(p, str) else None, "text": o.text, "token_ids": o.token_ids,
-             "finish_reason": o.finish_reason, "seed": o.seed}
-            for p, o in zip(prompts, outputs, strict=True)
+        results = [  # one entry per sample (index: which of the prompt's n)
+            {"prompt": p if isinstance(p, str) else None, "index": c.index, "text": c.text,
+             "token_ids": c.token_ids, "finish_reason": c.finish_reason, "seed": c.seed}
+            for p, c in samples
         ]
         print(json.dumps({"model": str(engine.model_dir), "device": str(engine.device),
                           "dtype": str(engine.capabilities.dtype), "backends": backends,
@@ -161,8 +171,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"decode CUDA graphs: {graphs}")
     pieces = "on" if engine.runner.prefill_graphs_off is None else f"off: {engine.runner.prefill_graphs_off}"
     print(f"prefill CUDA graphs (pieces between attention calls): {pieces}")
-    for prompt, out in zip(prompts, outputs, strict=True):
-        print(f"\n--- {prompt!r} ({out.finish_reason})")
+    for prompt, out in samples:
+        print(f"\n--- {prompt!r}{f' [{out.index}]' if params.n > 1 else ''} ({out.finish_reason})")
         print(out.text if out.text is not None else out.token_ids)
     print(
         f"\nprompt tokens {summary['prompt_tokens']}, generated tokens {generated}, "

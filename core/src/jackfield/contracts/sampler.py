@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from abc import ABC, abstractmethod
@@ -22,6 +23,11 @@ class SamplingParams:
     tokens up to the one that completed it are kept), as vLLM's `stop`.
     logit_bias {token id: bias} is added to the logits; allowed_token_ids restricts sampling to
     those tokens (both before temperature, filters and greedy argmax).
+    n: independent samples of the prompt (vLLM's parallel sampling: `per_sample()`).
+    presence_penalty, frequency_penalty (in [-2, 2], OpenAI's: subtracted once per token generated
+    so far / once per occurrence) and repetition_penalty (> 0; a token in the prompt or the output
+    has a positive logit divided by it, a negative one multiplied) after bias and allowed tokens.
+    prompt_logprobs k: each prompt token's logprob (and the top k) given the tokens before it.
     """
 
     temperature: float = 1.0
@@ -36,15 +42,23 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """Strict types (True is not an int, 2.5 is not an integer, floats are finite), then ranges;
         every problem at once, each naming its field. Values are stored as plain int/float/tuple."""
         errors: list[str] = []
-        temperature, top_p, min_p = (self._number(name, errors) for name in ("temperature", "top_p", "min_p"))
-        top_k, max_tokens = self._integer("top_k", errors), self._integer("max_tokens", errors)
+        temperature, top_p, min_p, presence, frequency, repetition = (
+            self._number(name, errors) for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                                                    "frequency_penalty", "repetition_penalty"))
+        top_k, max_tokens, n = (self._integer(name, errors) for name in ("top_k", "max_tokens", "n"))
         seed = self._integer("seed", errors, optional=True)
         logprobs = self._integer("logprobs", errors, optional=True)
+        prompt_logprobs = self._integer("prompt_logprobs", errors, optional=True)
         self._token_ids("stop_token_ids", errors)
         self._stop_strings(errors)
         allowed = self._token_ids("allowed_token_ids", errors, optional=True)
@@ -58,6 +72,14 @@ class SamplingParams:
             (min_p is None or 0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}"),
             (max_tokens is None or max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
             (logprobs is None or logprobs >= 0, f"logprobs must be >= 0, got {logprobs}"),
+            (prompt_logprobs is None or prompt_logprobs >= 0,
+             f"prompt_logprobs must be >= 0, got {prompt_logprobs}"),
+            (n is None or n >= 1, f"n must be >= 1, got {n}"),
+            (presence is None or -2.0 <= presence <= 2.0,
+             f"presence_penalty must be in [-2, 2], got {presence}"),
+            (frequency is None or -2.0 <= frequency <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {frequency}"),
+            (repetition is None or repetition > 0.0, f"repetition_penalty must be > 0, got {repetition}"),
             (seed is None or 0 <= seed < 2**63, f"seed must be in [0, 2**63), got {seed}"),
             (allowed is None or len(allowed) > 0,
              "allowed_token_ids must name at least one token (None: all allowed)"),
@@ -65,6 +87,18 @@ class SamplingParams:
         errors += [message for ok, message in checks if not ok]
         if errors:
             raise ValueError("invalid SamplingParams: " + "; ".join(errors))
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def per_sample(self) -> list[SamplingParams]:
+        """The n single-sample requests this one stands for: n = 1 each; a seeded request's sample
+        i gets seed + i (as vLLM), so the samples differ yet each is reproducible."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**63)
+                for i in range(self.n)]
 
     def _number(self, name: str, errors: list[str]) -> float | None:
         value = getattr(self, name)
@@ -138,6 +172,21 @@ def _is_real(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """What vLLM's presence, frequency and repetition penalties need, per row of the step.
+
+    presence, frequency, repetition float32 [R] (0, 0, 1: off); output_counts int32 [R, V]: how
+    often each token was generated so far; in_prompt bool [R, V]: the token occurs in the prompt.
+    """
+
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    output_counts: torch.Tensor
+    in_prompt: torch.Tensor
+
+
+@dataclass(frozen=True)
 class SamplingMetadata:
     """Per-row tensors for one step, on the logits' device. Row i samples one token.
 
@@ -147,6 +196,7 @@ class SamplingMetadata:
     max_num_logprobs: largest k asked by any row (None: no logprobs).
     logit_bias float32 [R, V]: added to the logits (None: no row has a bias).
     allowed_token_mask bool [R, V]: False tokens are never sampled (None: all allowed).
+    penalties: presence/frequency/repetition penalties (None: no row has one).
     """
 
     temperature: torch.Tensor
@@ -159,7 +209,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     logit_bias: torch.Tensor | None = None
     allowed_token_mask: torch.Tensor | None = None
-
+    penalties: Penalties | None = None
 
 
 @dataclass(frozen=True)

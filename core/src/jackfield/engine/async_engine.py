@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from jackfield.contracts.sampler import SamplingParams
 from jackfield.engine.engine import Engine
-from jackfield.engine.sequence import Sequence, Status
+from jackfield.engine.sequence import Sequence, SpeculativeStats, Status
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class AsyncEngine:
         self._aborted: set[int] = set()
         self._active: dict[int, RequestStream] = {}  # the loop thread's own
         self.finish_reasons: Counter[str] = Counter()  # finished requests by reason ("error": failed)
+        self.speculative = SpeculativeStats()  # drafts and acceptance over finished requests
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="jackfield-engine", daemon=True)
@@ -157,6 +158,8 @@ class AsyncEngine:
 
     def _finish(self, stream: RequestStream, delta: RequestDelta) -> None:
         self.finish_reasons[delta.finish_reason or "error"] += 1
+        if stream.seq is not None:
+            self.speculative.add(stream.seq.speculative)
         self._active.pop(stream.request_id, None)
         stream.done = True
         stream.deliver(delta)

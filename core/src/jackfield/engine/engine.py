@@ -115,6 +115,8 @@ class Engine:
         for token_ids, params in requests:
             seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
             seq = Sequence(self._next_id, len(token_ids), list(token_ids), params, seed, pooling=pooling)
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None] * len(token_ids)
             self._next_id += 1
             self.scheduler.add(seq)
             seqs.append(seq)
@@ -125,6 +127,9 @@ class Engine:
         vocab, engine = self.capabilities.vocab_size, self.config.engine
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"one request is one sample, got n={params.n}: submit "
+                             "SamplingParams.per_sample() (LLM.generate and the server do)")
         if not token_ids:
             raise ValueError("empty prompt")
         not_ints = [t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
@@ -162,6 +167,9 @@ class Engine:
             raise RuntimeError("scheduler made no progress (a request cannot fit the KV cache)")
         result = self.runner.step(chunks)
         now = time.perf_counter()
+        for seq, first, entries in result.prompt_logprobs:  # by position: a recomputed prefill rewrites
+            assert seq.prompt_logprobs is not None
+            seq.prompt_logprobs[first + 1 : first + 1 + len(entries)] = entries
         finished = []
         sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
         pooled = iter(result.embeddings)

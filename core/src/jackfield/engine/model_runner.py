@@ -23,12 +23,15 @@ from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.kv_cache import KVCache
 from jackfield.engine.piecewise_graphs import PiecewiseGraphs
 from jackfield.engine.scheduler import ScheduledChunk
+from jackfield.engine.sequence import Sequence
 from jackfield.models.attention import StepContextBuilder
 from jackfield.models.embedding import pool
 from jackfield.ops.staging import async_tensor_h2d, host_single_threaded
 from jackfield.sampling.filters import filter_cutoffs
-from jackfield.sampling.processors import apply_bias_and_mask, bias_and_mask_from_params
+from jackfield.sampling.processors import apply_processors, bias_and_mask_from_params, penalties_from_rows
 from jackfield.sampling.speculative import NO_TOKEN, greedy_accept, rejection_verify, target_probabilities
+
+PROMPT_LOGPROB_ROWS = 1024  # prompt rows scored at once: bounds their float32 logits
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class StepResult:
     token_ids: list[list[int]]  # per sampling chunk, in chunk order: its new tokens (1 + accepted drafts)
     logprobs: list[list[dict[int, float]] | None]  # per sampling chunk: one dict per new token
     embeddings: list[torch.Tensor]  # one [hidden] float32 per pooling chunk, in chunk order
+    # (request, first position, entries): entry i scores prompt token first + 1 + i (prompt_logprobs)
+    prompt_logprobs: list[tuple[Sequence, int, list[dict[int, float]]]]
 
 
 def greedy(logits: torch.Tensor) -> SamplerOutput:
@@ -166,7 +171,16 @@ class ModelRunner:
         rows = [(c.seq, c.seq.num_tokens + i) for c in sampling for i in range(1 + c.num_drafts)]
         params = [seq.params for seq, _ in rows]
         asked = [p.logprobs for p in params if p.logprobs is not None]
-        bias, allowed = bias_and_mask_from_params(params, self.capabilities.vocab_size, self.device)
+        vocab = self.capabilities.vocab_size
+        bias, allowed = bias_and_mask_from_params(params, vocab, self.device)
+        penalties = None
+        if any(p.penalized for p in params):
+            # A verify row's penalties count the drafts before it as generated (as if they had
+            # been emitted one step at a time).
+            generated = [c.seq.output_ids + c.seq.draft_ids[:i]
+                         for c in sampling for i in range(1 + c.num_drafts)]
+            prompts = [seq.token_ids[: seq.prompt_len] for seq, _ in rows]
+            penalties = penalties_from_rows(params, prompts, generated, vocab, self.device)
         return SamplingMetadata(
             temperature=self._h2d([p.temperature for p in params], torch.float32),
             top_k=self._h2d([max(p.top_k, 0) for p in params], torch.int64),
@@ -177,6 +191,7 @@ class ModelRunner:
             max_num_logprobs=max(asked) if asked else None,
             logit_bias=bias,
             allowed_token_mask=allowed,
+            penalties=penalties,
         )
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
@@ -200,16 +215,20 @@ class ModelRunner:
             with host_single_threaded():  # the replay itself is GPU work
                 hidden = self.graphs.run(chunks)  # every row is a sampling decode (fits() checked it)
             embeddings: list[torch.Tensor] = []
+            scored: list[tuple[ScheduledChunk, torch.Tensor]] = []
         else:
-            # The last layer finishes only the rows that sample (a prefill's last token) or are
-            # pooled (an embedding request's rows): its output projection and MLP skip the rest.
+            # The last layer finishes only the rows that sample (a prefill's last token), are
+            # pooled (an embedding request's rows) or score prompt tokens: its output projection
+            # and MLP skip the rest.
             # A step that samples nothing (a middle prefill chunk) runs whole: its output is unused.
             rows = _output_rows(chunks)
             hidden = self.forward(chunks, rows if 0 < len(rows) < sum(c.num_tokens for c in chunks) else None)
             hidden = hidden if len(rows) == hidden.shape[0] else hidden[rows]
-            hidden, embeddings = self._pool(chunks, hidden)
+            hidden, embeddings, scored = self._split_rows(chunks, hidden)
+        prompt_logprobs = [(c.seq, c.prompt_logprob_positions.start, self._prompt_logprobs(c, h))
+                           for c, h in scored]
         if not sampling:
-            return StepResult([], [], embeddings)
+            return StepResult([], [], embeddings, prompt_logprobs)
         logits = self.model.compute_logits(hidden)  # one row per sampled position
         metadata = None
         if all(_plain_greedy(c.seq.params) for c in sampling):
@@ -248,7 +267,7 @@ class ModelRunner:
                 logprobs[i] = [{**dict(zip(ids[r][:k], values[r][:k], strict=True)), token: next(chosen)}
                                for r, token in zip(range(first_row[i], first_row[i] + len(emitted[i])),
                                                    emitted[i], strict=True)]
-        return StepResult(emitted, logprobs, embeddings)
+        return StepResult(emitted, logprobs, embeddings, prompt_logprobs)
 
     def _rejection_verify(self, chunks: list[ScheduledChunk], first_rows: list[int], logits: torch.Tensor,
                           sampled: torch.Tensor, metadata: SamplingMetadata) -> list[list[int]]:
@@ -256,7 +275,7 @@ class ModelRunner:
         target's distributions at those rows (bias, allowed tokens and top-k/top-p/min-p applied,
         as the sampler applies them), the bonus being the token the sampler drew at the last row."""
         m = metadata
-        adjusted = apply_bias_and_mask(logits, m)
+        adjusted = apply_processors(logits, m)
         cutoff = filter_cutoffs(adjusted, m.temperature, m.top_k, m.top_p, m.min_p)
         width = max(c.num_drafts for c in chunks)
         # Row of each request's draft j (padding points at its first row: masked by NO_TOKEN).
@@ -273,14 +292,18 @@ class ModelRunner:
                                self._h2d([c.seq.num_tokens for c in chunks], torch.int64))
         return [[t for t in row if t != NO_TOKEN] for row in out.tolist()]
 
-    def _pool(self, chunks: list[ScheduledChunk],
-              hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(the sampling rows of `hidden`, one pooled vector per pooling chunk). `hidden` holds
-        the rows `_output_rows` chose, in chunk order."""
+    def _split_rows(self, chunks: list[ScheduledChunk], hidden: torch.Tensor
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[ScheduledChunk, torch.Tensor]]]:
+        """(the sampling rows of `hidden`, one pooled vector per pooling chunk, each prompt-logprobs
+        chunk's scoring rows). `hidden` holds the rows `_output_rows` chose, in chunk order."""
         sample_rows: list[int] = []
         embeddings = []
+        scored = []
         start = 0
         for chunk in chunks:
+            if scoring := len(chunk.prompt_logprob_positions):
+                scored.append((chunk, hidden[start : start + scoring]))
+                start += scoring
             if chunk.samples and chunk.seq.pooling is not None:
                 n = chunk.num_tokens
                 embeddings.append(pool(hidden[start : start + n], [0, n], chunk.seq.pooling)[0])
@@ -288,16 +311,37 @@ class ModelRunner:
             elif chunk.samples:  # its last row, and its drafts' rows
                 sample_rows += range(start, start + 1 + chunk.num_drafts)
                 start += 1 + chunk.num_drafts
-        return (hidden if not embeddings else hidden[sample_rows]), embeddings
+        return (hidden if not embeddings and not scored else hidden[sample_rows]), embeddings, scored
+
+    def _prompt_logprobs(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> list[dict[int, float]]:
+        """Per scoring row: log_softmax of the raw logits at the next prompt token and the top k
+        (vLLM's prompt_logprobs), in slices that bound the [rows, vocab] float32 logits."""
+        seq, positions = chunk.seq, chunk.prompt_logprob_positions
+        k = seq.params.prompt_logprobs
+        assert k is not None
+        targets = seq.token_ids[positions.start + 1 : positions.stop + 1]
+        entries: list[dict[int, float]] = []
+        for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[lo : lo + PROMPT_LOGPROB_ROWS])
+                                         .to(torch.float32), dim=-1)
+            own = self._h2d(targets[lo : lo + PROMPT_LOGPROB_ROWS], torch.int64)
+            values = logprobs.gather(1, own.unsqueeze(1)).squeeze(1).tolist()
+            top_values, top_ids = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=-1)
+            for ids, tops, token, value in zip(top_ids.tolist(), top_values.tolist(),
+                                               targets[lo : lo + PROMPT_LOGPROB_ROWS], values, strict=True):
+                entries.append({**dict(zip(ids, tops, strict=True)), token: value})
+        return entries
 
 
 def _output_rows(chunks: list[ScheduledChunk]) -> list[int]:
     """Rows of the step's flat batch whose final hidden states are used: a sampling chunk's last
-    row, every row of a pooling chunk (an embedding request runs whole in one step)."""
+    row, every row of a pooling chunk (an embedding request runs whole in one step), the rows
+    that score prompt tokens (first in their chunk)."""
     rows: list[int] = []
     start = 0
     for chunk in chunks:
         end = start + chunk.num_tokens
+        rows += range(start, start + len(chunk.prompt_logprob_positions))
         if chunk.samples:
             rows += range(start if chunk.seq.pooling is not None else end - 1 - chunk.num_drafts, end)
         start = end
@@ -305,10 +349,11 @@ def _output_rows(chunks: list[ScheduledChunk]) -> list[int]:
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    """Argmax of the raw logits is the whole answer (no logprobs, bias or allowed-token list)."""
+    """Argmax of the raw logits is the whole answer (no logprobs, bias, allowed-token list or penalty)."""
     return (
         params.temperature == 0
         and params.logprobs is None
         and not params.logit_bias
         and params.allowed_token_ids is None
+        and not params.penalized
     )

@@ -29,6 +29,14 @@ class ScheduledChunk:
         return self.seq.num_computed + self.num_tokens - self.num_drafts == self.seq.num_tokens
 
     @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this chunk whose output scores the next prompt token (prompt_logprobs)."""
+        seq = self.seq
+        if seq.params.prompt_logprobs is None or seq.pooling is not None:
+            return range(0)
+        return range(seq.num_computed, min(seq.num_computed + self.num_tokens, seq.prompt_len - 1))
+
+    @property
     def is_decode(self) -> bool:
         """One known token (and its drafts): the attention backends' decode role serves it."""
         return self.num_tokens - self.num_drafts == 1
@@ -80,8 +88,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             # An embedding request runs whole in one step (bidirectional attention needs every
-            # token at once; pooling needs every row's output), so no prefix hit serves it.
-            hits = self.blocks.match_prefix(seq) if seq.pooling is None else [[] for _ in self.blocks.windows]
+            # token at once); it and a prompt-logprobs request need every row's output, so no
+            # prefix hit serves them.
+            hits = (self.blocks.match_prefix(seq) if seq.reads_prefix_cache
+                    else [[] for _ in self.blocks.windows])
             count = min(seq.num_tokens - len(hits[0]) * self.blocks.block_size, budget)
             if (seq.pooling is not None and count < seq.num_tokens) or not self.blocks.can_admit(count, hits):
                 break  # first come first served: nobody overtakes the head of the queue

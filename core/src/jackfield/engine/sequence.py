@@ -73,6 +73,8 @@ class Sequence:
     num_cached_prefix: int = 0  # tokens served by the prefix cache on the first admission
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), filled by prefill
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     text_end: int | None = None  # where a stop string begins in the decoded output (text is cut there)
     draft_ids: list[int] = field(default_factory=list)  # proposed after token_ids, verified next step
     speculative: SpeculativeStats = field(default_factory=lambda: SpeculativeStats())
@@ -89,6 +91,12 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether cached prefix blocks may stand in for computing the prompt: not for a request
+        that needs every prompt row's output (pooling runs whole; prompt logprobs read each row)."""
+        return self.pooling is None and self.params.prompt_logprobs is None
 
     @property
     def block_table(self) -> list[int]:

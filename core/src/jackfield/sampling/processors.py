@@ -1,4 +1,4 @@
-"""Logit bias, allowed-token lists and logprobs: the per-request steps around sampling."""
+"""Logit bias, allowed-token lists, penalties and logprobs: the per-request steps around sampling."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from jackfield.contracts.sampler import SamplingMetadata, SamplingParams
+from jackfield.contracts.sampler import Penalties, SamplingMetadata, SamplingParams
 
 
 def check_named_tokens(params: SamplingParams, vocab: int) -> None:
@@ -44,22 +44,66 @@ def bias_and_mask_from_params(
     return bias, mask
 
 
-def apply_bias_and_mask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """logits + logit_bias, -inf where the allowed-token mask is False (the logits if neither)."""
-    bias, mask = metadata.logit_bias, metadata.allowed_token_mask
-    for name, t, dtype in (("logit_bias", bias, torch.float32), ("allowed_token_mask", mask, torch.bool)):
+def penalties_from_rows(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
+                        outputs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> Penalties:
+    """Penalties for rows whose request has `params`, `prompts` and the tokens generated before
+    the row's position, `outputs`."""
+
+    def scatter(token_lists: Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+        rows = [r for r, tokens in enumerate(token_lists) for _ in tokens]
+        ids = [t for tokens in token_lists for t in tokens]
+        out = torch.zeros((len(token_lists), vocab), dtype=dtype, device=device)
+        index = (torch.tensor(rows, dtype=torch.int64, device=device),
+                 torch.tensor(ids, dtype=torch.int64, device=device))
+        return out.index_put_(index, torch.ones(len(ids), dtype=dtype, device=device), accumulate=True)
+
+    # Rows without a penalty get no token lists: their scatter is wasted work and their values are off.
+    off = [not p.penalized for p in params]
+    return Penalties(
+        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
+        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
+        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
+        output_counts=scatter([() if o else t for o, t in zip(off, outputs, strict=True)], torch.int32),
+        in_prompt=scatter([() if o else t for o, t in zip(off, prompts, strict=True)], torch.int32) > 0,
+    )
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """vLLM's (and OpenAI's) definitions, in float32: a token seen in the prompt or the output has
+    its logit divided by repetition_penalty when positive, multiplied when not; then
+    frequency_penalty x its output count and presence_penalty once if generated are subtracted."""
+    p = penalties
+    counts = p.output_counts.to(torch.float32)
+    seen = p.in_prompt | (p.output_counts > 0)
+    repetition = torch.where(seen, p.repetition.unsqueeze(1), 1.0)
+    x = logits.to(torch.float32)
+    x = torch.where(x > 0, x / repetition, x * repetition)
+    return x - p.frequency.unsqueeze(1) * counts - p.presence.unsqueeze(1) * (counts > 0).to(torch.float32)
+
+
+def apply_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The logits every sampler samples from, in vLLM's order: + logit_bias, -inf where the
+    allowed-token mask is False, then the penalties (the logits themselves if none applies)."""
+    bias, mask, penalties = metadata.logit_bias, metadata.allowed_token_mask, metadata.penalties
+    tensors = [("logit_bias", bias, torch.float32), ("allowed_token_mask", mask, torch.bool)]
+    if penalties is not None:
+        tensors += [("penalties.output_counts", penalties.output_counts, torch.int32),
+                    ("penalties.in_prompt", penalties.in_prompt, torch.bool)]
+    for name, t, dtype in tensors:
         if t is not None and (t.shape != logits.shape or t.dtype != dtype or t.device != logits.device):
             raise ValueError(
                 f"{name} must be {dtype} {tuple(logits.shape)} on {logits.device} like the logits, "
                 f"got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
-    if bias is None and mask is None:
+    if bias is None and mask is None and penalties is None:
         return logits
     x = logits.to(torch.float32)
     if bias is not None:
         x = x + bias
     if mask is not None:
         x = x.masked_fill(~mask, float("-inf"))
+    if penalties is not None:
+        x = apply_penalties(x, penalties)
     return x
 
 

@@ -7,7 +7,7 @@ import torch
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata
 from jackfield.sampling.filters import filter_cutoffs, finite_or_neg_inf
 from jackfield.sampling.noise import DRAFT_POSITION_OFFSET, UNIFORM64_HI_DOMAIN, murmur3_hash32
-from jackfield.sampling.processors import apply_bias_and_mask, top_logprobs
+from jackfield.sampling.processors import apply_processors, top_logprobs
 from jackfield.sampling.sample import Impl, sample_with_scores, validate_inputs
 
 
@@ -26,7 +26,7 @@ class Murmur3Sampler(Sampler):
         self.impl: Impl = impl
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        adjusted = apply_bias_and_mask(logits, metadata)
+        adjusted = apply_processors(logits, metadata)
         m = metadata
         tokens, scores = sample_with_scores(
             adjusted, m.temperature, m.seeds, _noise_positions(m), m.top_k, m.top_p, m.min_p, impl=self.impl
@@ -52,7 +52,7 @@ class TorchRefSampler(Sampler):
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         m = metadata
         validate_inputs(logits, m.temperature, m.seeds, m.positions, m.top_k, m.top_p, m.min_p)
-        x = finite_or_neg_inf(apply_bias_and_mask(logits, m))
+        x = finite_or_neg_inf(apply_processors(logits, m))
         invalid = ~torch.isfinite(x).any(dim=1)
         tokens = torch.argmax(x, dim=1)  # greedy rows (and token 0 for rows with nothing finite)
         cutoff = filter_cutoffs(x, m.temperature, m.top_k, m.top_p, m.min_p)

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from jackfield.engine.async_engine import AsyncEngine, RequestDelta, RequestStream
 from jackfield.engine.tokenizer import chat_prompt_ids
+from jackfield.serving.metrics import ServerMetrics
 from jackfield.serving.protocol import GenerationRequest, RequestError, field_named, parse_generation
 
 
@@ -53,17 +54,24 @@ class TextState:
 
 
 @dataclass
-class Counters:
-    """Token counters /metrics reports (requests by finish reason come from the engine loop)."""
+class Choice:
+    """One choice of a response (a prompt's sample): its stream and what it produced so far."""
 
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
+    index: int
+    stream: RequestStream
+    text: TextState | None  # None: the model has no tokenizer (token ids only)
+    submitted: float
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    last_token_time: float | None = None
+    text_offset: int = 0  # completions' logprobs: where the next token's text starts
 
 
 def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
     engine = async_engine.engine
     tokenizer = engine.tokenizer
-    counters = Counters()
+    metrics_state = ServerMetrics()
     app = FastAPI(title="Jackfield", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestError)
@@ -111,9 +119,9 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         lines += [f'jackfield_requests_total{{finish_reason="{k}"}} {v}' for k, v in sorted(reasons.items())]
         lines += [
             "# TYPE jackfield_prompt_tokens_total counter",
-            f"jackfield_prompt_tokens_total {counters.prompt_tokens}",
+            f"jackfield_prompt_tokens_total {metrics_state.prompt_tokens}",
             "# TYPE jackfield_generation_tokens_total counter",
-            f"jackfield_generation_tokens_total {counters.generation_tokens}",
+            f"jackfield_generation_tokens_total {metrics_state.generation_tokens}",
             "# TYPE jackfield_requests_running gauge",
             f"jackfield_requests_running {len(engine.scheduler.running)}",
             "# TYPE jackfield_requests_waiting gauge",
@@ -122,7 +130,19 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
             f"jackfield_kv_blocks_free {blocks.num_free}",
             "# TYPE jackfield_kv_blocks_total gauge",
             f"jackfield_kv_blocks_total {blocks.num_usable}",
+            "# TYPE jackfield_kv_cache_usage gauge",
+            f"jackfield_kv_cache_usage {1 - blocks.num_free / blocks.num_usable:.6f}",
         ]
+        lines += metrics_state.time_to_first_token.lines(
+            "jackfield_time_to_first_token_seconds", "submission to the first token, per request")
+        lines += metrics_state.inter_token_latency.lines(
+            "jackfield_inter_token_latency_seconds", "time between a request's tokens, per token")
+        if engine.drafter is not None:
+            spec = async_engine.speculative
+            lines += [f"# TYPE jackfield_spec_decode_{name}_total counter\n"
+                      f"jackfield_spec_decode_{name}_total {value}"
+                      for name, value in (("drafts", spec.drafts), ("draft_tokens", spec.draft_tokens),
+                                          ("accepted_tokens", spec.accepted_tokens))]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.post("/v1/completions")
@@ -132,8 +152,6 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         prompts = _prompt_ids(body.get("prompt"))
         room = engine.max_model_len - max(len(p) for p in prompts)
         gen = parse_generation(body, default_max_tokens=16, max_room=room, chat=False)
-        if gen.stream and len(prompts) > 1:
-            raise RequestError("stream with several prompts is not supported yet", "prompt")
         return await _respond(request, prompts, gen, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -187,144 +205,176 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
     async def _respond(
         request: Request, prompts: list[list[int]], gen: GenerationRequest, chat: bool
     ) -> object:
+        """Submit every (prompt, sample) pair, then answer whole or as server-sent events. Choice
+        i * n + j is prompt i's sample j (vLLM's order)."""
         loop = asyncio.get_running_loop()
-        queues: list[asyncio.Queue[RequestDelta]] = [asyncio.Queue() for _ in prompts]
-        streams: list[RequestStream] = []
+        queue: asyncio.Queue[tuple[int, RequestDelta]] = asyncio.Queue()
+        samples = gen.params.per_sample()
+        choices: list[Choice] = []
         try:
-            for ids, queue in zip(prompts, queues, strict=True):
-                streams.append(
-                    async_engine.submit(
-                        ids, gen.params, lambda d, q=queue: loop.call_soon_threadsafe(q.put_nowait, d)
+            for ids in prompts:
+                for params in samples:
+                    index = len(choices)
+                    stream = async_engine.submit(
+                        ids, params, lambda d, i=index: loop.call_soon_threadsafe(queue.put_nowait, (i, d))
                     )
-                )
+                    text = TextState(tokenizer, params.stop) if tokenizer is not None else None
+                    choices.append(Choice(index, stream, text, time.perf_counter()))
         except ValueError as exc:
-            for stream in streams:
-                async_engine.abort(stream)
+            for choice in choices:
+                async_engine.abort(choice.stream)
             raise RequestError(str(exc), field_named(str(exc)) or "prompt") from None
-        counters.prompt_tokens += sum(map(len, prompts))
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
+        metrics_state.prompt_tokens += sum(map(len, prompts))
+        response = Response(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()),
+                            model_name, chat, sum(map(len, prompts)), gen)
         if gen.stream:
-            return StreamingResponse(
-                _stream(streams[0], queues[0], gen, chat, request_id, created), media_type="text/event-stream"
-            )
-        try:
-            results = await asyncio.gather(
-                *(_collect(s, q, gen) for s, q in zip(streams, queues, strict=True))
-            )
-        finally:
-            for stream in streams:
-                if not stream.done:  # the client went away (the handler was cancelled)
-                    async_engine.abort(stream)
-        choices = []
-        for index, (text, reason, token_ids) in enumerate(results):
-            choices.append(
-                {
-                    "index": index,
-                    "finish_reason": reason,
-                    "logprobs": None,
-                    "token_ids": token_ids,
-                    **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
-                }
-            )
-        completion_tokens = sum(len(ids) for _, _, ids in results)
+            return StreamingResponse(_stream(choices, queue, response), media_type="text/event-stream")
+        async for _ in _events(choices, queue):
+            pass
         return {
-            "id": request_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": model_name,
-            "choices": choices,
-            "usage": _usage(sum(map(len, prompts)), completion_tokens),
+            **response.header(),
+            "choices": [
+                {
+                    "index": c.index,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": _logprobs(c, c.token_ids, c.logprobs, gen, chat),
+                    "token_ids": c.token_ids,
+                    **({"message": {"role": "assistant", "content": _text(c)}}
+                       if chat else {"text": _text(c)}),
+                }
+                for c in choices
+            ],
+            "usage": response.usage(choices),
         }
 
-    async def _collect(
-        stream: RequestStream, queue: asyncio.Queue[RequestDelta], gen: GenerationRequest
-    ) -> tuple[str, str, list[int]]:
-        """(text, finish reason, token ids) of one completion; a model without a tokenizer gives
-        token ids and empty text (stop strings need one: refused)."""
-        text = TextState(tokenizer, gen.params.stop) if tokenizer is not None else None
-        token_ids: list[int] = []
-        while True:
-            delta = await queue.get()
-            _raise_error(delta)
-            token_ids += delta.token_ids
-            if text is not None:
-                text.add(delta)
-            if delta.finished:
-                reason = _finished(delta.finish_reason or "abort", len(token_ids))
-                return (text.text if text else ""), reason, token_ids
+    async def _events(
+        choices: list[Choice], queue: asyncio.Queue[tuple[int, RequestDelta]]
+    ) -> AsyncIterator[tuple[Choice, RequestDelta, str]]:
+        """(choice, delta, its new text) until every choice finishes; a failed request raises. On
+        the way out (done, failed, or the client gone) unfinished requests are aborted."""
+        try:
+            remaining = len(choices)
+            while remaining:
+                index, delta = await queue.get()
+                choice = choices[index]
+                _raise_error(delta)
+                now = time.perf_counter()
+                if delta.token_ids:
+                    if choice.last_token_time is None:
+                        metrics_state.time_to_first_token.observe(now - choice.submitted)
+                    else:
+                        for _ in delta.token_ids:  # a verify step's tokens arrive together
+                            metrics_state.inter_token_latency.observe((now - choice.last_token_time)
+                                                                      / len(delta.token_ids))
+                    choice.last_token_time = now
+                choice.token_ids += delta.token_ids
+                choice.logprobs += delta.logprobs or []
+                piece = choice.text.add(delta) if choice.text is not None else ""
+                if delta.finished:
+                    choice.finish_reason = delta.finish_reason or "abort"
+                    metrics_state.generation_tokens += len(choice.token_ids)
+                    remaining -= 1
+                yield choice, delta, piece
+        finally:  # also when this generator is closed early (a disconnect cancels the handler)
+            for choice in choices:
+                if not choice.stream.done:
+                    async_engine.abort(choice.stream)
 
     async def _stream(
-        stream: RequestStream,
-        queue: asyncio.Queue[RequestDelta],
-        gen: GenerationRequest,
-        chat: bool,
-        request_id: str,
-        created: int,
+        choices: list[Choice], queue: asyncio.Queue[tuple[int, RequestDelta]], response: Response
     ) -> AsyncIterator[str]:
-        text = TextState(_tokenizer(), gen.params.stop)
-        count = 0
-        kind = "chat.completion.chunk" if chat else "text_completion"
+        chat, gen = response.chat, response.gen
 
-        def chunk(piece: str | None, reason: str | None, role: bool = False) -> str:
+        def event(body: dict[str, object]) -> str:
+            return f"data: {json.dumps({**response.header(chunk=True), **body})}\n\n"
+
+        def chunk(choice: Choice, piece: str | None, delta: RequestDelta | None, role: bool = False) -> str:
+            body: dict[str, object] = {"index": choice.index}
             if chat:
-                delta = (
-                    {"role": "assistant", "content": ""}
-                    if role
-                    else ({} if piece is None else {"content": piece})
-                )
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                opened = {"role": "assistant", "content": ""}
+                body["delta"] = opened if role else ({"content": piece} if piece else {})
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
-            payload = {
-                "id": request_id,
-                "object": kind,
-                "created": created,
-                "model": model_name,
-                "choices": [choice],
-            }
-            return f"data: {json.dumps(payload)}\n\n"
+                body["text"] = piece or ""
+            if delta is not None:
+                body["logprobs"] = _logprobs(choice, delta.token_ids, delta.logprobs, gen, chat)
+            body["finish_reason"] = delta.finish_reason if delta is not None else None
+            return event({"choices": [body]})
 
+        events = _events(choices, queue)
         try:
             if chat:
-                yield chunk(None, None, role=True)
-            while True:
-                delta = await queue.get()
-                if delta.error is not None:
-                    yield f"data: {json.dumps(RequestError(delta.error, status=500).body())}\n\n"
-                    break
-                count += len(delta.token_ids)
-                piece = text.add(delta)
-                if piece or delta.finish_reason:
-                    yield chunk(piece, delta.finish_reason)
-                if delta.finished:
-                    _finished(delta.finish_reason or "abort", count)
-                    break
+                for choice in choices:
+                    yield chunk(choice, None, None, role=True)
+            async for choice, delta, piece in events:
+                if piece or delta.finished or (delta.token_ids and gen.params.logprobs is not None):
+                    yield chunk(choice, piece, delta)
             if gen.include_usage:
-                payload = {
-                    "id": request_id,
-                    "object": kind,
-                    "created": created,
-                    "model": model_name,
-                    "choices": [],
-                    "usage": _usage(len(stream.prompt_token_ids), count),
-                }
-                yield f"data: {json.dumps(payload)}\n\n"
+                yield event({"choices": [], "usage": response.usage(choices)})
             yield "data: [DONE]\n\n"
-        finally:  # a disconnect cancels this generator: the request's blocks are freed
-            if not stream.done:
-                async_engine.abort(stream)
+        except RequestError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        finally:
+            await events.aclose()
+
+    def _token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+    def _logprobs(choice: Choice, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                  gen: GenerationRequest, chat: bool) -> dict[str, object] | None:
+        """OpenAI's logprobs object for these tokens of a choice (chat: `content` entries with the
+        top k; completions: parallel lists, each top dict holding the top k and the token)."""
+        k = gen.params.logprobs
+        if k is None or logprobs is None:
+            return None
+        texts = [_token_text(t) for t in token_ids]
+        if chat:
+            def entry(text: str, value: float) -> dict[str, object]:
+                return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [
+                {**entry(text, top[token]),
+                 "top_logprobs": [entry(_token_text(t), v) for t, v in list(top.items())[:k]]}
+                for token, text, top in zip(token_ids, texts, logprobs, strict=True)]}
+        offsets = []
+        for text in texts:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [top[token] for token, top in zip(token_ids, logprobs, strict=True)],
+            "top_logprobs": [{_token_text(t): v for t, v in top.items()} for top in logprobs],
+            "text_offset": offsets,
+        }
 
     def _raise_error(delta: RequestDelta) -> None:
         if delta.error is not None:
             raise RequestError(f"generation failed: {delta.error}", status=500)
 
-    def _finished(reason: str, num_tokens: int) -> str:
-        """Count a finished completion's tokens for /metrics; returns its finish reason."""
-        counters.generation_tokens += num_tokens
-        return reason
-
     return app
+
+
+@dataclass(frozen=True)
+class Response:
+    """What every body or chunk of one response shares."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    prompt_tokens: int
+    gen: GenerationRequest
+
+    def header(self, chunk: bool = False) -> dict[str, object]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def usage(self, choices: list[Choice]) -> dict[str, int]:
+        return _usage(self.prompt_tokens, sum(len(c.token_ids) for c in choices))
+
+
+def _text(choice: Choice) -> str:
+    """A model without a tokenizer gives token ids and empty text (stop strings need one: refused)."""
+    return choice.text.text if choice.text is not None else ""
 
 
 async def _json(request: Request) -> dict[str, object]:

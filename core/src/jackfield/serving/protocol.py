@@ -1,11 +1,13 @@
 """OpenAI request fields -> SamplingParams (vLLM's names and defaults), and the error they raise.
 
-Fields that would change the output and are not implemented yet are refused by name (a 400),
-never ignored; fields that do not affect the output (user, metadata, ...) are accepted.
+Every field is known: the ones mapped to SamplingParams, the ones that change nothing here
+(`user`, `metadata`, ...), and the ones refused by name with a 400 because they would change the
+output and are not implemented. An unknown field is a 400 too, never silently ignored.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,18 +28,27 @@ class RequestError(ValueError):
 
 # field: (the value that changes nothing, why it is refused otherwise)
 UNSUPPORTED = {
-    "n": (1, "n > 1 (several choices per prompt) is not supported yet"),
     "best_of": (None, "best_of is not supported"),
     "echo": (False, "echo is not supported yet"),
-    "presence_penalty": (0, "presence_penalty is not supported yet"),
-    "frequency_penalty": (0, "frequency_penalty is not supported yet"),
-    "repetition_penalty": (1, "repetition_penalty is not supported yet"),
-    "logprobs": (None, "logprobs are not supported by the server yet"),
-    "top_logprobs": (None, "top_logprobs are not supported by the server yet"),
+    "prompt_logprobs": (None, "prompt_logprobs are not returned by the server yet (LLM.generate has them)"),
     "suffix": (None, "suffix is not supported"),
     "tools": (None, "tools are not supported"),
+    "tool_choice": (None, "tool_choice is not supported"),
     "response_format": (None, "response_format is not supported"),
+    "min_tokens": (0, "min_tokens is not supported yet"),
+    "use_beam_search": (False, "beam search is not supported"),
+    "guided_json": (None, "guided decoding is not supported"),
+    "guided_regex": (None, "guided decoding is not supported"),
+    "guided_choice": (None, "guided decoding is not supported"),
 }
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
+                   "ignore_eos", "logit_bias", "n", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logprobs", "stream", "stream_options"}
+REQUEST_FIELDS = {"completions": {"model", "prompt"}, "chat": {"model", "messages", "max_completion_tokens",
+                                                               "top_logprobs"}}
+# Fields that cannot change what is generated here; accepted and ignored (as OpenAI and vLLM do).
+NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
+                    "skip_special_tokens", "spaces_between_special_tokens", "priority", "request_id"}
 
 
 @dataclass(frozen=True)
@@ -52,10 +63,15 @@ def parse_generation(
 ) -> GenerationRequest:
     """Sampling fields of a completions or chat request. `default_max_tokens` None: as many as the
     context leaves (`max_room`), as vLLM does for chat."""
-    for name, (neutral, why) in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value != neutral and not (name == "logprobs" and chat and value is False):
-            raise RequestError(why, name)
+    known = SAMPLING_FIELDS | REQUEST_FIELDS["chat" if chat else "completions"] | NO_EFFECT_FIELDS
+    for name in body:
+        if name in UNSUPPORTED:
+            neutral, why = UNSUPPORTED[name]
+            if body[name] is not None and body[name] != neutral:
+                raise RequestError(why, name)
+        elif name not in known:
+            raise RequestError(f"unknown field {name!r}", name)
+    logprobs = _logprobs(body, chat)
     max_key = (
         "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     )
@@ -81,10 +97,35 @@ def parse_generation(
             stop=body.get("stop") or (),
             ignore_eos=_get(body, "ignore_eos", False),
             logit_bias=_token_keys(bias) if isinstance(bias, Mapping) else bias,
+            n=_get(body, "n", 1),
+            presence_penalty=_get(body, "presence_penalty", 0.0),
+            frequency_penalty=_get(body, "frequency_penalty", 0.0),
+            repetition_penalty=_get(body, "repetition_penalty", 1.0),
+            logprobs=logprobs,
         )
     except (ValueError, TypeError) as exc:
         raise RequestError(str(exc), field_named(str(exc))) from None
     return GenerationRequest(params, stream, bool(options.get("include_usage", False)))
+
+
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs (completions' logprobs allow 5; vLLM allows 20)
+
+
+def _logprobs(body: Mapping[str, object], chat: bool) -> int | None:
+    """SamplingParams.logprobs: completions' `logprobs` k, or chat's `logprobs` true with
+    `top_logprobs` k (0 when absent)."""
+    if chat:
+        wanted, top = body.get("logprobs"), body.get("top_logprobs")
+        if wanted not in (None, True, False):
+            raise RequestError(f"logprobs must be a boolean, got {wanted!r}", "logprobs")
+        if top is not None and not wanted:
+            raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        k, name = (top if top is not None else 0, "top_logprobs") if wanted else (None, "logprobs")
+    else:
+        k, name = body.get("logprobs"), "logprobs"
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+        raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", name)
+    return k
 
 
 def _get(body: Mapping[str, object], name: str, default: object) -> object:
@@ -98,19 +139,7 @@ def _token_keys(bias: Mapping[object, object]) -> dict[object, object]:
 
 
 def field_named(message: str) -> str | None:
-    """The first SamplingParams field a validation message names (it starts each problem with it)."""
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "max_tokens",
-        "stop_token_ids",
-        "stop",  # after stop_token_ids, which contains it
-        "ignore_eos",
-        "logit_bias",
-    ):
-        if name in message:
-            return name
-    return None
+    """The first request field a validation message names (SamplingParams starts each problem
+    with its field's name)."""
+    found = [(m.start(), name) for name in SAMPLING_FIELDS if (m := re.search(rf"\b{name}\b", message))]
+    return min(found)[1] if found else None
