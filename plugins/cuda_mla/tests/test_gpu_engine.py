@@ -13,6 +13,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Dense layers only: a random MoE router has near-ties, so any change of rounding (bf16 vs
+    float32 torch_ref alike) can route a token to another expert and move logprobs by 0.2; the
+    comparisons here are of attention paths, which a dense model isolates (docs/backends.md)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
@@ -21,7 +24,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
         intermediate_size=2048,
         moe_intermediate_size=512,
         num_hidden_layers=3,
-        first_k_dense_replace=1,
+        first_k_dense_replace=3,
         num_attention_heads=16,
         num_key_value_heads=16,
         q_lora_rank=384,

@@ -20,10 +20,7 @@ CUDA_MLA_CAPABILITIES = AttentionCapabilities(
     dcp=True,
     max_decode_query_len=8,
     cuda_graph="uniform_decode",  # decode reads lengths on the device; no host sync
-    # 64-key pages feed the Hopper kernels, but on the H200 the tl kernel over 64-key pages gave one
-    # request of a replayed batch logprobs 0.2 off torch_ref (eager Gluon was right; 16-key pages
-    # are right on both paths): until that is found, the engine's default stays 16.
-    preferred_block_size=None,
+    preferred_block_size=64,  # whole 64-key tiles a page: what the Hopper kernels' TMA loads read
 )
 
 
