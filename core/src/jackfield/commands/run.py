@@ -141,6 +141,9 @@ def main(args: argparse.Namespace) -> int:
             assert output.speculative is not None
             run_stats.add(output.speculative)
         summary["speculative"] = {"method": engine.drafter.name, **run_stats.as_dict()}
+    connector_stats = engine.kv_connector_stats()
+    if connector_stats is not None:  # e.g. prefix hits served from the CPU tier (hit_tokens)
+        summary["kv_connector"] = connector_stats
     if args.json:
         results = [
             {"prompt": p if isinstance(p, str) else None, "text": o.text, "token_ids": o.token_ids,
@@ -173,6 +176,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"speculative ({spec['method']}): {spec['drafts']} drafts, {spec['draft_tokens']} draft "
               f"tokens, {spec['accepted_tokens']} accepted (per position {spec['accepted_per_position']}), "
               f"mean acceptance length {spec['mean_acceptance_length']}")
+    if "kv_connector" in summary:
+        print("kv connector: " + ", ".join(f"{k} {v}" for k, v in summary["kv_connector"].items()))
     return 0
 
 

@@ -114,9 +114,10 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[Sequence[int]],
-                                 num_external: int) -> None:
-        """The request was admitted with blocks for its prefix hit and the `num_external` tokens
-        the last `get_num_new_matched_tokens` offered (0: it computes everything itself)."""
+                                 num_computed: int, num_external: int) -> None:
+        """The request was admitted with blocks (per KV cache group) for its `num_computed`-token
+        device prefix hit and the `num_external` tokens `get_num_new_matched_tokens` offered
+        (0: it computes the rest itself)."""
 
     @abstractmethod
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:

@@ -100,6 +100,12 @@ class Engine:
             say("warming up")
             self._warm_up()
 
+    def kv_connector_stats(self) -> dict[str, object] | None:
+        """The KV connector's name and counters (None: no connector)."""
+        if self.scheduler.connector is None:
+            return None
+        return {"name": self.config.kv_connector.name, **self.scheduler.connector.stats()}
+
     def _warm_up(self) -> None:
         """One short sampled request through prefill and decode, so kernel compiles (Triton) and
         library plan builds happen at start-up, not in the first request's time to first token.

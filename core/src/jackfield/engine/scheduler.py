@@ -152,7 +152,7 @@ class Scheduler:
                 seq.num_cached_prefix = seq.num_computed
             if self.connector is not None and seq.pooling is None:
                 request = self.connector_request(seq)
-                self.connector.update_state_after_alloc(request, seq.block_tables, external)
+                self.connector.update_state_after_alloc(request, seq.block_tables, cached, external)
             if external:  # it waits for its load; the budget goes to the next request
                 seq.status, seq.num_loading = Status.LOADING, external
                 self.loading.append(seq)
