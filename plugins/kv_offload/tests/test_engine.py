@@ -5,6 +5,9 @@ device pool, is served from the CPU tier; DeepSeek (MLA) and Granite SWA (GQA, K
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,6 +123,42 @@ def test_a_failed_store_frees_its_chunks(model_dirs: dict[str, Path], monkeypatc
     assert stats["hit_tokens"] == 0 and stats["cpu_chunks_held"] == 0  # nothing half-written is served
 
 
+def test_a_loading_request_waits_without_blocking_others(model_dirs: dict[str, Path]) -> None:
+    """The worker's report of a finished load is held back for a few steps: the request stays
+    loading (no compute, its blocks held) while a request admitted after it runs to the end."""
+    from jackfield.contracts.kv_connector import TransferResult
+    from jackfield.engine.sequence import Status
+
+    rounds = workload(256, seed=13)
+    expected = run(make_llm(model_dirs["deepseek"], "deepseek"), rounds[:-2])
+    llm = make_llm(model_dirs["deepseek"], "deepseek", **offload(2))
+    assert run(llm, rounds[:-2]) == expected  # the prefix is now on the CPU tier only
+    engine, worker = llm.engine, llm.engine.runner.connector
+    assert worker is not None
+    real = worker.get_finished
+    held: list[TransferResult] = []
+
+    def late_report() -> TransferResult:
+        result = real()
+        held.append(result)
+        if len(held) <= 3:  # nothing reported for three steps
+            return TransferResult(saved=result.saved)
+        return TransferResult(saved=result.saved, loaded=frozenset().union(*(r.loaded for r in held)))
+
+    worker.get_finished = late_report  # type: ignore[method-assign]
+    prefix_request = engine.add_request(rounds[-2][0], GREEDY)
+    other = engine.add_request(list(range(20)), SamplingParams(temperature=0.0, max_tokens=2,
+                                                               ignore_eos=True))
+    finished = engine.step() + engine.step() + engine.step()
+    assert prefix_request.status == Status.LOADING and prefix_request.num_loading > 0
+    assert prefix_request.num_computed + prefix_request.num_loading == 64
+    assert other in finished  # admitted behind it, done while it waited
+    while engine.scheduler.has_work():
+        engine.step()
+    reference = make_llm(model_dirs["deepseek"], "deepseek").generate(rounds[-2], GREEDY)[0].token_ids
+    assert prefix_request.output_ids == reference
+
+
 def test_two_engines_with_one_seed_share_keys(model_dirs: dict[str, Path]) -> None:
     """Keys are the block manager's chained hashes from engine.prefix_hash_seed: the same in two
     engines (and processes) with the same seed, different with another seed."""
@@ -130,6 +169,12 @@ def test_two_engines_with_one_seed_share_keys(model_dirs: dict[str, Path]) -> No
         seq = llm.engine.add_request(prompt, GREEDY)
         keys.append(llm.engine.scheduler.connector_request(seq).block_hashes)
     assert keys[0] == keys[1] and keys[0] != keys[2] and len(keys[0]) == 2
+    # another process (hash randomization applies to str and bytes, never to these int tuples)
+    code = ("from jackfield.engine.block_manager import block_hash; "
+            f"h = block_hash(5, {prompt[:16]}); print(h, block_hash(h, {prompt[16:32]}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "random"}).stdout.split()
+    assert tuple(map(int, out)) == keys[0]
 
 
 @pytest.mark.parametrize(("options", "field"), [
