@@ -218,3 +218,19 @@ def test_run_json_reports_the_connector(model_dirs: dict[str, Path],
     summary = json.loads(capsys.readouterr().out)["summary"]
     assert summary["kv_connector"]["name"] == "cpu_offload"
     assert summary["kv_connector"]["stored_chunks"] == 3  # 50 tokens: 3 full 16-token blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek", "granite_swa"])
+def test_greedy_identical_on_cuda_with_hits_from_pinned_memory(model_dirs: dict[str, Path],
+                                                               family: str) -> None:
+    """The CUDA path: pinned host pool, copies on their own streams, overlapped with the forward.
+    The device pool is capped by max_num_seqs x max_model_len, so the fillers evict the prefix."""
+    vocab = 256 if family == "deepseek" else 97
+    rounds = workload(vocab, seed=17)
+    cuda = {**BASE, "engine.device": "cuda", "engine.max_model_len": 88}
+    expected = run(LLM(model_dirs[family], **cuda), rounds)
+    llm = LLM(model_dirs[family], **cuda, **offload(2 if family == "deepseek" else 1))
+    assert run(llm, rounds) == expected
+    stats = llm.engine.kv_connector_stats()
+    assert stats is not None and stats["hit_tokens"] > 0 and stats["failed_loads"] == 0
