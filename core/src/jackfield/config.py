@@ -56,8 +56,8 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class KVConnectorConfig:
-    name: str | None = None  # a registered KV connector name
-    options: Mapping[str, Any] = field(default_factory=dict)
+    name: str | None = None  # a registered KV connector name (`jackfield plugins` lists them)
+    options: Mapping[str, Any] = field(default_factory=dict)  # the connector's own (its check_options)
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,9 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85  # of the free device memory, for the KV cache
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    # the root of the chained block hashes (prefix cache and KV connector keys): processes that
+    # share a KV tier must use the same seed
+    prefix_hash_seed: int = 0
     # replay decode steps, and prefill pieces between attention calls, from CUDA graphs
     cuda_graphs: bool = True
     # the largest prefill/mixed step (in tokens) replayed from graphs; larger ones run eagerly
@@ -292,8 +295,6 @@ def resolve_config(config: JackfieldConfig | str | Path | None = None, model: st
 def unsupported_features(config: JackfieldConfig) -> list[str]:
     """Config features this engine does not run yet: fail before anything loads (doctor says so too)."""
     problems = []
-    if config.kv_connector.name is not None:
-        problems.append("KV connectors (kv_connector.name) are not run by this engine yet")
     if config.parallel.dcp_size != 1:
         problems.append("decode context parallel (parallel.dcp_size > 1) is not run by this engine yet")
     if config.attention.kv_cache_dtype == "fp8_e4m3":

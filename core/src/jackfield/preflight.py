@@ -19,6 +19,7 @@ from jackfield.models.weights import checkpoint_files
 from jackfield.plugins import Registry, get_registry
 from jackfield.requirements import attention_requirements, read_config_json
 from jackfield.selection import BackendChoice, pick_block_size, resolve_attention
+from jackfield.specs import KVConnectorSpec
 
 __all__ = ["Preflight", "model_hf_config", "preflight", "tokenizer_note"]
 
@@ -124,7 +125,10 @@ def _named_plugin_problems(config: JackfieldConfig, registry: Registry) -> list[
         if name is None:
             continue
         try:
-            registry.lookup(kind, name)
+            entry = registry.lookup(kind, name)
         except KeyError as exc:
             problems.append(f"{key}: {exc.args[0]}")
+            continue
+        if isinstance(entry.spec, KVConnectorSpec) and entry.spec.check_options is not None:
+            problems += entry.spec.check_options(config.kv_connector.options)
     return problems

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 from jackfield.contracts.attention import AttentionCapabilities, Availability
@@ -50,6 +50,8 @@ def _check_fields(spec: object) -> None:
             problems.append(f"factory must be a 'module:Attribute' string or a class, got {value!r}")
         elif field.name == "capabilities" and not isinstance(value, AttentionCapabilities):
             problems.append(f"capabilities must be an AttentionCapabilities, got {type(value).__name__}")
+        elif field.name == "check_options" and not (value is None or callable(value)):
+            problems.append(f"check_options must be a callable or None, got {value!r}")
         elif field.name == "availability" and not callable(value):
             problems.append(f"availability must be a callable probe, got {value!r}")
         elif field.name == "priority" and not (
@@ -96,7 +98,10 @@ class DrafterSpec(_CheckedSpec):
 @dataclass(frozen=True)
 class KVConnectorSpec(_CheckedSpec):
     name: str
-    factory: Factory  # -> a callable returning (KVConnectorScheduler, KVConnectorWorker) parts
+    factory: Factory  # -> a callable: KVConnectorContext -> (KVConnectorScheduler, KVConnectorWorker)
+    # [kv_connector] options -> every problem, each naming its key; run by `jackfield doctor`
+    # and at engine start-up before anything loads (None: the connector takes no options)
+    check_options: Callable[[Mapping[str, object]], list[str]] | None = None
     replaces: str | None = None
     description: str = ""
 

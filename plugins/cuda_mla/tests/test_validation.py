@@ -141,10 +141,9 @@ def test_capabilities_validate_reasons() -> None:
         assert part in reasons
     if not torch.cuda.is_available():
         assert "unavailable: no CUDA device" in reasons
-    # No preferred page size while the 64-key-page bug is open (docs/backends.md): the engine's
-    # default block size for cuda_mla stays 16, the size verified on the H200.
+    # 64-key pages: whole TMA tiles for the Hopper kernels (the engine's default block size).
     assert CUDA_MLA_CAPABILITIES.max_decode_query_len == 8
-    assert CUDA_MLA_CAPABILITIES.preferred_block_size is None
+    assert CUDA_MLA_CAPABILITIES.preferred_block_size == 64
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA answer")

@@ -151,6 +151,9 @@ def main(args: argparse.Namespace) -> int:
             assert sample.speculative is not None
             run_stats.add(sample.speculative)
         summary["speculative"] = {"method": engine.drafter.name, **run_stats.as_dict()}
+    connector_stats = engine.kv_connector_stats()
+    if connector_stats is not None:  # e.g. prefix hits served from the CPU tier (hit_tokens)
+        summary["kv_connector"] = connector_stats
     if args.json:
         results = [  # one entry per sample (index: which of the prompt's n)
             {"prompt": p if isinstance(p, str) else None, "index": c.index, "text": c.text,
@@ -183,6 +186,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"speculative ({spec['method']}): {spec['drafts']} drafts, {spec['draft_tokens']} draft "
               f"tokens, {spec['accepted_tokens']} accepted (per position {spec['accepted_per_position']}), "
               f"mean acceptance length {spec['mean_acceptance_length']}")
+    if "kv_connector" in summary:
+        print("kv connector: " + ", ".join(f"{k} {v}" for k, v in summary["kv_connector"].items()))
     return 0
 
 

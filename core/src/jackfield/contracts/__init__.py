@@ -20,9 +20,13 @@ from jackfield.contracts.drafter import (
 )
 from jackfield.contracts.kv_connector import (
     ConnectorMetadata,
+    ConnectorRequest,
+    KVConnectorContext,
     KVConnectorScheduler,
     KVConnectorWorker,
     KVCoverageSpec,
+    ScheduledRequest,
+    TransferResult,
 )
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 
@@ -37,9 +41,11 @@ __all__ = [
     "AttentionRequirements",
     "Availability",
     "ConnectorMetadata",
+    "ConnectorRequest",
     "DraftProposal",
     "Drafter",
     "DrafterOptions",
+    "KVConnectorContext",
     "KVConnectorScheduler",
     "KVConnectorWorker",
     "KVCoverageSpec",
@@ -47,6 +53,8 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingParams",
+    "ScheduledRequest",
+    "TransferResult",
     "combined_lookahead",
     "exportable_tokens",
 ]

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from jackfield.contracts.attention import AttentionLayerSpec
 
 
 @dataclass(frozen=True)
@@ -48,42 +50,113 @@ class KVCoverageSpec:
 
 
 @dataclass(frozen=True)
+class ConnectorRequest:
+    """What a connector's scheduler side sees of a request."""
+
+    request_id: str
+    # chained hashes of the request's full blocks of verified tokens: the device prefix cache's
+    # own hashes, whose chain starts at engine.prefix_hash_seed (equal seeds: equal keys)
+    block_hashes: tuple[int, ...]
+    num_tokens: int  # verified tokens (prompt and accepted output)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """A request the step computes, as the connector may export it."""
+
+    request: ConnectorRequest
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group: its block table (0: a dropped block)
+    # tokens whose KV holds verified tokens once the step ran (`exportable_tokens`: never draft KV)
+    num_exportable: int
+
+
+@dataclass(frozen=True)
 class ConnectorMetadata:
     """What the scheduler side tells the worker side for one step (connector-defined payload)."""
 
     payload: dict[str, object]
 
 
+@dataclass(frozen=True)
+class TransferResult:
+    """What the worker side finished since its last report, by request id."""
+
+    saved: frozenset[str] = frozenset()  # every save issued for these so far is done
+    loaded: frozenset[str] = frozenset()  # their external KV is in their blocks
+    failed_saves: frozenset[str] = frozenset()  # some save failed: its chunks must never be read
+    failed_loads: frozenset[str] = frozenset()  # their loaded blocks are invalid: the engine recomputes them
+
+
+@dataclass(frozen=True)
+class KVConnectorContext:
+    """What a connector is built from: the factory of a `KVConnectorSpec` takes one and returns
+    (KVConnectorScheduler, KVConnectorWorker)."""
+
+    options: Mapping[str, object]  # [kv_connector] options (already passed `check_options`)
+    block_size: int
+    coverage: tuple[KVCoverageSpec, ...]  # per KV cache group: its block size and the model's window
+    lookahead_tokens: int  # `combined_lookahead(drafters)`: draft KV a step may write past the verified
+    layers: tuple[AttentionLayerSpec, ...]  # per KV cache layer (the index the worker calls take)
+    layer_group: tuple[int, ...]  # per KV cache layer: its KV cache group
+    kv_caches: tuple[torch.Tensor, ...]  # per KV cache layer (layers of different groups may share one)
+    device: torch.device
+
+
 class KVConnectorScheduler(ABC):
-    @abstractmethod
-    def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> int:
-        """Tokens beyond `num_computed` whose KV can be loaded from outside."""
+    """Runs in the scheduler. Loads are asynchronous: an admitted request whose KV is loading
+    waits (holding its blocks) until `TransferResult.loaded` or `failed_loads` names it, while
+    the others run."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int],
-                                 num_external: int) -> None: ...
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> int:
+        """Tokens past `num_computed` (the device prefix hit) whose KV can be loaded: whole blocks,
+        never the request's last token. Must not change state: the engine may not admit it."""
 
     @abstractmethod
-    def build_connector_meta(self) -> ConnectorMetadata: ...
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[Sequence[int]],
+                                 num_computed: int, num_external: int) -> None:
+        """The request was admitted with blocks (per KV cache group) for its `num_computed`-token
+        device prefix hit and the `num_external` tokens `get_num_new_matched_tokens` offered
+        (0: it computes the rest itself)."""
 
     @abstractmethod
-    def request_finished(self, request_id: str, block_ids: Sequence[int]) -> bool:
-        """True when the connector still reads the blocks (the engine must not free them yet)."""
+    def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
+        """The step's loads and saves, once per step after scheduling."""
+
+    @abstractmethod
+    def update_connector_output(self, result: TransferResult) -> None:
+        """The worker's report, handed over at the start of each step."""
+
+    @abstractmethod
+    def request_finished(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> bool:
+        """True when the connector still reads the blocks: the engine frees them once a
+        `TransferResult.saved` names the request."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for reports (`jackfield run --json`)."""
+        return {}
 
 
 class KVConnectorWorker(ABC):
-    @abstractmethod
-    def start_load_kv(self, metadata: ConnectorMetadata, kv_caches: dict[str, torch.Tensor]) -> None: ...
+    """Runs beside the model. `layer` is a KV cache layer's index (into the KV caches)."""
 
     @abstractmethod
-    def wait_for_layer_load(self, layer_name: str) -> None: ...
+    def start_load_kv(self, metadata: ConnectorMetadata, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Before the forward: start the step's loads (they may finish in a later step)."""
 
     @abstractmethod
-    def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor, metadata: ConnectorMetadata) -> None: ...
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Before `layer` reads its cache."""
 
     @abstractmethod
-    def wait_for_save(self) -> None: ...
+    def save_kv_layer(self, layer: int, kv_cache: torch.Tensor, metadata: ConnectorMetadata) -> None:
+        """After `layer` wrote its KV: start saving what the step's metadata asks for."""
 
     @abstractmethod
-    def get_finished(self) -> tuple[set[str], set[str]]:
-        """(request ids whose saves finished, request ids whose loads finished)."""
+    def wait_for_save(self) -> None:
+        """After the forward: the step's saves no longer read the cache once this returns or, on
+        a GPU, once the device's current stream reaches this point (blocks may then be reused)."""
+
+    @abstractmethod
+    def get_finished(self) -> TransferResult:
+        """What finished (or failed) since the last call; never blocks."""

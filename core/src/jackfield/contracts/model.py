@@ -78,6 +78,17 @@ class LayerTaps:
             self.states[self.layers.index(layer)] = x
 
 
+class LayerHooks(ABC):
+    """Called around each decoder layer's `attend` (a KV connector waits for a layer's loads
+    before it reads its cache and saves what it wrote after)."""
+
+    @abstractmethod
+    def before_attend(self, layer: int) -> None: ...
+
+    @abstractmethod
+    def after_attend(self, layer: int) -> None: ...
+
+
 class ModelFamily(nn.Module, ABC):
     """A model family: built from a transformers config, loaded from a local checkpoint."""
 
@@ -97,7 +108,9 @@ class ModelFamily(nn.Module, ABC):
     @abstractmethod
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:
         """One spec per KV cache the model writes, in the order of `step.kv_caches` (the engine
-        groups equal layouts by sliding window into KV cache groups and allocates them)."""
+        groups equal layouts by sliding window into KV cache groups and allocates them). Cache j
+        is read and written by decoder layer j % num_layers (one cache per layer, or several
+        rounds of them: DeepSeek-V3.2's latent caches, then its indexer-key caches)."""
 
     @property
     @abstractmethod
@@ -130,15 +143,22 @@ class ModelFamily(nn.Module, ABC):
         """Final hidden states [N, hidden] -> float32 logits [N, vocab_size]."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
-                output_rows: torch.Tensor | None = None, taps: LayerTaps | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor | None = None, taps: LayerTaps | None = None,
+                hooks: LayerHooks | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states of `output_rows` (all T rows when
         None). Every layer writes the KV of all T rows; the last computes its output projection
-        and MLP for the output rows only. `taps` collects chosen layers' inputs."""
+        and MLP for the output rows only. `taps` collects chosen layers' inputs; `hooks` run
+        around each `attend`."""
         x = self.embed(input_ids)
         last = self.capabilities.num_layers - 1
         for i in range(last + 1):
             if taps is not None:
                 taps.offer(i, x)
-            attn_out = self.attend(i, step, self.before_attention(i, x, positions))
+            inputs = self.before_attention(i, x, positions)
+            if hooks is not None:
+                hooks.before_attend(i)
+            attn_out = self.attend(i, step, inputs)
+            if hooks is not None:
+                hooks.after_attend(i)
             x = self.after_attention(i, x, attn_out, output_rows if i == last else None)
         return self.final_norm(x)

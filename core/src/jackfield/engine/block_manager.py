@@ -5,11 +5,13 @@ one pool. A sliding-window group of window W drops the blocks that every future 
 request has left behind (all their positions < num_computed - W + 1): their table entries become
 the null block, which is never written and is masked out by the window.
 
-A full block is identified by a chained hash (its tokens and the hash of the block before it),
-so equal hashes mean equal prefixes; the cache is keyed by (group, hash). Freed blocks keep
-their hash and stay findable until the pool reuses them (least recently freed first). A prefix
-hit of k blocks counts only where every group holds what computing from token k * block_size on
-needs: full groups all k blocks, a window group the blocks of the last W - 1 tokens.
+A full block is identified by a chained hash (its tokens and the hash of the block before it;
+the first block's parent is the configured seed, so processes with equal seeds agree: the hash
+of a tuple of ints is not randomized per process), so equal hashes mean equal prefixes; the
+cache is keyed by (group, hash). Freed blocks keep their hash and stay findable until the pool
+reuses them (least recently freed first). A prefix hit of k blocks counts only where every group
+holds what computing from token k * block_size on needs: full groups all k blocks, a window
+group the blocks of the last W - 1 tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from jackfield.engine.sequence import Sequence
 NULL_BLOCK = 0  # reserved when some group has a window: the entry of a dropped block
 
 
-def block_hash(parent: int | None, tokens: list[int]) -> int:
+def block_hash(parent: int, tokens: list[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
@@ -46,12 +48,13 @@ class BlockManager:
     """`windows`: one entry per KV cache group, its sliding window (None: full attention)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 windows: Seq[int | None] = (None,)) -> None:
+                 windows: Seq[int | None] = (None,), hash_seed: int = 0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         if not windows or any(w is not None and w <= 0 for w in windows):
             raise ValueError(f"need one window per KV cache group, each None or positive, got {windows}")
         self.block_size = block_size
+        self.hash_seed = hash_seed
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
         self.has_null_block = any(w is not None for w in self.windows)
@@ -62,6 +65,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, num_blocks))
         self.cached: dict[tuple[int, int], int] = {}  # (group, hash) -> block id
         self.hashes: dict[int, list[int]] = {}  # request id -> hashes of its full, computed blocks
+        self.chains: dict[int, list[int]] = {}  # request id -> hashes of its full blocks so far
 
     @property
     def num_free(self) -> int:
@@ -84,10 +88,17 @@ class BlockManager:
         """Tokens and chained hashes of the first `num_blocks` blocks of `seq`."""
         bs = self.block_size
         chunks = [seq.token_ids[i * bs : (i + 1) * bs] for i in range(num_blocks)]
-        hashes: list[int] = []
-        for tokens in chunks:
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens))
-        return chunks, hashes
+        return chunks, self.block_hashes(seq, num_blocks)
+
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Chained hashes of the first `num_blocks` full blocks of `seq` (kept per request and
+        extended: tokens are only ever appended)."""
+        chain = self.chains.setdefault(seq.request_id, [])
+        bs = self.block_size
+        for i in range(len(chain), num_blocks):
+            parent = chain[-1] if chain else self.hash_seed
+            chain.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return chain[:num_blocks]
 
     def _lookup(self, group: int, h: int, tokens: list[int]) -> int | None:
         block_id = self.cached.get((group, h))
@@ -165,11 +176,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.hashes.setdefault(seq.request_id, [])
-        for index in range(len(hashes), seq.num_computed // self.block_size):
+        chain = self.block_hashes(seq, seq.num_computed // self.block_size)
+        for index in range(len(hashes), len(chain)):
             tokens = seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
-            h = block_hash(hashes[-1] if hashes else None, tokens)
+            h = chain[index]
             hashes.append(h)
             for group, table in enumerate(seq.block_tables):
+                if self.has_null_block and table[index] == NULL_BLOCK:
+                    continue  # a window block dropped before it was committed (a connector load)
                 block = self.blocks[table[index]]
                 if block.key is None and (group, h) not in self.cached:
                     block.key, block.tokens = (group, h), tokens
@@ -182,6 +196,7 @@ class BlockManager:
                 self._unref(block_id)
         seq.block_tables = []
         self.hashes.pop(seq.request_id, None)
+        self.chains.pop(seq.request_id, None)
 
     def _real(self, table: list[int]) -> list[int]:
         """The table's blocks, less null entries."""

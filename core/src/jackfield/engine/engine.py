@@ -4,7 +4,8 @@ One step (docs/architecture.md, "The step loop"): the scheduler picks this step'
 (decodes, prefill chunks, whole embedding prompts) -> the runner stages them, builds the
 attention metadata once, runs the forward, and samples (or pools) -> the engine appends tokens,
 commits full blocks to the prefix cache and finishes requests. Speculative verification, KV
-connector loads/saves and tensor parallelism enter at those points, nowhere else.
+connector loads/saves and tensor parallelism enter at those points, nowhere else: a KV
+connector's report is read at the start of a step, its metadata built once after scheduling.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import torch
 
 from jackfield.config import ConfigError, JackfieldConfig
 from jackfield.contracts.attention import AttentionBackends
-from jackfield.contracts.drafter import Drafter, DrafterOptions
+from jackfield.contracts.drafter import Drafter, DrafterOptions, combined_lookahead
+from jackfield.contracts.kv_connector import (
+    KVConnectorContext,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVCoverageSpec,
+)
 from jackfield.contracts.sampler import Sampler, SamplingParams
 from jackfield.engine.block_manager import BlockManager, max_request_blocks
 from jackfield.engine.model_runner import ModelRunner
@@ -80,13 +87,24 @@ class Engine:
         kv = self.runner.kv
         # A bidirectional model's KV depends on later tokens: no prefix of it can be reused.
         prefix_caching = engine.enable_prefix_caching and self.capabilities.causal
-        self.block_manager = BlockManager(kv.num_blocks, engine.block_size, prefix_caching, kv.groups.windows)
-        self.scheduler = Scheduler(self.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens)
+        self.block_manager = BlockManager(kv.num_blocks, engine.block_size, prefix_caching, kv.groups.windows,
+                                          engine.prefix_hash_seed)
+        connector = _kv_connector(config, self.runner, [self.drafter] if self.drafter else [])
+        if connector is not None:
+            self.runner.connector = connector[1]
+        self.scheduler = Scheduler(self.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens,
+                                   connector[0] if connector else None)
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
         if self.device.type == "cuda" and self.capabilities.causal:
             say("warming up")
             self._warm_up()
+
+    def kv_connector_stats(self) -> dict[str, object] | None:
+        """The KV connector's name and counters (None: no connector)."""
+        if self.scheduler.connector is None:
+            return None
+        return {"name": self.config.kv_connector.name, **self.scheduler.connector.stats()}
 
     def _warm_up(self) -> None:
         """One short sampled request through prefill and decode, so kernel compiles (Triton) and
@@ -162,10 +180,18 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """One engine step; returns the requests it finished."""
+        connector = self.scheduler.connector
+        if connector is not None:
+            self.scheduler.update_from_connector(self.runner.connector_finished())
         chunks = self.scheduler.schedule()
+        metadata = (connector.build_connector_meta(self.scheduler.scheduled_requests(chunks))
+                    if connector is not None else None)
         if not chunks:
-            raise RuntimeError("scheduler made no progress (a request cannot fit the KV cache)")
-        result = self.runner.step(chunks)
+            if metadata is None or not (self.scheduler.loading or self.scheduler.held):
+                raise RuntimeError("scheduler made no progress (a request cannot fit the KV cache)")
+            self.runner.transfer(metadata)  # only loads in flight: they finish in a later step
+            return []
+        result = self.runner.step(chunks, metadata)
         now = time.perf_counter()
         for seq, first, entries in result.prompt_logprobs:  # by position: a recomputed prefill rewrites
             assert seq.prompt_logprobs is not None
@@ -266,6 +292,32 @@ def _drafter(config: JackfieldConfig) -> Drafter | None:
         raise ConfigError([f"speculative.method {spec.method!r}: {entry.spec.factory} built a "
                            f"{type(drafter).__name__}, not a Drafter"])
     return drafter
+
+
+def _kv_connector(config: JackfieldConfig, runner: ModelRunner, drafters: list[Drafter],
+                 ) -> tuple[KVConnectorScheduler, KVConnectorWorker] | None:
+    """The connector [kv_connector] names, built over the runner's KV cache (None: no connector).
+    preflight named a missing one and ran its check_options; what needs the model (a budget
+    against one chunk's size) is the factory's to refuse, with a ValueError naming the option."""
+    name = config.kv_connector.name
+    if name is None:
+        return None
+    entry = get_registry().lookup("kv_connector", name)
+    kv, block_size = runner.kv, runner.block_size
+    context = KVConnectorContext(
+        options=config.kv_connector.options, block_size=block_size,
+        coverage=tuple(KVCoverageSpec(block_size, window) for window in kv.groups.windows),
+        lookahead_tokens=combined_lookahead(drafters), layers=tuple(runner.model.kv_cache_layers),
+        layer_group=kv.groups.layer_group, kv_caches=tuple(kv.layer_caches), device=runner.device)
+    try:
+        parts = resolve_factory(entry.spec.factory)(context)  # type: ignore[operator]
+    except ValueError as exc:
+        raise ConfigError([f"kv_connector {name!r}: {exc}"]) from None
+    scheduler, worker = parts
+    if not isinstance(scheduler, KVConnectorScheduler) or not isinstance(worker, KVConnectorWorker):
+        raise ConfigError([f"kv_connector {name!r}: {entry.spec.factory} must return a "
+                           "(KVConnectorScheduler, KVConnectorWorker) pair"])
+    return scheduler, worker
 
 
 def _eos_ids(config_json: dict[str, object], tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

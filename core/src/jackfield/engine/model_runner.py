@@ -1,7 +1,10 @@
 """One engine step on the device: stage inputs, build attention metadata once, forward, sample.
 
 The runner owns what the device holds for the model: the KV cache (sized from the budget) and the
-CUDA graphs of decode steps and of prefill pieces, recorded at start-up where they apply. Logits
+CUDA graphs of decode steps and of prefill pieces, recorded at start-up where they apply, and the
+KV connector's worker side: the step's loads start before the forward, each layer waits for its
+loads before `attend` and hands its KV to the connector's save after, and the saves are waited
+for after the forward. Logits
 are computed only for rows that sample (the last row of each chunk that reaches the end of its
 request's known tokens); an embedding request's rows are pooled instead.
 """
@@ -17,7 +20,8 @@ import torch
 
 from jackfield.config import EngineConfig
 from jackfield.contracts.attention import AttentionBackends, AttentionMetadata
-from jackfield.contracts.model import ModelFamily
+from jackfield.contracts.kv_connector import ConnectorMetadata, KVConnectorWorker, TransferResult
+from jackfield.contracts.model import LayerHooks, ModelFamily
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.kv_cache import KVCache
@@ -51,6 +55,24 @@ def greedy(logits: torch.Tensor) -> SamplerOutput:
     return SamplerOutput(tokens, invalid_rows=best == -math.inf)
 
 
+class ConnectorLayers(LayerHooks):
+    """The KV connector's per-layer calls for one step: decoder layer i reads and writes the KV
+    caches j with j % num_layers == i (contracts/model.py)."""
+
+    def __init__(self, worker: KVConnectorWorker, metadata: ConnectorMetadata, kv_caches: list[torch.Tensor],
+                 num_layers: int) -> None:
+        self.worker, self.metadata, self.kv_caches = worker, metadata, kv_caches
+        self.caches = [range(i, len(kv_caches), num_layers) for i in range(num_layers)]
+
+    def before_attend(self, layer: int) -> None:
+        for cache in self.caches[layer]:
+            self.worker.wait_for_layer_load(cache)
+
+    def after_attend(self, layer: int) -> None:
+        for cache in self.caches[layer]:
+            self.worker.save_kv_layer(cache, self.kv_caches[cache], self.metadata)
+
+
 class ModelRunner:
     def __init__(self, model: ModelFamily, backends: AttentionBackends, sampler: Sampler,
                  engine: EngineConfig, max_model_len: int, device: torch.device,
@@ -65,6 +87,24 @@ class ModelRunner:
         self.prefill_graphs_off = self._prefill_graphs_off_reason(engine)
         self.graphs = None if self.decode_graphs_off else self._capture_decode(engine, max_model_len, say)
         self.pieces = None if self.prefill_graphs_off else self._capture_pieces(engine, say)
+        self.connector: KVConnectorWorker | None = None  # the KV connector's worker side (Engine sets it)
+
+    def connector_finished(self) -> TransferResult:
+        """The connector's transfers finished (or failed) since the last call."""
+        assert self.connector is not None
+        return self.connector.get_finished()
+
+    def transfer(self, metadata: ConnectorMetadata) -> None:
+        """A step with nothing to compute: only the connector's loads and saves start."""
+        assert self.connector is not None
+        self.connector.start_load_kv(metadata, self.kv_caches)
+        self.connector.wait_for_save()
+
+    def _layer_hooks(self, metadata: ConnectorMetadata | None) -> ConnectorLayers | None:
+        if self.connector is None or metadata is None:
+            return None
+        self.connector.start_load_kv(metadata, self.kv_caches)
+        return ConnectorLayers(self.connector, metadata, self.kv_caches, self.capabilities.num_layers)
 
     def _graphs_off_reason(self, engine: EngineConfig) -> str | None:
         """What rules out every CUDA graph of the model's forward."""
@@ -195,25 +235,33 @@ class ModelRunner:
         )
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
-    def forward(self, chunks: list[ScheduledChunk], output_rows: list[int] | None = None) -> torch.Tensor:
+    def forward(self, chunks: list[ScheduledChunk], output_rows: list[int] | None = None,
+                hooks: LayerHooks | None = None) -> torch.Tensor:
         """Final hidden states of `output_rows` of the step's flat batch (all rows when None),
-        writing every row's KV."""
+        writing every row's KV (`hooks` around each layer's attention)."""
         with host_single_threaded():
             per_group, input_ids, positions = self._metadata(chunks)
             context = self.contexts.build(self.kv_caches, per_group)
             rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
             ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):
-            hidden = self.pieces.run(ids, pos, context)  # every row (a recorded graph has no row choice)
+            hidden = self.pieces.run(ids, pos, context, hooks)  # every row (a graph has no row choice)
             return hidden if rows is None else hidden[rows]
-        return self.model(ids, pos, context, rows)
+        return self.model(ids, pos, context, rows, hooks=hooks)
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
-    def step(self, chunks: list[ScheduledChunk]) -> StepResult:
+    def step(self, chunks: list[ScheduledChunk], connector_metadata: ConnectorMetadata | None = None,
+             ) -> StepResult:
         sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
+        hooks = self._layer_hooks(connector_metadata)
         if self.graphs is not None and self.graphs.fits(chunks):
+            layers = range(self.capabilities.num_layers) if hooks is not None else range(0)
+            for layer in layers:  # a replayed step is one piece: every layer's hooks around it
+                hooks.before_attend(layer)  # type: ignore[union-attr]
             with host_single_threaded():  # the replay itself is GPU work
                 hidden = self.graphs.run(chunks)  # every row is a sampling decode (fits() checked it)
+            for layer in layers:
+                hooks.after_attend(layer)  # type: ignore[union-attr]
             embeddings: list[torch.Tensor] = []
             scored: list[tuple[ScheduledChunk, torch.Tensor]] = []
         else:
@@ -222,9 +270,12 @@ class ModelRunner:
             # and MLP skip the rest.
             # A step that samples nothing (a middle prefill chunk) runs whole: its output is unused.
             rows = _output_rows(chunks)
-            hidden = self.forward(chunks, rows if 0 < len(rows) < sum(c.num_tokens for c in chunks) else None)
+            hidden = self.forward(chunks, rows if 0 < len(rows) < sum(c.num_tokens for c in chunks) else None,
+                                  hooks)
             hidden = hidden if len(rows) == hidden.shape[0] else hidden[rows]
             hidden, embeddings, scored = self._split_rows(chunks, hidden)
+        if self.connector is not None:
+            self.connector.wait_for_save()
         prompt_logprobs = [(c.seq, c.prompt_logprob_positions.start, self._prompt_logprobs(c, h))
                            for c, h in scored]
         if not sampling:

@@ -29,7 +29,7 @@ from functools import partial
 import torch
 
 from jackfield.contracts.attention import StepContext
-from jackfield.contracts.model import ModelFamily
+from jackfield.contracts.model import LayerHooks, ModelFamily
 
 
 def piece_sizes(max_tokens: int) -> list[int]:
@@ -124,9 +124,11 @@ class PiecewiseGraphs:
     def fits(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
+            hooks: LayerHooks | None = None) -> torch.Tensor:
         """Final hidden states [T, D] of the step's T rows (a view of a static buffer, valid until
-        the next replay). input_ids and positions are the step's device tensors."""
+        the next replay). input_ids and positions are the step's device tensors; `hooks` run
+        around each (eager) attention call."""
         num_tokens = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num_tokens)
         self.input_ids[:num_tokens].copy_(input_ids)
@@ -141,7 +143,11 @@ class PiecewiseGraphs:
         for i, piece in enumerate(before_attention):
             piece()
             inputs = tuple(t[:num_tokens] for t in self.attn_inputs)
+            if hooks is not None:
+                hooks.before_attend(i)
             self.attn_out[:num_tokens].copy_(self.model.attend(i, step, inputs))
+            if hooks is not None:
+                hooks.after_attend(i)
         last()
         assert self.hidden is not None
         return self.hidden[:num_tokens]

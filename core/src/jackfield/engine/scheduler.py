@@ -6,6 +6,12 @@ pool allow. When a running request needs a block and none is free, the newest ru
 is preempted: its blocks are released and it goes back to the front of the queue, to be
 recomputed (prompt and generated tokens) later. Before any of that, running requests hand back
 the sliding-window blocks their next queries no longer see.
+
+With a KV connector, an admitted request whose prefix the connector can load past the device
+prefix hit gets blocks for it and waits in `loading` (taking no token budget) until the
+connector's report says the load finished (it then resumes after the loaded tokens) or failed
+(it recomputes them); the others run meanwhile. A finished request's blocks stay held while the
+connector still reads them.
 """
 
 from __future__ import annotations
@@ -13,6 +19,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from jackfield.contracts.drafter import exportable_tokens
+from jackfield.contracts.kv_connector import (
+    ConnectorRequest,
+    KVConnectorScheduler,
+    ScheduledRequest,
+    TransferResult,
+)
 from jackfield.engine.block_manager import BlockManager
 from jackfield.engine.sequence import Sequence, Status
 
@@ -43,19 +56,62 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []  # admitted, their prefix's KV coming from the connector
+        self.held: dict[str, Sequence] = {}  # finished or aborted, blocks kept while the connector reads them
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def connector_request(self, seq: Sequence) -> ConnectorRequest:
+        num_blocks = seq.num_tokens // self.blocks.block_size
+        return ConnectorRequest(str(seq.request_id), tuple(self.blocks.block_hashes(seq, num_blocks)),
+                                seq.num_tokens)
+
+    def scheduled_requests(self, chunks: list[ScheduledChunk]) -> list[ScheduledRequest]:
+        """The step's requests as the connector sees them (embedding requests never reach it)."""
+        return [ScheduledRequest(self.connector_request(c.seq), tuple(map(tuple, c.seq.block_tables)),
+                                 exportable_tokens(c.seq.num_computed + c.num_tokens, c.num_drafts,
+                                                   c.seq.num_tokens))
+                for c in chunks if c.seq.pooling is None]
+
+    def update_from_connector(self, result: TransferResult) -> None:
+        """The worker's report: loaded requests resume after their loaded tokens, failed loads
+        recompute them (the blocks are overwritten, never read), held blocks are freed."""
+        assert self.connector is not None
+        self.connector.update_connector_output(result)
+        for seq in list(self.loading):
+            rid = str(seq.request_id)
+            if rid not in result.loaded and rid not in result.failed_loads:
+                continue
+            self.loading.remove(seq)
+            if rid in result.loaded and rid not in result.failed_loads:
+                seq.num_computed += seq.num_loading
+                # Window blocks before the loaded window hold nothing: drop them before the
+                # loaded blocks join the prefix cache.
+                self.blocks.trim(seq)
+                self.blocks.commit(seq)
+            seq.num_loading = 0
+            if seq.status == Status.LOADING:
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            else:  # aborted while loading: its blocks were kept for the transfer's end
+                self._release(seq)
+        for rid in result.saved | result.failed_saves:
+            held = self.held.pop(rid, None)
+            if held is not None:
+                self.blocks.release(held)
 
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks, single-token chunks (decodes) first."""
@@ -85,27 +141,48 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, count, drafts))
                 budget -= count
                 index += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs
+               and not preempted):
             seq = self.waiting[0]
             # An embedding request runs whole in one step (bidirectional attention needs every
             # token at once); it and a prompt-logprobs request need every row's output, so no
-            # prefix hit serves them.
+            # prefix hit (device or external) serves them.
             hits = (self.blocks.match_prefix(seq) if seq.reads_prefix_cache
                     else [[] for _ in self.blocks.windows])
-            count = min(seq.num_tokens - len(hits[0]) * self.blocks.block_size, budget)
-            if (seq.pooling is not None and count < seq.num_tokens) or not self.blocks.can_admit(count, hits):
+            cached = len(hits[0]) * self.blocks.block_size
+            external = self._external_tokens(seq, cached)
+            count = 0 if external else min(seq.num_tokens - cached, budget)
+            if ((seq.pooling is not None and count < seq.num_tokens)
+                    or not self.blocks.can_admit(external + count, hits)):
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.blocks.admit(seq, hits)
-            self.blocks.grow(seq, seq.num_computed + count)
+            self.blocks.grow(seq, seq.num_computed + external + count)
             if seq.num_preemptions == 0:
                 seq.num_cached_prefix = seq.num_computed
+            if self.connector is not None and seq.pooling is None:
+                request = self.connector_request(seq)
+                self.connector.update_state_after_alloc(request, seq.block_tables, cached, external)
+            if external:  # it waits for its load; the budget goes to the next request
+                seq.status, seq.num_loading = Status.LOADING, external
+                self.loading.append(seq)
+                continue
             seq.status = Status.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, count))
             budget -= count
         chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first, FCFS within each kind
         return chunks
+
+    def _external_tokens(self, seq: Sequence, cached: int) -> int:
+        """Tokens past the device prefix hit that the connector can load (0 without one)."""
+        if self.connector is None or not seq.reads_prefix_cache:
+            return 0
+        external = self.connector.get_num_new_matched_tokens(self.connector_request(seq), cached)
+        if external < 0 or external % self.blocks.block_size or cached + external >= seq.num_tokens:
+            raise RuntimeError(f"KV connector offered {external} tokens past {cached} of a "
+                               f"{seq.num_tokens}-token request: whole blocks, short of the last token")
+        return external
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -119,18 +196,29 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.running.remove(seq)
-        self.blocks.release(seq)
+        self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is (queued or running) and free its blocks."""
+        """Drop a request wherever it is and free its blocks (a loading request's once its
+        transfer ends)."""
         if seq.status == Status.FINISHED:
             return
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
-        else:
+            self._release(seq)
+        elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
-        self.blocks.release(seq)
+            self.blocks.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = "abort"
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a request's blocks, unless the connector still reads them."""
+        if self.connector is not None and seq.pooling is None:
+            rid = str(seq.request_id)
+            if self.connector.request_finished(rid, seq.block_tables):
+                self.held[rid] = seq
+                return
+        self.blocks.release(seq)

@@ -13,6 +13,7 @@ from jackfield.contracts.sampler import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted, its prefix's KV coming from a KV connector
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -71,6 +72,7 @@ class Sequence:
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV cache group; [] when none held
     num_cached_prefix: int = 0  # tokens served by the prefix cache on the first admission
+    num_loading: int = 0  # tokens past num_computed whose KV a connector is loading
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), filled by prefill

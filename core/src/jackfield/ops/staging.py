@@ -1,4 +1,5 @@
-"""Host-to-device staging: the one utility the engine uses to move step inputs to the device.
+"""Host-to-device staging: the one utility the engine uses to move step inputs to the device,
+and the host memory that device copies go through (a KV connector's CPU tier).
 
 Pinned host memory makes `non_blocking` copies truly asynchronous; it only exists with CUDA, so on
 a CPU-only machine buffers are plain and the "device" side may alias the host side.
@@ -14,6 +15,12 @@ import torch
 
 def _can_pin(pin_memory: bool) -> bool:
     return pin_memory and torch.cuda.is_available()
+
+
+def host_empty(size: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = True) -> torch.Tensor:
+    """An uninitialized host tensor, pinned where CUDA exists, for copies to and from a device
+    that do not block the host."""
+    return torch.empty(size, dtype=dtype, device="cpu", pin_memory=_can_pin(pin_memory))
 
 
 def async_tensor_h2d(

@@ -1,0 +1,29 @@
+"""jackfield-kv-offload: a CPU tier for the KV cache, behind the KV-connector contract.
+
+`cpu_offload` stores finished chunks of KV blocks in host memory (pinned where CUDA exists) and
+loads them back when a later request's prefix is no longer in the device prefix cache.
+"""
+
+from __future__ import annotations
+
+from jackfield.hookspecs import hookimpl
+from jackfield.specs import KVConnectorSpec
+
+from jackfield_kv_offload.keys import sliding_window_size_in_chunks
+from jackfield_kv_offload.options import check_options
+
+JACKFIELD_API = ">=1.0,<2"
+
+__all__ = ["JACKFIELD_API", "register_kv_connectors", "sliding_window_size_in_chunks"]
+
+
+@hookimpl
+def register_kv_connectors() -> list[KVConnectorSpec]:
+    return [
+        KVConnectorSpec(
+            name="cpu_offload",
+            factory="jackfield_kv_offload.connector:make_cpu_offload",
+            check_options=check_options,
+            description="KV chunks kept in host memory (LRU or ARC) and loaded back on a prefix hit",
+        )
+    ]
