@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import random
 import time
+from pathlib import Path
 
 import torch
 from bench_e2e import LLAMA_1B, LLAMA_SMALL, build_hf_model
@@ -69,7 +71,7 @@ def transfer_rates(device: str, shape: dict[str, int], tokens: int, blocks_per_c
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
     scattered = order[: chunks * blocks_per_chunk]
     pairs = list(enumerate(scattered.tolist()))  # host row r <- device block
-    nbytes = sum(h.numel() for h in pool.host)
+    nbytes = pool.nbytes
 
     def store() -> None:
         for layer in range(layers):
@@ -99,6 +101,10 @@ def ttft(device: str, small: bool, prefix_tokens: int, blocks_per_chunk: int) ->
     recomputed (no connector) and loaded from the CPU tier."""
     shape = LLAMA_SMALL if small else LLAMA_1B
     _, directory = build_hf_model("llama", small, None, "cpu", torch.bfloat16)
+    config_path = Path(directory) / "config.json"  # room for the prefix (Llama-3.2-1B has 131072)
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "max_position_embeddings": max(
+        config["max_position_embeddings"], prefix_tokens + 64)}))
     rng = random.Random(0)
     vocab = shape["vocab_size"]
     prefix = [rng.randrange(vocab) for _ in range(prefix_tokens)]

@@ -16,6 +16,7 @@ group the blocks of the last W - 1 tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -111,16 +112,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return none
         chunks, hashes = self._chain(seq, (seq.num_tokens - 1) // self.block_size)
+        # One lookup per block and group (a long prompt must not cost lookups x candidate lengths):
+        # the cached block ids (None: a miss) and the running count of misses before each block.
+        found = [[self._lookup(group, h, c) for h, c in zip(hashes, chunks, strict=True)]
+                 for group in range(len(self.windows))]
+        misses = [list(itertools.accumulate((b is None for b in ids), initial=0)) for ids in found]
         for k in range(len(hashes), 0, -1):  # the longest hit every group can serve
-            tables = []
-            for group in range(len(self.windows)):
-                first = self._first_needed(group, k * self.block_size)
-                ids = [self._lookup(group, hashes[i], chunks[i]) for i in range(first, k)]
-                if None in ids:
-                    break
-                tables.append([NULL_BLOCK] * first + ids)  # type: ignore[list-item]
-            else:
-                return tables
+            firsts = [self._first_needed(group, k * self.block_size) for group in range(len(self.windows))]
+            if all(m[k] == m[first] for m, first in zip(misses, firsts, strict=True)):
+                return [[NULL_BLOCK] * first + found[group][first:k]  # type: ignore[list-item]
+                        for group, first in enumerate(firsts)]
         return none
 
     def can_admit(self, num_new_tokens: int, hits: list[list[int]]) -> bool:

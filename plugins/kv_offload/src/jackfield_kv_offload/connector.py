@@ -188,6 +188,7 @@ class CpuOffloadWorker(KVConnectorWorker):
                 if job.request_id not in self.failed_loads:
                     self._copy(self.pool.load_layer, layer, job.pairs[group], job.request_id,
                                self.failed_loads)
+        self.pool.end_step()
         event = self.pool.record(self.pool.load_stream)
         self.in_flight_loads += [(event, job.request_id) for job in jobs
                                  if job.request_id not in self.failed_loads]
@@ -205,6 +206,7 @@ class CpuOffloadWorker(KVConnectorWorker):
                 self._copy(self.pool.store_layer, layer, job.pairs[group], job.request_id, self.failed_saves)
 
     def wait_for_save(self) -> None:
+        self.pool.end_step()
         self.pool.order_compute_after_stores()
         if self.step_saves:
             self.in_flight_saves.append((self.pool.record(self.pool.store_stream), self.step_saves))

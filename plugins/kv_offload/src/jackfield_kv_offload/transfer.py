@@ -1,20 +1,25 @@
 """The host pool and the copies between it and the device KV cache.
 
-The pool holds, per distinct cache tensor, `num_slots * blocks_per_chunk` blocks of host memory
+The pool holds, per distinct cache tensor, `num_slots * blocks_per_chunk` rows of host memory
 (pinned where CUDA exists: `jackfield.ops.staging.host_empty`); chunk slot s is rows
 [s * blocks_per_chunk, (s + 1) * blocks_per_chunk). A chunk of KV cache group g fills its slot in
-the tensor of each of g's layers. Copies move raw bytes (caches viewed as uint8), so every cache
-dtype (bf16, fp8) round-trips exactly, in either layout (MLA [blocks, ...], MHA [2, blocks, ...]).
+the tensor of each of g's layers. Copies move raw bytes, so every cache dtype (bf16, fp8)
+round-trips exactly, in either layout: a cache is seen as planes of whole-block rows (MLA: one,
+[blocks, bytes]; MHA: keys and values), each row read as the widest integer its bytes allow.
 
+A copy of one layer gathers the request's blocks of each plane in one kernel into a contiguous
+buffer and moves it with one host copy per run of consecutive host rows (and the reverse for a
+load); the block ids are staged on the device once per request and step, not once per layer.
 On CUDA, loads and stores run on two streams of their own, each ordered after the work already
-queued on the compute stream, one layer at a time, while the forward runs; each returns an event.
-On a CPU-only engine the same code copies between two host pools, synchronously.
+queued on the compute stream; each returns an event. On a CPU-only engine the same code copies
+between two host pools, synchronously.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from jackfield.attention.kv_cache import is_mla
@@ -25,22 +30,34 @@ from jackfield.ops.staging import async_tensor_h2d, host_empty
 Pairs = Sequence[tuple[int, int]]
 
 
-def block_major(cache: torch.Tensor, mla: bool) -> torch.Tensor:
-    """The cache's bytes as [num_blocks, ...] (MHA's key/value axis moved behind the blocks)."""
-    raw = cache.view(torch.uint8)
-    return raw if mla else raw.transpose(0, 1)
+def block_planes(cache: torch.Tensor, mla: bool) -> list[torch.Tensor]:
+    """The cache as contiguous [num_blocks, row] planes of whole blocks (MLA [blocks, ...]: one;
+    MHA [2, blocks, ...]: keys, values), rows read as the widest integer dividing their bytes."""
+    planes = [cache] if mla else [cache[0], cache[1]]
+    rows = [plane.view(plane.shape[0], -1).view(torch.uint8) for plane in planes]  # views, never copies
+    width = rows[0].shape[1]
+    wide = next(t for t in (torch.int64, torch.int32, torch.int16, torch.uint8) if width % t.itemsize == 0)
+    return [row.view(wide) for row in rows]
 
 
-def runs(pairs: Pairs) -> list[tuple[int, int, list[int]]]:
-    """(first host row, end host row, device block ids) of each run of consecutive host rows."""
-    out: list[tuple[int, int, list[int]]] = []
-    for row, block in pairs:
+def runs(pairs: Pairs) -> list[tuple[int, int, int]]:
+    """(first host row, end host row, index of its first pair) of each run of consecutive host rows."""
+    out: list[tuple[int, int, int]] = []
+    for index, (row, _) in enumerate(pairs):
         if out and out[-1][1] == row:
-            start, _, blocks = out[-1]
-            out[-1] = (start, row + 1, [*blocks, block])
+            out[-1] = (out[-1][0], row + 1, out[-1][2])
         else:
-            out.append((row, row + 1, [block]))
+            out.append((row, row + 1, index))
     return out
+
+
+@dataclass(frozen=True)
+class StagedPairs:
+    """One request's pairs of one step, ready for every layer's copy."""
+
+    pairs: Pairs  # held so that its id, the cache key, is not reused while cached
+    device_ids: torch.Tensor  # int64 [n]: the device blocks, in pair order
+    runs: tuple[tuple[int, int, int], ...]
 
 
 class HostPool:
@@ -48,20 +65,26 @@ class HostPool:
         self.device = context.device
         self.blocks_per_chunk, self.num_slots = blocks_per_chunk, num_slots
         tensor_of: dict[int, int] = {}  # id of a distinct cache tensor -> its index here
-        self.device_views: list[torch.Tensor] = []
-        self.host: list[torch.Tensor] = []
+        self.planes: list[list[torch.Tensor]] = []
+        self.host: list[torch.Tensor] = []  # per distinct tensor: [planes, rows, row]
         self.layer_tensor: list[int] = []
         for layer, cache in zip(context.layers, context.kv_caches, strict=True):
             key = id(cache)
             if key not in tensor_of:
-                tensor_of[key] = len(self.device_views)
-                view = block_major(cache, is_mla(layer))
-                self.device_views.append(view)
-                self.host.append(host_empty((num_slots * blocks_per_chunk, *view.shape[1:]), torch.uint8))
+                tensor_of[key] = len(self.planes)
+                planes = block_planes(cache, is_mla(layer))
+                self.planes.append(planes)
+                self.host.append(host_empty((len(planes), num_slots * blocks_per_chunk, planes[0].shape[1]),
+                                            planes[0].dtype))
             self.layer_tensor.append(tensor_of[key])
         cuda = self.device.type == "cuda"
         self.load_stream = torch.cuda.Stream(self.device) if cuda else None
         self.store_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._staged: dict[int, StagedPairs] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.numel() * h.element_size() for h in self.host)
 
     @staticmethod
     def chunk_bytes(context: KVConnectorContext, blocks_per_chunk: int) -> int:
@@ -72,24 +95,37 @@ class HostPool:
                         for c, mla in distinct.values())
         return per_block * blocks_per_chunk
 
-    def _ids(self, blocks: list[int]) -> torch.Tensor:
-        return async_tensor_h2d(blocks, torch.int64, self.device, pin_memory=True)
+    def stage(self, pairs: Pairs) -> StagedPairs:
+        """The pairs' device block ids and host runs, made once and reused by every layer until
+        `end_step`."""
+        staged = self._staged.get(id(pairs))
+        if staged is None or staged.pairs is not pairs:
+            ids = async_tensor_h2d([block for _, block in pairs], torch.int64, self.device, pin_memory=True)
+            staged = StagedPairs(pairs, ids, tuple(runs(pairs)))
+            self._staged[id(pairs)] = staged
+        return staged
+
+    def end_step(self) -> None:
+        self._staged.clear()
 
     def store_layer(self, layer: int, pairs: Pairs) -> None:
         """Device blocks -> host rows for one layer (queued on the store stream on CUDA)."""
-        tensor = self.layer_tensor[layer]
-        device, host = self.device_views[tensor], self.host[tensor]
+        tensor, staged = self.layer_tensor[layer], self.stage(pairs)
         with self._on(self.store_stream):
-            for start, end, blocks in runs(pairs):
-                host[start:end].copy_(device.index_select(0, self._ids(blocks)), non_blocking=True)
+            for plane, host in zip(self.planes[tensor], self.host[tensor], strict=True):
+                gathered = plane.index_select(0, staged.device_ids)
+                for start, end, first in staged.runs:
+                    host[start:end].copy_(gathered[first : first + end - start], non_blocking=True)
 
     def load_layer(self, layer: int, pairs: Pairs) -> None:
         """Host rows -> device blocks for one layer (queued on the load stream on CUDA)."""
-        tensor = self.layer_tensor[layer]
-        device, host = self.device_views[tensor], self.host[tensor]
+        tensor, staged = self.layer_tensor[layer], self.stage(pairs)
         with self._on(self.load_stream):
-            for start, end, blocks in runs(pairs):
-                device.index_copy_(0, self._ids(blocks), host[start:end].to(self.device, non_blocking=True))
+            for plane, host in zip(self.planes[tensor], self.host[tensor], strict=True):
+                arrived = torch.empty((len(pairs), plane.shape[1]), dtype=plane.dtype, device=self.device)
+                for start, end, first in staged.runs:
+                    arrived[first : first + end - start].copy_(host[start:end], non_blocking=True)
+                plane.index_copy_(0, staged.device_ids, arrived)
 
     def _on(self, stream: torch.cuda.Stream | None) -> torch.cuda.StreamContext | nullcontext[None]:
         """Run on `stream`, after everything already queued on the compute stream (a block being
