@@ -66,7 +66,7 @@ DEEPSEEK_V32 = dict(
     n_group=2, topk_group=1, first_k_dense_replace=1, index_n_heads=8, index_head_dim=16,
     max_position_embeddings=64, tie_word_embeddings=False,
 )  # fmt: skip
-DEEPSEEK_CONSTANTS = ("e_score_correction_bias", "layernorm.weight", "k_norm.weight", "k_norm.bias")
+DEEPSEEK_CONSTANTS = ("e_score_correction_bias", "layernorm.weight", "model.norm.weight", "k_norm.weight", "k_norm.bias")
 
 # ---- Llama / Granite / Granite SWA / Granite MoE (SWA) (grouped-query attention) --------------
 LLAMA = dict(
