@@ -220,3 +220,8 @@ def test_a_checkpoint_without_mtp_layers_is_refused_before_loading(
     assert main(["doctor", "--config", str(config)]) == 2
     out = capsys.readouterr().out
     assert needs in out and reason in out
+
+
+def test_the_embedded_default_model_has_no_mtp_layers() -> None:
+    with pytest.raises(ConfigError, match=r"default config.json: num_nextn_predict_layers is 0"):
+        LLM(**BASE, **MTP)
