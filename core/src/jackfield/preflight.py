@@ -118,7 +118,8 @@ def tokenizer_note(config: JackfieldConfig) -> str | None:
             "prompts must be token ids, text prompts are refused")
 
 
-def _mtp_layer_problems(config: JackfieldConfig, registry: Registry, hf_config: Mapping[str, object]) -> list[str]:
+def _mtp_layer_problems(config: JackfieldConfig, registry: Registry,
+                        hf_config: Mapping[str, object]) -> list[str]:
     """A drafter that runs the checkpoint's multi-token-prediction layers needs a checkpoint that
     has them: config.json's num_nextn_predict_layers, and their tensors in the files."""
     method = config.speculative.method
@@ -141,7 +142,8 @@ def _mtp_layer_problems(config: JackfieldConfig, registry: Registry, hf_config: 
         return []
     if present:
         return []
-    return [f"{needs}; {config_json}: num_nextn_predict_layers is {hf_config.get('num_nextn_predict_layers')} "
+    count = hf_config.get("num_nextn_predict_layers")
+    return [f"{needs}; {config_json}: num_nextn_predict_layers is {count} "
             f"but the checkpoint has no {first}* tensors (the first MTP layer)"]
 
 

@@ -29,7 +29,8 @@ class Reference:
     """The equations in float64 over whole sequences (no cache), from transformers' modules and
     the checkpoint's MTP tensors."""
 
-    def __init__(self, target: PreTrainedModel, extended: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, target: PreTrainedModel, extended: PreTrainedModel,
+                 tensors: dict[str, torch.Tensor]) -> None:
         self.target = copy.deepcopy(target).double()
         self.extended = copy.deepcopy(extended).double()
         for model in (self.target, self.extended):
@@ -64,7 +65,8 @@ class Reference:
         mask = torch.full((t, t), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)[None, None]
         with torch.no_grad():
             rope = self.extended.model.rotary_emb(h[None], positions)
-            return self.block(h[None], attention_mask=mask, position_ids=positions, position_embeddings=rope)[0]
+            out = self.block(h[None], attention_mask=mask, position_ids=positions, position_embeddings=rope)
+            return out[0]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.rms(x, self.w["shared_head.norm"]) @ self.w["shared_head.head"].T
@@ -77,7 +79,8 @@ def mtp_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     return directory, Reference(*write_deepseek_mtp(request.param, directory))
 
 
-def test_mtp_layer_matches_the_float64_reference(mtp_checkpoint: tuple[Path, Reference], rng_seed: int) -> None:
+def test_mtp_layer_matches_the_float64_reference(mtp_checkpoint: tuple[Path, Reference],
+                                                 rng_seed: int) -> None:
     directory, ref = mtp_checkpoint
     model = load_model(directory, TORCH_REF, torch.float32, "cpu")
     model.load_mtp_layers(directory)
@@ -96,7 +99,8 @@ def test_mtp_layer_matches_the_float64_reference(mtp_checkpoint: tuple[Path, Ref
         spans = [(r, first, len(p[first:last])) for r, p in zip(reqs, prompts, strict=True)]
         rows = [(r, p) for r, (_, start, count) in enumerate(spans) for p in range(start, start + count)]
         x = model.mtp_forward(0, run.context(spans), torch.tensor([sequences[r][p + 1] for r, p in rows]),
-                              torch.tensor([p for _, p in rows]), torch.stack([targets[r][p] for r, p in rows]))
+                              torch.tensor([p for _, p in rows]),
+                              torch.stack([targets[r][p] for r, p in rows]))
         for r, chunk in enumerate(torch.split(x, [count for _, _, count in spans])):
             outputs[r].append(chunk)
     for r, prompt in enumerate(prompts):

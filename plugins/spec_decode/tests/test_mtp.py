@@ -110,7 +110,8 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model_dirs: dict[str, 
     assert sum(o.speculative.accepted_tokens for o in together if o.speculative) > 0
 
 
-def test_a_prefix_hit_gives_the_tokens_of_a_run_without_one(model_dirs: dict[str, Path], rng_seed: int) -> None:
+def test_a_prefix_hit_gives_the_tokens_of_a_run_without_one(model_dirs: dict[str, Path],
+                                                             rng_seed: int) -> None:
     """The MTP layer's KV at a block's last position read the token after it, which the block's
     hash does not cover: two prompts sharing two blocks, then differing, sample the same tokens
     with and without the other's blocks in the prefix cache."""
@@ -140,7 +141,8 @@ def test_every_verified_position_is_in_the_mtp_cache(model_dirs: dict[str, Path]
                                                     ignore_eos=True))
     while seq.num_tokens < len(prompt) + 12:
         engine.step()
-    assert seq.speculative.draft_tokens > seq.speculative.accepted_tokens  # rejected drafts' rows were rewritten
+    # some drafts were rejected: their rows' KV was written, then overwritten
+    assert seq.speculative.draft_tokens > seq.speculative.accepted_tokens
     model, layer = engine.model, engine.capabilities.num_layers
     n = seq.num_computed
     run = PagedRun(model, block_size=4, num_blocks=32)
@@ -167,7 +169,8 @@ def test_a_draft_equal_to_the_target_is_always_accepted(model_dirs: dict[str, Pa
     params = SamplingParams(temperature=temperature, max_tokens=48, ignore_eos=True, seed=rng_seed % 1000)
     outputs = spec.generate(batch, params)
     if temperature == 0:
-        assert [o.token_ids for o in outputs] == [o.token_ids for o in LLM(directory, **BASE).generate(batch, params)]
+        plain = LLM(directory, **BASE).generate(batch, params)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
     else:  # the emitted tokens follow the target's distribution (not, say, the drafts' argmax)
         assert_follows_the_bigram_target(spec, batch, outputs)
     for output in outputs:
@@ -193,8 +196,10 @@ def assert_follows_the_bigram_target(llm: LLM, prompts: list[list[int]], outputs
     assert abs(hits - top.sum()) < 5 * (top * (1 - top)).sum().sqrt(), (hits, float(top.sum()))
 
 
-def test_run_json_reports_the_mtp_drafts(model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["run", "--model", str(model_dirs["copycat"]), "--attention-backend", "torch_ref", "--device", "cpu",
+def test_run_json_reports_the_mtp_drafts(model_dirs: dict[str, Path],
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["run", "--model", str(model_dirs["copycat"]), "--attention-backend", "torch_ref",
+            "--device", "cpu",
             "--speculative-method", "mtp", "--num-speculative-tokens", "2", "--max-tokens", "10",
             "--temperature", "0", "--prompt-token-ids", "5,6,7,8", "--json"]
     assert main(args) == 0

@@ -12,9 +12,9 @@ import torch
 pytestmark = pytest.mark.gpu
 
 GPU_DEEPSEEK = dict(
-    vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_attention_heads=16,
-    num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-    v_head_dim=128, max_position_embeddings=2048, initializer_range=0.02,
+    vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=2048, initializer_range=0.02,
 )  # fmt: skip
 
 
@@ -30,9 +30,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _generate(checkpoint: str, prompts: list[list[int]], speculative: dict[str, object]) -> list:
     from jackfield import LLM, SamplingParams
 
-    llm = LLM(checkpoint, **{"attention.backend": "cuda_mla", "engine.device": "cuda", "model.dtype": "bfloat16",
-                             "engine.gpu_memory_fraction": 0.05, "engine.max_num_batched_tokens": 96},
-              **speculative)
+    settings = {"attention.backend": "cuda_mla", "engine.device": "cuda", "model.dtype": "bfloat16",
+                "engine.gpu_memory_fraction": 0.05, "engine.max_num_batched_tokens": 96}
+    llm = LLM(checkpoint, **settings, **speculative)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=5, ignore_eos=True))
     del llm
     torch.cuda.empty_cache()
@@ -43,7 +43,8 @@ def test_mtp_greedy_tokens_match_the_run_without_drafts(checkpoint: str) -> None
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (7, 130, 33)]
     plain = _generate(checkpoint, prompts, {})
-    spec = _generate(checkpoint, prompts, {"speculative.method": "mtp", "speculative.num_speculative_tokens": 3})
+    mtp = {"speculative.method": "mtp", "speculative.num_speculative_tokens": 3}
+    spec = _generate(checkpoint, prompts, mtp)
     assert all(o.speculative is not None and o.speculative.drafts > 0 for o in spec)
     compared = 0
     for want, got in zip(plain, spec, strict=True):

@@ -86,7 +86,7 @@ class DraftRows:
     input_ids: torch.Tensor  # int64 [R]: the token after each row's position
     positions: torch.Tensor  # int64 [R]
     hidden: torch.Tensor  # [R, hidden_size]
-    step: StepContext  # attention over the drafter's KV cache layers: each row's KV is written at its position
+    step: StepContext  # the drafter's attention: each row's KV is written at its position
 
 
 class DraftContext(ABC):

@@ -55,7 +55,8 @@ class DraftLimits:
         """Drafts `seq` may make after `new_tokens` more tokens: the verify step emits up to
         drafts + 1 tokens, and the row of draft j >= 1 writes KV at position N + j - 2."""
         num_tokens = seq.num_tokens + new_tokens
-        room = min(seq.params.max_tokens - len(seq.output_ids) - new_tokens, self.max_model_len - num_tokens) - 1
+        left = seq.params.max_tokens - len(seq.output_ids) - new_tokens
+        room = min(left, self.max_model_len - num_tokens) - 1
         slots = len(seq.block_tables[0]) * self.block_size - num_tokens + 2
         return max(0, min(self.num_speculative_tokens, room, slots))
 
@@ -73,7 +74,8 @@ class VerifiedRows:
     max_drafts: list[int]  # per drafting request, >= 1
 
 
-def verified_rows(chunks: list[ScheduledChunk], emitted: list[list[int]], limits: DraftLimits) -> VerifiedRows:
+def verified_rows(chunks: list[ScheduledChunk], emitted: list[list[int]],
+                  limits: DraftLimits) -> VerifiedRows:
     """`chunks`: the step's chunks (decodes first); `emitted`: the new tokens of each sampling,
     non-pooling chunk, in order."""
     spans, decode_spans, ids, rows = [], 0, [], []
@@ -149,7 +151,9 @@ class RunnerDraftContext(DraftContext):
             drafting=True,
         )
         out = self.sampler.sample(logits, metadata)
-        tokens = out.token_ids if out.invalid_rows is None else torch.where(out.invalid_rows, -1, out.token_ids)
+        tokens = out.token_ids
+        if out.invalid_rows is not None:
+            tokens = torch.where(out.invalid_rows, -1, tokens)
         return tokens, target_probabilities(logits, temperature)
 
 

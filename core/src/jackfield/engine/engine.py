@@ -21,7 +21,13 @@ import torch
 
 from jackfield.config import ConfigError, JackfieldConfig
 from jackfield.contracts.attention import AttentionBackends
-from jackfield.contracts.drafter import Drafter, DrafterOptions, ModelDrafter, TokenDrafter, combined_lookahead
+from jackfield.contracts.drafter import (
+    Drafter,
+    DrafterOptions,
+    ModelDrafter,
+    TokenDrafter,
+    combined_lookahead,
+)
 from jackfield.contracts.kv_connector import (
     KVConnectorContext,
     KVConnectorScheduler,

@@ -185,7 +185,8 @@ class ModelRunner:
         per_group, positions = self._span_metadata(spans, sum(c.is_decode for c in chunks))  # decodes first
         return per_group, input_ids, positions
 
-    def _span_metadata(self, spans: list[Span], num_decodes: int) -> tuple[list[AttentionMetadata], torch.Tensor]:
+    def _span_metadata(self, spans: list[Span],
+                       num_decodes: int) -> tuple[list[AttentionMetadata], torch.Tensor]:
         """(metadata per KV cache group, positions [T] on the host) of rows at each span's
         positions, the first `num_decodes` spans being decodes. The groups' metadata differ only
         in block tables and slots."""
@@ -377,7 +378,7 @@ class ModelRunner:
         if any(c.seq.draft_probs is not None for c in chunks):
             draft_probs = torch.zeros_like(probs)
             for i, c in enumerate(chunks):
-                assert c.seq.draft_probs is not None, "a drafter gives every sampled request probabilities or none"
+                assert c.seq.draft_probs is not None, "a drafter gives every sampled request q or none"
                 draft_probs[i, : c.num_drafts] = c.seq.draft_probs[: c.num_drafts]
         out = rejection_verify(self._h2d(drafts, torch.int64), probs, draft_probs, bonus,
                                self._h2d([c.seq.seed for c in chunks], torch.int64),

@@ -198,7 +198,9 @@ class Scheduler:
         if not self.lookahead:
             return num_tokens
         last = seq.prompt_len + seq.params.max_tokens
-        wanted = min(num_tokens + self.lookahead, last if self.max_model_len is None else min(last, self.max_model_len))
+        if self.max_model_len is not None:
+            last = min(last, self.max_model_len)
+        wanted = min(num_tokens + self.lookahead, last)
         return wanted if wanted > num_tokens and self.blocks.can_grow(seq, wanted) else num_tokens
 
     def _preempt(self, seq: Sequence) -> None:

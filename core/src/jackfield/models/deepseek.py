@@ -277,8 +277,8 @@ class DeepseekForCausalLM(DecoderStack):
     def load_mtp_layers(self, model_dir: str | Path) -> None:
         a, first = self.arch, self.arch.num_layers
         if a.num_mtp_layers == 0 or a.non_causal:
-            raise ValueError(f"{model_dir}: no multi-token-prediction layers to run (num_nextn_predict_layers "
-                             f"{a.num_mtp_layers}{', a bidirectional model' if a.non_causal else ''})")
+            raise ValueError(f"{model_dir}: no multi-token-prediction layers to run (num_nextn_predict_"
+                             f"layers {a.num_mtp_layers}{', a bidirectional model' if a.non_causal else ''})")
         if self.num_loaded_mtp_layers:
             raise ValueError("the multi-token-prediction layers are loaded already")
         with torch.device(self.model.embed_tokens.weight.device):
@@ -286,10 +286,12 @@ class DeepseekForCausalLM(DecoderStack):
                       for i in range(a.num_mtp_layers)]
         params = {f"model.layers.{first + i}.{name}": param
                   for i, layer in enumerate(layers) for name, param in layer.named_parameters()}
-        mtp_names = re.compile(rf"model\.layers\.(?:{'|'.join(str(first + i) for i in range(len(layers)))})\..+")
+        indices = "|".join(str(first + i) for i in range(len(layers)))
+        mtp_names = re.compile(rf"model\.layers\.(?:{indices})\..+")
         # The checkpoint may store copies of the shared embedding and head in each MTP layer:
         # they must be the target's (Jackfield runs the target's).
-        shared = {"embed_tokens.weight": self.model.embed_tokens.weight, "shared_head.head.weight": self.head_weight}
+        shared = {"embed_tokens.weight": self.model.embed_tokens.weight,
+                  "shared_head.head.weight": self.head_weight}
         differing: list[str] = []
 
         def mtp_tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -302,7 +304,8 @@ class DeepseekForCausalLM(DecoderStack):
 
         load_weights(params, mtp_tensors(), DEEPSEEK_WEIGHTS)
         if differing:
-            raise ValueError(f"{model_dir}: {', '.join(differing)} differ from the target's embedding / head, "
+            raise ValueError(f"{model_dir}: {', '.join(differing)} differ from the target's embedding or "
+                             "head, "
                              "which the multi-token-prediction layers share")
         for layer in layers:
             layer.self_attn.finish_loading()

@@ -66,7 +66,9 @@ DEEPSEEK_V32 = dict(
     n_group=2, topk_group=1, first_k_dense_replace=1, index_n_heads=8, index_head_dim=16,
     max_position_embeddings=64, tie_word_embeddings=False,
 )  # fmt: skip
-DEEPSEEK_CONSTANTS = ("e_score_correction_bias", "layernorm.weight", "model.norm.weight", "k_norm.weight", "k_norm.bias")
+DEEPSEEK_CONSTANTS = (
+    "e_score_correction_bias", "layernorm.weight", "model.norm.weight", "k_norm.weight", "k_norm.bias"
+)
 
 # ---- Llama / Granite / Granite SWA / Granite MoE (SWA) (grouped-query attention) --------------
 LLAMA = dict(
@@ -146,7 +148,8 @@ def write_deepseek_mtp(variant: str, directory: Path, num_mtp_layers: int = 1, s
     longer = config_cls(**{**DEEPSEEK, **extra, **config, "num_hidden_layers": num_layers + num_mtp_layers})
     with tempfile.TemporaryDirectory() as scratch:  # saved for transformers' checkpoint names
         extended = write_model(model_cls, longer, Path(scratch), DEEPSEEK_CONSTANTS, seed + 2)
-        tensors = {name: tensor for name, tensor in load_file(str(Path(scratch) / "model.safetensors")).items()
+        saved = load_file(str(Path(scratch) / "model.safetensors"))
+        tensors = {name: tensor for name, tensor in saved.items()
                    if any(name.startswith(f"model.layers.{num_layers + i}.") for i in range(num_mtp_layers))}
     gen = torch.Generator().manual_seed(seed + 3)
     size = target.config.hidden_size

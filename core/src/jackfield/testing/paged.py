@@ -51,7 +51,8 @@ class PagedRun:
                 self.tables[req].append(self.free.pop())
             table = self.tables[req]
             positions += range(start, end)
-            slots += [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            bs = self.block_size
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             qsl.append(qsl[-1] + count)
             seq_lens.append(end)
         width = max(len(self.tables[r]) for r, _, _ in spans)

@@ -27,7 +27,8 @@ class MTPDrafter(ModelDrafter):
         model, verified = context.model, context.verified
         num_layers = model.capabilities.num_mtp_layers
         for layer in range(num_layers - 1, -1, -1):  # layer 0 last: its output drafts
-            out = model.mtp_forward(layer, verified.step, verified.input_ids, verified.positions, verified.hidden)
+            out = model.mtp_forward(layer, verified.step, verified.input_ids, verified.positions,
+                                    verified.hidden)
         requests = list(range(context.num_drafting))
         if not requests:
             return DraftProposal([], [])
