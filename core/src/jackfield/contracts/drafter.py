@@ -114,9 +114,9 @@ class DraftContext(ABC):
     def draft_rows(self, requests: Sequence[int], draft: int, input_ids: torch.Tensor,
                    hidden: torch.Tensor) -> DraftRows:
         """The rows that draft token `draft` (0-based, >= 1) of `requests` (indices < num_drafting):
-        one per request, at the position of its draft `draft - 1`, whose token (`input_ids`) and
-        the hidden state that drafted it (`hidden`) it pairs. Its KV goes into the request's
-        reserved lookahead slots (rejected drafts' KV is overwritten by a later step)."""
+        one per request, pairing its draft `draft - 1` (`input_ids`) with the hidden state that
+        drafted it (`hidden`), at the position before that draft's. Their KV goes into the
+        requests' reserved lookahead slots (a rejected draft's KV is overwritten by a later step)."""
 
     @abstractmethod
     def sample(self, logits: torch.Tensor, requests: Sequence[int], draft: int,
@@ -134,7 +134,8 @@ class ModelDrafter(Drafter):
 
     @abstractmethod
     def propose(self, context: DraftContext) -> DraftProposal:
-        """Drafts for the context's `num_drafting` requests, in their order."""
+        """Run the drafter's layers over `context.verified` (every step, drafting or not, so its KV
+        caches hold every verified position), then draft for the `num_drafting` requests, in order."""
 
 
 def combined_lookahead(drafters: Iterable[Drafter]) -> int:

@@ -78,8 +78,13 @@ def verified_rows(chunks: list[ScheduledChunk], emitted: list[list[int]],
                   limits: DraftLimits) -> VerifiedRows:
     """`chunks`: the step's chunks (decodes first); `emitted`: the new tokens of each sampling,
     non-pooling chunk, in order."""
-    spans, decode_spans, ids, rows = [], 0, [], []
-    drafting, last_rows, max_drafts = [], [], []
+    spans: list[Span] = []
+    decode_spans = 0
+    ids: list[int] = []
+    rows: list[int] = []
+    drafting: list[tuple[Request, int]] = []
+    last_rows: list[int] = []
+    max_drafts: list[int] = []
     new_tokens = iter(emitted)
     start = 0
     for chunk in chunks:
