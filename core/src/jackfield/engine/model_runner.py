@@ -344,7 +344,8 @@ class ModelRunner:
                 logprobs[i] = [{**dict(zip(ids[r][:k], values[r][:k], strict=True)), token: next(chosen)}
                                for r, token in zip(range(first_row[i], first_row[i] + len(emitted[i])),
                                                    emitted[i], strict=True)]
-        return StepResult(emitted, logprobs, embeddings, prompt_logprobs, self._draft(chunks, every_row, emitted))
+        drafts = self._draft(chunks, every_row, emitted)
+        return StepResult(emitted, logprobs, embeddings, prompt_logprobs, drafts)
 
     def _draft(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
                emitted: list[list[int]]) -> list[tuple[list[int], torch.Tensor | None]] | None:
