@@ -130,6 +130,10 @@ def _mtp_layer_problems(config: JackfieldConfig, registry: Registry,
 
     config_json = Path(config.model.path) / "config.json" if config.model.path else "default config.json"
     needs = f"speculative.method {method!r} runs the checkpoint's multi-token-prediction layers"
+    backend = config.attention.drafter_backend
+    if backend is not None:
+        return [f"attention.drafter_backend {backend!r}: {needs}, on the target's attention backends "
+                "(they share its KV cache groups); leave it out"]
     problem = mtp_layers_problem(hf_config)
     if problem is not None:
         return [f"{needs}; {config_json}: {problem}"]

@@ -230,3 +230,8 @@ def test_a_checkpoint_without_mtp_layers_is_refused_before_loading(
 def test_the_embedded_default_model_has_no_mtp_layers() -> None:
     with pytest.raises(ConfigError, match=r"default config.json: num_nextn_predict_layers is 0"):
         LLM(**BASE, **MTP)
+
+
+def test_a_drafter_backend_is_refused_for_mtp(model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match=r"drafter_backend 'torch_ref': .*target's attention backends"):
+        LLM(str(model_dirs["mtp"]), **BASE, **MTP, **{"attention.drafter_backend": "torch_ref"})
