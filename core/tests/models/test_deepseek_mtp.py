@@ -13,6 +13,7 @@ state before its final norm) are shown to differ from what the model gives."""
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 from jackfield.models import load_model
 from jackfield.testing.checkpoints import write_deepseek_mtp
 from jackfield.testing.paged import TORCH_REF, PagedRun
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 BROKEN = ("cat_swapped", "position_0_kept", "hidden_before_norm")
@@ -138,3 +140,18 @@ def test_loading_is_refused_where_there_is_nothing_to_load(mtp_checkpoint: tuple
     assert len(model.kv_cache_layers) == model.capabilities.num_layers + 1
     with pytest.raises(ValueError, match="loaded already"):
         model.load_mtp_layers(directory)
+
+
+def test_the_checkpoint_s_copies_of_the_shared_embedding_must_be_the_target_s(
+        mtp_checkpoint: tuple[Path, Reference], tmp_path: Path) -> None:
+    directory, _ = mtp_checkpoint
+    copy_dir = tmp_path / "changed"
+    shutil.copytree(directory, copy_dir)
+    tensors = load_file(str(copy_dir / "mtp.safetensors"))
+    name = next(n for n in tensors if n.endswith(".embed_tokens.weight"))
+    tensors[name] = tensors[name] + 1.0
+    save_file(tensors, str(copy_dir / "mtp.safetensors"))
+    model = load_model(copy_dir, TORCH_REF, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=rf"{name} differ from the target's embedding and head"):
+        model.load_mtp_layers(copy_dir)
+    assert len(model.kv_cache_layers) == model.capabilities.num_layers  # nothing loaded half-way

@@ -277,8 +277,8 @@ class DeepseekForCausalLM(DecoderStack):
     def load_mtp_layers(self, model_dir: str | Path) -> None:
         a, first = self.arch, self.arch.num_layers
         if a.num_mtp_layers == 0 or a.non_causal:
-            raise ValueError(f"{model_dir}: no multi-token-prediction layers to run (num_nextn_predict_"
-                             f"layers {a.num_mtp_layers}{', a bidirectional model' if a.non_causal else ''})")
+            why = "a bidirectional model" if a.non_causal else "num_nextn_predict_layers is 0"
+            raise ValueError(f"{model_dir}: no multi-token-prediction layers to run ({why})")
         if self.num_loaded_mtp_layers:
             raise ValueError("the multi-token-prediction layers are loaded already")
         with torch.device(self.model.embed_tokens.weight.device):
@@ -304,9 +304,8 @@ class DeepseekForCausalLM(DecoderStack):
 
         load_weights(params, mtp_tensors(), DEEPSEEK_WEIGHTS)
         if differing:
-            raise ValueError(f"{model_dir}: {', '.join(differing)} differ from the target's embedding or "
-                             "head, "
-                             "which the multi-token-prediction layers share")
+            raise ValueError(f"{model_dir}: {', '.join(differing)} differ from the target's embedding and "
+                             "head, which the multi-token-prediction layers share")
         for layer in layers:
             layer.self_attn.finish_loading()
         self.model.layers.extend(layers)
