@@ -134,6 +134,9 @@ def _mtp_layer_problems(config: JackfieldConfig, registry: Registry,
     if backend is not None:
         return [f"attention.drafter_backend {backend!r}: {needs}, on the target's attention backends "
                 "(they share its KV cache groups); leave it out"]
+    if config.kv_connector.name is not None:  # its layer hooks save each cache during the forward
+        return [f"kv_connector.name {config.kv_connector.name!r} with speculative.method {method!r} is not "
+                "run yet: the multi-token-prediction layers' KV is written after the connector saves"]
     problem = mtp_layers_problem(hf_config)
     if problem is not None:
         return [f"{needs}; {config_json}: {problem}"]

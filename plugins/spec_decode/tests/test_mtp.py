@@ -235,3 +235,8 @@ def test_the_embedded_default_model_has_no_mtp_layers() -> None:
 def test_a_drafter_backend_is_refused_for_mtp(model_dirs: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match=r"drafter_backend 'torch_ref': .*target's attention backends"):
         LLM(str(model_dirs["mtp"]), **BASE, **MTP, **{"attention.drafter_backend": "torch_ref"})
+
+
+def test_a_kv_connector_beside_mtp_is_refused(model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match=r"'cpu_offload' with speculative.method 'mtp' is not run yet"):
+        LLM(str(model_dirs["mtp"]), **BASE, **MTP, **{"kv_connector.name": "cpu_offload"})

@@ -98,7 +98,8 @@ class Engine:
         # A bidirectional model's KV depends on later tokens: no prefix of it can be reused.
         prefix_caching = engine.enable_prefix_caching and self.capabilities.causal
         self.block_manager = BlockManager(kv.num_blocks, engine.block_size, prefix_caching, kv.groups.windows,
-                                          engine.prefix_hash_seed, drop_last_hit_block=model_drafter is not None)
+                                          engine.prefix_hash_seed,
+                                          drop_last_hit_block=model_drafter is not None)
         drafters = [self.drafter] if self.drafter else []
         connector = _kv_connector(config, self.runner, drafters)
         if connector is not None:
