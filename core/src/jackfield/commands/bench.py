@@ -67,8 +67,8 @@ def main(args: argparse.Namespace) -> int:
             "latency_s_p50": round(statistics.median(latencies), 4),
             "latency_s_max": round(max(latencies), 4),
             "time_to_first_token_s": round(statistics.mean(ttfts), 4),
-            "output_tokens_per_s": round(batch * args.output_len / mean, 1),
-            "total_tokens_per_s": round(batch * (args.input_len + args.output_len) / mean, 1),
+            "output_tokens_per_s": round(batch * args.output_len / mean, 3),
+            "total_tokens_per_s": round(batch * (args.input_len + args.output_len) / mean, 3),
             "requests_per_s": round(batch / mean, 3),
         })
     setup = {"model": str(engine.model_dir), "device": str(engine.device),
