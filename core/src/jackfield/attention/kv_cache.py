@@ -69,6 +69,16 @@ def value_scale(kv_scale: torch.Tensor | None) -> torch.Tensor | None:
     return None if kv_scale is None else kv_scale.reshape(-1)[-1]
 
 
+def calibrated_kv_scale(key: torch.Tensor, value: torch.Tensor, mla: bool) -> torch.Tensor:
+    """The fp8 scale that maps the largest |value| written to the e4m3 maximum (amax / 448, as
+    vLLM's calculate_kv_scales, without its headroom divisors): MLA [1] over the record
+    kv_c ‖ k_pe, MHA [2] (keys, values). An all-zero tensor gets scale 1 (any scale stores 0)."""
+    amax = torch.stack([key.detach().abs().amax().float(), value.detach().abs().amax().float()])
+    if mla:
+        amax = amax.amax().reshape(1)
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
 def dequantize_cache(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
     """A whole cache as float32 (fp8: times its key / value scale)."""
     if kv_cache.dtype != FP8_DTYPE:
