@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from jackfield import LLM
 from jackfield.cli import main
 from jackfield.config import ConfigError
@@ -79,6 +80,23 @@ def test_fp8_kv_cache_asking_for_checkpoint_scales_it_lacks(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
     overrides = {"attention.kv_cache_dtype": "fp8_e4m3", "attention.kv_scale": "checkpoint"}
     assert_doctor_and_run_agree(tmp_path, capsys, model, overrides, NO_SCALES_REASON)
+
+
+def test_fp8_kv_cache_with_per_head_checkpoint_scales(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
+    """Scales no backend can take are refused before loading, by name; doctor OK otherwise."""
+    from safetensors.torch import load_file, save_file
+
+    (weights,) = model.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    heads = random.randint(2, 16)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.rand(heads) + 0.1
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    overrides = {"attention.kv_cache_dtype": "fp8_e4m3"}
+    assert_doctor_and_run_agree(tmp_path, capsys, model, overrides,
+                                f"model.layers.0.self_attn.k_scale has shape [{heads}]: per-head")
+    code, out = doctor(tmp_path, capsys, model, {**overrides, "attention.kv_scale": "calibrate"})
+    assert code == 0 and "kv cache: fp8_e4m3, scales (calibration)" in out, out
 
 
 def test_unregistered_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:

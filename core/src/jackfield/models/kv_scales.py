@@ -58,60 +58,69 @@ class CheckpointKVScales:
 
 
 def read_checkpoint_kv_scales(files: Sequence[Path], num_layers: int, mla: bool) -> CheckpointKVScales:
-    """The per-layer scales in `files` (safetensors; only the scale tensors are read)."""
-    found: dict[int, dict[str, tuple[str, float]]] = {}
+    """The per-layer scales in `files` (safetensors: the names from the headers, then only the
+    scale tensors a layer uses)."""
+    found: dict[int, dict[str, tuple[Path, str]]] = {}  # layer -> kind -> (file, name)
+    for file in files:
+        for name in _tensor_names(file):
+            match = KV_SCALE_TENSOR.fullmatch(name)
+            if match is not None and match["kind"] not in ("q", "prob") and int(match["layer"]) < num_layers:
+                found.setdefault(int(match["layer"]), {})[match["kind"]] = (file, name)
+    layers: dict[int, tuple[float, ...]] = {}
     forms: set[str] = set()
     problems: list[str] = []
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    match = KV_SCALE_TENSOR.fullmatch(name)
-                    if match is None or match["kind"] in ("q", "prob"):
-                        continue
-                    layer = int(match["layer"])
-                    if layer >= num_layers:
-                        continue
-                    shape = f.get_slice(name).get_shape()  # from the header: nothing read yet
-                    if math.prod(shape) != 1:
-                        problems.append(f"{name} has shape {list(shape)}: per-head or per-channel KV "
-                                        "scales are not supported (backends take per-tensor scales: one "
-                                        "per MLA layer, a key and a value scale per MHA layer)")
-                        continue
-                    value = float(f.get_tensor(name).float())
-                    if not (math.isfinite(value) and value > 0):
-                        problems.append(f"{name} = {value}: a KV scale must be a finite number > 0")
-                        continue
-                    found.setdefault(layer, {})[match["kind"]] = (name, value)
-                    forms.add(name.split(f"layers.{layer}.", 1)[1])
-        except (SafetensorError, OSError) as exc:
-            raise ModelFileError(f"{file}: not a readable safetensors file: {exc}") from exc
-    layers: dict[int, tuple[float, ...]] = {}
     for layer, kinds in sorted(found.items()):
-        scales = _layer_scales(kinds, mla)
-        if isinstance(scales, str):
-            problems.append(f"layer {layer}: {scales}")
-        else:
-            layers[layer] = scales
-    missing = [i for i in range(num_layers) if i not in layers]
-    if layers and missing:
-        problems.append(f"the checkpoint has KV scales for layers {sorted(layers)} but not for {missing}")
+        chosen = _chosen(kinds, mla)
+        if isinstance(chosen, str):
+            problems.append(f"layer {layer}: {chosen}")
+            continue
+        values = [_scale_value(file, name, problems) for file, name in chosen]
+        if all(v is not None for v in values):
+            layers[layer] = tuple(v for v in values if v is not None)
+            forms.update(name.split(f"layers.{layer}.", 1)[1] for _, name in chosen)
+    missing = [i for i in range(num_layers) if i not in found]
+    if found and missing:
+        problems.append(f"the checkpoint has KV scales for layers {sorted(found)} but not for {missing}")
     return CheckpointKVScales(layers, tuple(sorted(forms)), tuple(problems))
 
 
-def _layer_scales(kinds: dict[str, tuple[str, float]], mla: bool) -> tuple[float, ...] | str:
-    """One layer's scales from the names found for it, or what is missing."""
+def _tensor_names(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as exc:
+        raise ModelFileError(f"{file}: not a readable safetensors file: {exc}") from exc
+
+
+def _chosen(kinds: dict[str, tuple[Path, str]], mla: bool) -> list[tuple[Path, str]] | str:
+    """The tensors one layer's scales come from, or what is missing."""
     if mla:  # the record's one scale: k_scale, else the older kv_scale
         for kind in ("k", "kv"):
             if kind in kinds:
-                return (kinds[kind][1],)
+                return [kinds[kind]]
         return "an MLA layer needs k_scale or kv_scale (v_scale alone does not scale its record)"
     if "k" in kinds and "v" in kinds:
-        return kinds["k"][1], kinds["v"][1]
+        return [kinds["k"], kinds["v"]]
     if "kv" in kinds:
-        return kinds["kv"][1], kinds["kv"][1]
-    have = next(iter(kinds.values()))[0]
-    return f"{have} has no partner: an MHA layer needs k_scale and v_scale, or kv_scale"
+        return [kinds["kv"], kinds["kv"]]
+    _, name = next(iter(kinds.values()))
+    return f"{name} has no partner: an MHA layer needs k_scale and v_scale, or kv_scale"
+
+
+def _scale_value(file: Path, name: str, problems: list[str]) -> float | None:
+    """One per-tensor scale (None, with the reason in `problems`, when it is not one)."""
+    with safe_open(str(file), framework="pt") as f:
+        shape = f.get_slice(name).get_shape()  # from the header: nothing read yet
+        if math.prod(shape) != 1:
+            problems.append(f"{name} has shape {list(shape)}: per-head or per-channel KV scales are not "
+                            "supported (backends take per-tensor scales: one per MLA layer, a key and a "
+                            "value scale per MHA layer)")
+            return None
+        value = float(f.get_tensor(name).float())
+    if not (math.isfinite(value) and value > 0):
+        problems.append(f"{name} = {value}: a KV scale must be a finite number > 0")
+        return None
+    return value
 
 
 def plan_kv_scales(choice: KVScaleChoice | float, checkpoint: CheckpointKVScales, num_layers: int,
