@@ -37,12 +37,24 @@ def round_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
 
 
+def float64_logits(model: PreTrainedModel, prompt: list[int]) -> torch.Tensor:
+    """[S, vocab] logits of `prompt` through a float64 copy of `model`, nothing rounded."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        return _float64(model)(ids, attention_mask=torch.ones_like(ids)).logits[0]
+
+
+def _float64(model: PreTrainedModel) -> PreTrainedModel:
+    reference = copy.deepcopy(model).cpu().double().eval()
+    reference.config._experts_implementation = "eager"  # a loop: grouped_mm has no float64
+    return reference
+
+
 def fp8_reference(model: PreTrainedModel, prompt: list[int],
                   scales: Sequence[Sequence[float]]) -> Fp8Reference:
     """`prompt` through a float64 copy of `model` whose layer i rounds its KV with `scales[i]`:
     (record,) for an MLA model, (key, value) for an MHA one."""
-    reference = copy.deepcopy(model).double().eval()
-    reference.config._experts_implementation = "eager"  # a loop: grouped_mm has no float64
+    reference = _float64(model)
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     rounding = _rounding_mla if hasattr(reference.config, "kv_lora_rank") else _rounding_mha
     with rounding(reference, scales, kv), torch.no_grad():
