@@ -88,7 +88,9 @@ def fp8_kv_scale_plan(config: JackfieldConfig, hf_config: Mapping[str, object],
                       requirements: AttentionRequirements) -> tuple[KVScalePlan | None, list[str]]:
     """The fp8 cache's scales `attention.kv_scale` asks for, from the checkpoint's scale tensors
     alone (the embedded default model has none), or every reason they cannot be had."""
-    num_layers = int(hf_config["num_hidden_layers"])  # type: ignore[call-overload]
+    num_layers = hf_config.get("num_hidden_layers")
+    if not isinstance(num_layers, int):
+        return None, [f"config.json's num_hidden_layers is {num_layers!r}: fp8 KV scales are per layer"]
     mla = requirements.kind == "mla"
     files: list[Path] = []
     if config.model.path is not None:
