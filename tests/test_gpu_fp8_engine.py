@@ -83,8 +83,8 @@ def engine(case: Case, **settings: object):  # type: ignore[no-untyped-def]
     })
 
 
-def release(llm) -> None:  # type: ignore[no-untyped-def]
-    del llm
+def release_memory() -> None:
+    """After `del llm`: the engine's cache and graph pools go back before the next engine starts."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -128,7 +128,8 @@ def test_fp8_logprob_error_against_float32_and_greedy_agreement_with_bf16(case: 
             summary = llm.engine.kv_cache_summary()
             assert summary["scale_source"] == "calibration"
             scales = summary["scales"]
-        release(llm)
+        del llm
+        release_memory()
     plain = [torch.log_softmax(float64_logits(case.model, t)[-1], dim=-1) for t in texts]
     rounded = [torch.log_softmax(fp8_reference(case.model, t, scales).logits[-1], dim=-1) for t in texts]
     bf16_error, fp8_error = mean_error(first["auto"], plain), mean_error(first["fp8_e4m3"], plain)
@@ -159,7 +160,8 @@ def test_fp8_steps_replayed_from_cuda_graphs_match_eager_steps(case: Case, step_
         assert (llm.engine.runner.decode_graphs_off is None) == graphs, llm.engine.runner.decode_graphs_off
         runs.append(llm.generate(texts, params))
         scales.append(torch.tensor(llm.engine.kv_cache_summary()["scales"]))
-        release(llm)
+        del llm
+        release_memory()
     # the same first step calibrates both (bf16 values: equal, or a rounding apart)
     torch.testing.assert_close(scales[1], scales[0], rtol=2e-2, atol=0)
     compared = 0
@@ -189,7 +191,8 @@ def test_fp8_prefix_cache_hit_matches_a_miss(case: Case) -> None:
         llm = engine(case, **{"engine.enable_prefix_caching": caching})
         llm.generate([first], SamplingParams(**FIRST_TOKEN))
         outs[caching] = llm.generate([second], SamplingParams(**FIRST_TOKEN))[0]
-        release(llm)
+        del llm
+        release_memory()
     hit, miss = outs[True], outs[False]
     assert hit.num_cached_tokens >= 256 and miss.num_cached_tokens == 0  # 300 shared: whole blocks of 64
     common = set(hit.logprobs[0]) & set(miss.logprobs[0])
