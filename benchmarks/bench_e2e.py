@@ -16,6 +16,16 @@ all weights once: ceiling tokens/s = batch * bandwidth / weight bytes).
   python benchmarks/bench_e2e.py --device cpu --small          # reduced config, float32
   python benchmarks/bench_e2e.py --device cuda --family llama
   python benchmarks/bench_e2e.py --device cpu --model-dir "$(python benchmarks/smollm2.py --converted)"
+
+--kv-cache-dtype fp8_e4m3 times the engine with an fp8 KV cache (scales calibrated from the first
+prefill) against the same engine with the model-dtype (bf16) cache, one after the other in the
+same process and at the same engine.gpu_memory_fraction, instead of transformers (which could not
+hold long contexts at these batches): TTFT and decode tokens/s of each, the KV capacity each
+gets (tokens the same memory holds), greedy agreement of the fp8 run with the bf16 run, and
+each's first-token logprob error against transformers float32. Long context, e.g.:
+
+  python benchmarks/bench_e2e.py --kv-cache-dtype fp8_e4m3 --prompt-len 16384 --batches 32,64
+  python benchmarks/bench_e2e.py --kv-cache-dtype fp8_e4m3 --family llama --prompt-len 8192 --batches 32,64
 """
 
 from __future__ import annotations
@@ -83,8 +93,10 @@ LLAMA_SMALL = dict(LLAMA_1B, vocab_size=8000, hidden_size=512, intermediate_size
 SWA_WINDOW = 128
 
 
-def build_hf_model(family: str, small: bool, model_dir: str | None, device: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    """(transformers model in `dtype` on `device`, a checkpoint directory the engine loads)."""
+def build_hf_model(family: str, small: bool, model_dir: str | None, device: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                   max_len: int):
+    """(transformers model in `dtype` on `device`, a checkpoint directory the engine loads); a
+    random model's positions reach at least `max_len`."""
     import transformers
 
     if model_dir is not None:
@@ -92,14 +104,20 @@ def build_hf_model(family: str, small: bool, model_dir: str | None, device: str,
             hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         return hf.eval(), model_dir
     if family == "deepseek":
-        config = transformers.DeepseekV3Config(**(SMALL if small else MID))
+        shape = SMALL if small else MID
+        config = transformers.DeepseekV3Config(
+            **dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], max_len)))
         model_cls = transformers.DeepseekV3ForCausalLM
     elif family == "llama":
-        config = transformers.LlamaConfig(**(LLAMA_SMALL if small else LLAMA_1B))
+        shape = LLAMA_SMALL if small else LLAMA_1B
+        config = transformers.LlamaConfig(
+            **dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], max_len)))
         model_cls = transformers.LlamaForCausalLM
     else:  # granite-swa: transformers' default pattern (every fourth layer full) and sinks
         shape = LLAMA_SMALL if small else LLAMA_1B
-        config = transformers.GraniteSWAConfig(**shape, sliding_window=SWA_WINDOW)
+        config = transformers.GraniteSWAConfig(
+            **dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], max_len)),
+            sliding_window=SWA_WINDOW)
         model_cls = transformers.GraniteSWAForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
@@ -202,6 +220,109 @@ def agreement(llm, hf, prompts: torch.Tensor, device: str) -> tuple[list[float],
     return jf, tf
 
 
+def time_engine(llm, prompts: torch.Tensor, params, device: str) -> tuple[float, float, list[list[int]]]:  # type: ignore[no-untyped-def]
+    """(mean time to first token, decode tokens/s after the last first token, the tokens) of one
+    generate call over `prompts`."""
+    sync(device)
+    start = time.perf_counter()
+    outs = llm.generate([p.tolist() for p in prompts], params)
+    sync(device)
+    total = time.perf_counter() - start
+    last_first = max(o.timings.time_to_first_token_s for o in outs)
+    batch = len(outs)
+    ttft = sum(o.timings.time_to_first_token_s for o in outs) / batch
+    return ttft, batch * (params.max_tokens - 1) / (total - last_first), [o.token_ids for o in outs]
+
+
+def greedy_agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    """Mean over requests of the share of tokens before the first that differs."""
+    shares = []
+    for g, w in zip(got, want, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
+        shares.append(same / len(w))
+    return sum(shares) / len(shares)
+
+
+def compare_kv_cache_dtypes(args: argparse.Namespace, hf, directory: str, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """The engine with the model-dtype KV cache, then with fp8_e4m3, at the same memory fraction
+    (each engine freed before the next starts, so both see the same free memory)."""
+    from jackfield import LLM, SamplingParams
+
+    device = args.device
+    gen = torch.Generator().manual_seed(1)
+    checks = torch.randint(0, hf.config.vocab_size, (8, min(args.prompt_len, 512)), generator=gen)
+    batches = [int(b) for b in args.batches.split(",")]
+    vocab = hf.config.vocab_size
+    prompts = {b: torch.randint(0, vocab, (b, args.prompt_len), generator=gen) for b in batches}
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    runs: dict[str, dict] = {}
+    for kv_dtype in ("auto", "fp8_e4m3"):
+        llm = LLM(directory, **{
+            "attention.backend": args.backend,
+            "attention.kv_cache_dtype": kv_dtype,
+            "engine.device": device,
+            "model.dtype": str(dtype).removeprefix("torch."),
+            "engine.max_num_seqs": max(batches),
+            "engine.max_num_batched_tokens": args.max_batched_tokens,
+            "engine.enable_prefix_caching": False,
+            "engine.cuda_graphs": not args.no_cuda_graphs,
+            "engine.max_model_len": args.prompt_len + args.new_tokens,
+        })
+        kv = llm.engine.runner.kv
+        tensors = {t.data_ptr(): t for t in kv.layer_caches}.values()  # layers may share a tensor
+        cache_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        run: dict = dict(backend=llm.engine.backend_choices["decode"].name,
+                         kv_tokens=kv.num_blocks * kv.block_size, kv_gib=cache_bytes / 2**30,
+                         bytes_per_token=cache_bytes / (kv.num_blocks * kv.block_size), rows={}, tokens={})
+        # the scales calibrate on this first prefill (fp8): a random prompt like the timed ones
+        run["logprob_error"], _ = agreement(llm, hf, checks, device)
+        run["kv_cache"] = llm.engine.kv_cache_summary()
+        for batch in batches:
+            llm.generate([p.tolist() for p in prompts[batch]], SamplingParams(temperature=0.0, max_tokens=2))
+            timed = [time_engine(llm, prompts[batch], params, device) for _ in range(args.repeats)]
+            run["rows"][batch] = tuple(statistics.median(t[i] for t in timed) for i in (0, 1))
+            run["tokens"][batch] = timed[0][2]
+        runs[kv_dtype] = run
+        del llm
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    base, fp8 = runs["auto"], runs["fp8_e4m3"]
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"\nmodel {args.model_dir or args.family}, device {name}, {dtype}, backend {fp8['backend']}, "
+          f"prompt {args.prompt_len}, new tokens {args.new_tokens}, max_num_batched_tokens "
+          f"{args.max_batched_tokens}")
+    label = str(dtype).removeprefix("torch.")
+    for cache, run in ((label, base), ("fp8_e4m3", fp8)):
+        errors = sorted(run["logprob_error"])
+        print(f"{cache} cache: {run['bytes_per_token']:.0f} bytes a token, {run['kv_tokens']} tokens in "
+              f"{run['kv_gib']:.2f} GiB (at most max_num_seqs x max_model_len); top-5 first-token logprobs "
+              f"vs transformers float32, max |diff| median / max {errors[len(errors) // 2]:.4f} / "
+              f"{errors[-1]:.4f}")
+    scales = fp8["kv_cache"]["scales"]
+    print(f"fp8 scales ({fp8['kv_cache']['scale_source']}): {len(scales)} layers, "
+          f"{min(min(s) for s in scales):.4g}..{max(max(s) for s in scales):.4g}")
+    print(f"KV capacity: the same memory holds {base['bytes_per_token'] / fp8['bytes_per_token']:.2f}x the "
+          f"tokens in fp8 ({label}: {base['bytes_per_token']:.0f} bytes a token, fp8 "
+          f"{fp8['bytes_per_token']:.0f})")
+    print(f"| batch | {label} TTFT ms | fp8 TTFT ms | {label} decode tok/s | fp8 decode tok/s "
+          f"| fp8 / {label} decode | greedy agreement |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for batch in batches:
+        (b_ttft, b_dec), (f_ttft, f_dec) = base["rows"][batch], fp8["rows"][batch]
+        agree = greedy_agreement(fp8["tokens"][batch], base["tokens"][batch])
+        rows.append(dict(batch=batch, base_ttft_ms=b_ttft * 1e3, fp8_ttft_ms=f_ttft * 1e3,
+                         base_decode_tok_s=b_dec, fp8_decode_tok_s=f_dec, fp8_decode_speedup=f_dec / b_dec,
+                         greedy_agreement=agree))
+        print(f"| {batch} | {b_ttft * 1e3:.1f} | {f_ttft * 1e3:.1f} | {b_dec:.1f} | {f_dec:.1f} | "
+              f"{f_dec / b_dec:.2f} | {agree:.0%} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            per_token = {label: base["bytes_per_token"], "fp8_e4m3": fp8["bytes_per_token"]}
+            json.dump(dict(device=name, dtype=str(dtype), backend=fp8["backend"], prompt_len=args.prompt_len,
+                           kv_bytes_per_token=per_token, fp8_scales=fp8["kv_cache"], rows=rows), f, indent=2)
+
+
 def profile_decode(llm, prompts: torch.Tensor, device: str) -> None:
     """Host time per op over a prefill and 4 decode steps (where the step's time goes)."""
     from jackfield import SamplingParams
@@ -229,6 +350,8 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="engine.max_num_batched_tokens")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per batch (medians reported)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="engine.cuda_graphs = false")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                        help="fp8_e4m3: the engine's fp8 against its model-dtype KV cache (docstring)")
     parser.add_argument("--json-out")
     parser.add_argument(
         "--profile",
@@ -240,7 +363,11 @@ def main() -> None:
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    hf, directory = build_hf_model(args.family, args.small, args.model_dir, device, dtype)
+    hf, directory = build_hf_model(args.family, args.small, args.model_dir, device, dtype,
+                                   args.prompt_len + args.new_tokens)
+    if args.kv_cache_dtype == "fp8_e4m3":
+        compare_kv_cache_dtypes(args, hf, directory, dtype)
+        return
     config = hf.config
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     flops, bandwidth = ceilings(device, dtype)

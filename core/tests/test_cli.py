@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,27 @@ def test_run_with_a_drafter_reports_its_acceptance(capsys: pytest.CaptureFixture
     assert "speculative (ngram):" in capsys.readouterr().out
     assert main([*args[:2], "eagle9", *args[3:]]) == 2
     assert "no drafter named 'eagle9'" in capsys.readouterr().err
+
+
+def test_run_reports_the_fp8_kv_scales(capsys: pytest.CaptureFixture[str]) -> None:
+    """--kv-cache-dtype fp8_e4m3: --json holds the scales' source and every layer's values (the
+    default model has no checkpoint scales: calibrated), the text a line with their range; a
+    number from --set is every layer's scale."""
+    args = ["run", "--kv-cache-dtype", "fp8_e4m3", "--max-tokens", "2", "--device", "cpu",
+            "--prompt-token-ids", "5,17,42,9,61,3"]
+    assert main([*args, "--json"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv_cache"]
+    assert kv["dtype"] == "float8_e4m3fn" and kv["scale_source"] == "calibration"
+    scales = kv["scales"]
+    assert len(scales) == 4 and all(len(layer) == 1 and layer[0] > 0 for layer in scales)  # MLA: [record]
+    assert main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("kv cache:"))
+    low, high = min(s[0] for s in scales), max(s[0] for s in scales)
+    assert line.endswith(f"4 layers, record {low:.4g}..{high:.4g}"), line
+    scale = round(random.uniform(0.01, 0.1), 4)
+    assert main([*args, "--json", "--set", f"attention.kv_scale={scale}"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv_cache"]
+    assert kv["scale_source"] == "config" and kv["scales"] == [[torch.tensor(scale).item()]] * 4
 
 
 def test_run_flags_reach_the_sampler_and_the_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,11 +9,12 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from jackfield import LLM
 from jackfield.cli import main
 from jackfield.config import ConfigError
 
-FP8_REASON = 'attention.kv_cache_dtype = "fp8_e4m3" needs per-layer KV scales (kv_scale)'
+NO_SCALES_REASON = 'attention.kv_scale = "checkpoint", but the checkpoint has no KV scales'
 
 
 def max_position_embeddings(model: Path) -> int:
@@ -75,8 +76,27 @@ def test_pickle_only_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                 "convert them to safetensors")
 
 
-def test_fp8_kv_cache_without_scales(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
-    assert_doctor_and_run_agree(tmp_path, capsys, model, {"attention.kv_cache_dtype": "fp8_e4m3"}, FP8_REASON)
+def test_fp8_kv_cache_asking_for_checkpoint_scales_it_lacks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
+    overrides = {"attention.kv_cache_dtype": "fp8_e4m3", "attention.kv_scale": "checkpoint"}
+    assert_doctor_and_run_agree(tmp_path, capsys, model, overrides, NO_SCALES_REASON)
+
+
+def test_fp8_kv_cache_with_per_head_checkpoint_scales(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
+    """Scales no backend can take are refused before loading, by name; doctor OK otherwise."""
+    from safetensors.torch import load_file, save_file
+
+    (weights,) = model.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    heads = random.randint(2, 16)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.rand(heads) + 0.1
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    overrides = {"attention.kv_cache_dtype": "fp8_e4m3"}
+    assert_doctor_and_run_agree(tmp_path, capsys, model, overrides,
+                                f"model.layers.0.self_attn.k_scale has shape [{heads}]: per-head")
+    code, out = doctor(tmp_path, capsys, model, {**overrides, "attention.kv_scale": "calibrate"})
+    assert code == 0 and "kv cache: fp8_e4m3, scales (calibration)" in out, out
 
 
 def test_unregistered_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path) -> None:
@@ -128,12 +148,11 @@ def test_every_problem_is_reported_together(tmp_path: Path, capsys: pytest.Captu
         weights.unlink()
     limit = max_position_embeddings(model)
     overrides = {"engine.max_model_len": limit + random.randint(1, limit),
-                 "attention.kv_cache_dtype": "fp8_e4m3", "attention.backend": "no_such_backend",
-                 "sampler.name": "no_such_sampler"}
-    problems = assert_doctor_and_run_agree(tmp_path, capsys, model, overrides, FP8_REASON,
+                 "attention.backend": "no_such_backend", "sampler.name": "no_such_sampler"}
+    problems = assert_doctor_and_run_agree(tmp_path, capsys, model, overrides,
                                            "exceeds the model's max_position_embeddings",
                                            "no *.safetensors files", "sampler.name", "no_such_backend")
-    assert len(problems) >= 5
+    assert len(problems) >= 4
     backend_lines = [p for p in problems if "no_such_backend" in p]
     assert len(backend_lines) == 1 and "prefill" in backend_lines[0] and "decode" in backend_lines[0]
 

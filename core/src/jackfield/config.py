@@ -22,6 +22,7 @@ else:  # pragma: no cover
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDTypeName = Literal["auto", "bfloat16", "fp8_e4m3"]
+KVScaleChoice = Literal["auto", "checkpoint", "calibrate"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class AttentionConfig:
     decode_backend: str | None = None
     drafter_backend: str | None = None
     kv_cache_dtype: KVCacheDTypeName = "auto"
+    # fp8_e4m3 caches' per-layer scales: "auto" (the checkpoint's k_scale / v_scale / kv_scale
+    # where it has them, else calibrated), "checkpoint" (the checkpoint's, refused without them),
+    # "calibrate" (amax / 448 of each layer's KV in the first prefill, then frozen), or a number
+    # (that scale for every layer's keys and values)
+    kv_scale: KVScaleChoice | float = "auto"
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,14 @@ def _check_type(value: object, annotation: object) -> str | None:
     return None
 
 
+def _as_declared(value: object, annotation: object) -> object:
+    """An integer where the field takes a float but no integer (TOML's `1` for 1.0) as a float."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    options = typing.get_args(annotation) if union else (annotation,)
+    takes_float = float in options and int not in options
+    return float(value) if takes_float and isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def _range_problems(config: JackfieldConfig) -> list[str]:
     e, s = config.engine, config.speculative
     device_ok = re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device) is not None
@@ -167,6 +181,11 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
         (config.sampler.seed >= 0, f"sampler.seed must be >= 0, got {config.sampler.seed}"),
         (config.attention.drafter_backend is None or s.method is not None,
          "attention.drafter_backend is set but speculative.method is not"),
+        (config.attention.kv_scale == "auto" or config.attention.kv_cache_dtype == "fp8_e4m3",
+         f"attention.kv_scale = {config.attention.kv_scale!r} is set but attention.kv_cache_dtype is "
+         f"{config.attention.kv_cache_dtype!r}: scales apply to fp8_e4m3 caches only"),
+        (isinstance(config.attention.kv_scale, str) or config.attention.kv_scale > 0,
+         f"attention.kv_scale must be > 0, got {config.attention.kv_scale}"),
         (not config.kv_connector.options or config.kv_connector.name is not None,
          "kv_connector.options is set but kv_connector.name is not"),
     ]
@@ -206,7 +225,7 @@ def build_config(data: Mapping[str, object], source: str = "<config>") -> Jackfi
             if expected is not None:
                 problems.append(f"{source}: {name}.{key} must be {expected}, got {value!r}")
                 continue
-            values[key] = float(value) if hints[key] is float else value
+            values[key] = _as_declared(value, hints[key])
         sections[name] = cls(**values)
     # Keys with a wrong type keep their defaults here, so their neighbours' ranges are still checked.
     config = JackfieldConfig(**sections)  # type: ignore[arg-type]
@@ -297,7 +316,4 @@ def unsupported_features(config: JackfieldConfig) -> list[str]:
     problems = []
     if config.parallel.dcp_size != 1:
         problems.append("decode context parallel (parallel.dcp_size > 1) is not run by this engine yet")
-    if config.attention.kv_cache_dtype == "fp8_e4m3":
-        problems.append("attention.kv_cache_dtype = \"fp8_e4m3\" needs per-layer KV scales (kv_scale), which "
-                        "no model supplies yet: use \"auto\" or \"bfloat16\"")
     return problems

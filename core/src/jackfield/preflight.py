@@ -14,7 +14,8 @@ from jackfield.attention.kv_cache import cache_dtype
 from jackfield.config import JackfieldConfig, unsupported_features
 from jackfield.contracts.attention import AttentionRequirements
 from jackfield.gguf_files import checkpoint_dir
-from jackfield.model_files import TOKENIZER_FILES, RemoteCodeError
+from jackfield.model_files import TOKENIZER_FILES, ModelFileError, RemoteCodeError
+from jackfield.models.kv_scales import KVScalePlan, plan_kv_scales, read_checkpoint_kv_scales
 from jackfield.models.weights import checkpoint_files, tensor_names
 from jackfield.plugins import Registry, get_registry
 from jackfield.requirements import attention_requirements, read_config_json
@@ -29,6 +30,7 @@ class Preflight:
     problems: list[str]  # empty: `run` starts
     attention: dict[str, BackendChoice] | None  # per role, where selection succeeded (kept, not redone)
     block_size: int | None = None  # engine.block_size, or the chosen backends' pick when it is None
+    kv_scales: KVScalePlan | None = None  # an fp8_e4m3 KV cache's scales (None: not fp8)
 
 
 def model_hf_config(config: JackfieldConfig) -> Mapping[str, object]:
@@ -67,7 +69,7 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
         except FileNotFoundError as exc:
             problems.append(str(exc))
     problems += _mtp_layer_problems(config, registry, hf_config)
-    attention, block_size = None, config.engine.block_size
+    attention, block_size, kv_scales = None, config.engine.block_size, None
     try:
         requirements = attention_requirements(hf_config, config)
         attention = resolve_attention(config, requirements)
@@ -77,7 +79,31 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
         if block_size is None:
             block_size = pick_block_size(attention["decode"].backend, attention["prefill"].backend)
         problems += kv_budget_problems(config, hf_config, requirements, block_size)
-    return Preflight(problems, attention, block_size)
+        if requirements.kv_cache_dtype == "fp8_e4m3":
+            kv_scales, scale_problems = fp8_kv_scale_plan(config, hf_config, requirements)
+            problems += scale_problems
+    return Preflight(problems, attention, block_size, kv_scales)
+
+
+def fp8_kv_scale_plan(config: JackfieldConfig, hf_config: Mapping[str, object],
+                      requirements: AttentionRequirements) -> tuple[KVScalePlan | None, list[str]]:
+    """The fp8 cache's scales `attention.kv_scale` asks for, from the checkpoint's scale tensors
+    alone (the embedded default model has none), or every reason they cannot be had."""
+    num_layers = hf_config.get("num_hidden_layers")
+    if not isinstance(num_layers, int):
+        return None, [f"config.json's num_hidden_layers is {num_layers!r}: fp8 KV scales are per layer"]
+    mla = requirements.kind == "mla"
+    files: list[Path] = []
+    if config.model.path is not None:
+        try:
+            files = checkpoint_files(checkpoint_dir(config.model.path))
+        except FileNotFoundError:  # reported above with the model's files
+            return None, []
+    try:
+        checkpoint = read_checkpoint_kv_scales(files, num_layers, mla)
+    except ModelFileError as exc:
+        return None, [str(exc)]
+    return plan_kv_scales(config.attention.kv_scale, checkpoint, num_layers, mla)
 
 
 def kv_budget_problems(config: JackfieldConfig, hf_config: Mapping[str, object],
@@ -137,6 +163,9 @@ def _mtp_layer_problems(config: JackfieldConfig, registry: Registry,
     if config.kv_connector.name is not None:  # its layer hooks save each cache during the forward
         return [f"kv_connector.name {config.kv_connector.name!r} with speculative.method {method!r} is not "
                 "run yet: the multi-token-prediction layers' KV is written after the connector saves"]
+    if config.attention.kv_cache_dtype == "fp8_e4m3":  # the scale plan covers the target's layers
+        return [f"attention.kv_cache_dtype 'fp8_e4m3' with speculative.method {method!r} is not run yet: "
+                "the multi-token-prediction layers' KV caches have no fp8 scales"]
     problem = mtp_layers_problem(hf_config)
     if problem is not None:
         return [f"{needs}; {config_json}: {problem}"]

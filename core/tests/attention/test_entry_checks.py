@@ -124,8 +124,10 @@ def test_fp8_cache_requires_a_float32_scale(layer: AttentionLayerSpec) -> None:
     value = torch.randn(1, 4) if mla else torch.randn(1, 2, 8)
     with pytest.raises(ValueError, match="needs kv_scale"):
         impl.write_kv(cache, torch.tensor([0]), key, value)
-    with pytest.raises(ValueError, match="1-element float32"):
-        impl.write_kv(cache, torch.tensor([0]), key, value, torch.tensor([0.1, 0.2]))
+    # MLA takes one scale (its record), MHA two (key, value)
+    wrong_size = torch.tensor([0.1, 0.2]) if mla else torch.tensor([0.1])
+    with pytest.raises(ValueError, match=f"{1 if mla else 2}-element float32"):
+        impl.write_kv(cache, torch.tensor([0]), key, value, wrong_size)
     q = torch.randn(1, layer.num_heads, 12 if mla else 8)
     md = _md((1,), (1,), 1).replace(block_table=torch.tensor([[0]], dtype=torch.int32))
     with pytest.raises(ValueError, match="needs kv_scale"):

@@ -16,6 +16,7 @@ from jackfield.models.attention import RoleImpls, StepContextBuilder
 BLOCK = 4
 Q_LENS, SEQ_LENS = [1, 2, 5], [6, 9, 5]  # a decode, a 2-token verify, a fresh prefill
 TABLE = [[5, 0], [2, 7, 4], [1, 3]]  # shuffled physical blocks
+K_SCALE, V_SCALE = 0.05, 0.02  # an MHA fp8 cache's per-tensor scales
 
 
 def _metadata(causal: bool = True, num_decodes: int = 0) -> AttentionMetadata:
@@ -81,14 +82,14 @@ def _mha_setup(kv_cache_dtype="auto", window=None, dtype=torch.float32):
         k, v = torch.randn(seq_len, 2, 8, generator=g), torch.randn(seq_len, 2, 8, generator=g)
         for p in range(seq_len):  # fill by hand: block table -> physical block, offset
             blk = TABLE[b][p // BLOCK]
-            if cache.dtype == torch.float8_e4m3fn:
+            if cache.dtype == torch.float8_e4m3fn:  # keys and values each by their own scale
                 k[p], v[p] = (
-                    (k[p] / 0.05).to(cache.dtype).double() * 0.05,
-                    (v[p] / 0.05).to(cache.dtype).double() * 0.05,
+                    (k[p] / K_SCALE).to(cache.dtype).double() * K_SCALE,
+                    (v[p] / V_SCALE).to(cache.dtype).double() * V_SCALE,
                 )
                 cache[0, blk, p % BLOCK], cache[1, blk, p % BLOCK] = (
-                    (k[p] / 0.05).to(cache.dtype),
-                    (v[p] / 0.05).to(cache.dtype),
+                    (k[p] / K_SCALE).to(cache.dtype),
+                    (v[p] / V_SCALE).to(cache.dtype),
                 )
             else:
                 cache[0, blk, p % BLOCK], cache[1, blk, p % BLOCK] = k[p].to(dtype), v[p].to(dtype)
@@ -121,7 +122,8 @@ def test_mha_non_causal_sinks_bf16() -> None:
 
 def test_mha_fp8_cache_dequantizes_with_scale() -> None:
     layer, cache, q, keys, values = _mha_setup(kv_cache_dtype="fp8_e4m3")
-    got = TorchRefBackend.make_impl(layer).attend(q, cache, _metadata(), kv_scale=torch.tensor(0.05))
+    got = TorchRefBackend.make_impl(layer).attend(q, cache, _metadata(),
+                                                  kv_scale=torch.tensor([K_SCALE, V_SCALE]))
     want, _ = _expected(q.double(), keys, values, 0.4, _causal())
     torch.testing.assert_close(got.out.double(), want, atol=1e-5, rtol=1e-5)
 

@@ -48,8 +48,9 @@ def test_only_steps_of_sampling_decodes_are_replayed(v3_dir) -> None:
 
     llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.max_num_seqs": 4})
     runner = llm.engine.runner
-    graphs = DecodeGraphs(llm.engine.model, runner.kv_caches, runner.contexts, 1, runner.kv.num_blocks,
-                          llm.config.engine.block_size, llm.engine.max_model_len, 4, llm.engine.device)
+    graphs = DecodeGraphs(llm.engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, 1,
+                          runner.kv.num_blocks, llm.config.engine.block_size, llm.engine.max_model_len, 4,
+                          llm.engine.device)
     params = SamplingParams(max_tokens=4)
     decoding = Sequence(0, 3, [5, 6, 7, 8], params, seed=0, num_computed=3)  # its 4th token is new
     prefilling = Sequence(1, 40, list(range(40)), params, seed=0, num_computed=9)
@@ -135,7 +136,7 @@ def test_graph_buffers_hold_each_kv_groups_slots_and_tables(tmp_path, rng_seed: 
         engine.step()
     chunks = engine.scheduler.schedule()
     assert len(chunks) == 3 and all(c.num_tokens == 1 for c in chunks)
-    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.contexts, num_groups,
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, num_groups,
                           runner.kv.num_blocks, runner.block_size, engine.max_model_len, 8, engine.device)
     size = next(s for s in graphs.sizes if s >= len(chunks))
     assert size > len(chunks)  # a padded row too

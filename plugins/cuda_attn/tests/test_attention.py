@@ -22,7 +22,7 @@ from jackfield_cuda_attn.kernels import paged_attention
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16  # the interpreter mishandles bf16 tl.dot; the GPU tests cover bf16
 HEADS, HEAD_SIZE = 8, 32
-FP8_SCALE = 0.02
+FP8_SCALES = (0.02, 0.03)  # key scale, value scale: distinct, so swapping them fails
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def make_problem(
     cache = poisoned_cache(layer, batch, DTYPE, DEV)
     slots = torch.cat([batch.context_slots, batch.metadata.slot_mapping])
     key, value = (torch.randn(slots.numel(), kv_heads, HEAD_SIZE, generator=gen).to(DEV, DTYPE) for _ in "kv")
-    kv_scale = torch.tensor(FP8_SCALE, device=DEV) if fp8 else None
+    kv_scale = torch.tensor(FP8_SCALES, device=DEV) if fp8 else None
     TorchRefBackend.make_impl(layer).write_kv(cache, slots, key, value, kv_scale)
     query = (torch.randn(batch.num_tokens, HEADS, HEAD_SIZE, generator=gen) * q_scale).to(DEV, DTYPE)
     return Problem(query, cache, batch.metadata, kv_scale, layer.scale)
@@ -244,3 +244,7 @@ def test_bad_inputs_are_named(rng_seed: int) -> None:
     with pytest.raises(ValueError, match="needs kv_scale"):
         paged_attention(problem.query, fp8, md.block_table, md.seq_lens, md.query_start_loc,
                         decode_reqs=2, decode_rows=3, decode_query_len=2, max_seq_len=20, sm_scale=0.1)
+    with pytest.raises(ValueError, match=r"kv_scale must hold 2 contiguous .* \(key, value\)"):
+        paged_attention(problem.query, fp8, md.block_table, md.seq_lens, md.query_start_loc,
+                        decode_reqs=2, decode_rows=3, decode_query_len=2, max_seq_len=20, sm_scale=0.1,
+                        kv_scale=torch.tensor([0.02], device=DEV))  # one scale: MLA's form, not MHA's

@@ -30,6 +30,7 @@ CASES = {
     "multi-token decode": (32, 8, 128, 4, torch.bfloat16, False, None, True),
 }
 REQS = 6
+FP8_SCALES = (0.05, 0.03)  # key scale, value scale
 
 
 def make_buffers(case: tuple) -> dict:
@@ -45,7 +46,7 @@ def make_buffers(case: tuple) -> dict:
         seq_lens=torch.empty(REQS, device="cuda", dtype=torch.int32),
         starts=torch.arange(0, tokens + 1, q_len, device="cuda", dtype=torch.int32),
         slots=torch.empty(tokens, device="cuda", dtype=torch.int64),
-        scale=torch.tensor(0.05, device="cuda") if fp8 else None,
+        scale=torch.tensor(FP8_SCALES, device="cuda") if fp8 else None,  # key, value
         sinks=torch.empty(heads, device="cuda") if sinks else None,
     )
 
@@ -56,7 +57,11 @@ def fill(buffers: dict, case: tuple, seed: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(seed)
     cache = buffers["cache"]
     values = torch.randn(cache.shape, device="cuda", generator=g)
-    cache.copy_((values / 0.05).clamp(-448, 448).to(FP8) if cache.dtype == FP8 else values.to(cache.dtype))
+    if cache.dtype == FP8:  # keys and values, each by its own scale
+        scales = torch.tensor(FP8_SCALES, device="cuda").view(2, 1, 1, 1, 1)
+        cache.copy_((values / scales).clamp(-448, 448).to(FP8))
+    else:
+        cache.copy_(values.to(cache.dtype))
     for name in ("query", "key", "value"):
         buffers[name].copy_(torch.randn(buffers[name].shape, device="cuda", generator=g))
     lens = torch.randint(q_len, PAGE * PAGES_PER_REQ + 1, (REQS,), device="cuda", generator=g)

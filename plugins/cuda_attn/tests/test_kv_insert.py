@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from jackfield.attention.kv_cache import quantize
+from jackfield.attention.kv_cache import key_scale, quantize, value_scale
 from jackfield_cuda_attn.kernels import mha_kv_insert
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,9 +30,10 @@ def insert_case(tokens: int, dtype: torch.dtype, act: torch.dtype, scale: float 
     key, value = rows(tokens, act)
     slots = torch.randperm(num_blocks * PAGE, device=DEV)[:tokens]
     slots[torch.rand(tokens, device=DEV) < 0.1] = -1
-    kv_scale = None if scale is None else torch.tensor([scale], device=DEV)
+    kv_scale = None if scale is None else torch.tensor([scale, 1.5 * scale], device=DEV)  # key, value
     mha_kv_insert(key, value, cache, slots, kv_scale)
-    expected = quantize(torch.stack([key.double(), value.double()]), dtype, kv_scale)
+    expected = torch.stack([quantize(key.double(), dtype, key_scale(kv_scale)),
+                            quantize(value.double(), dtype, value_scale(kv_scale))])
     return cache.flatten(1, 2), slots, expected
 
 
@@ -56,8 +57,8 @@ def test_insert_writes_exactly_the_live_slots(tokens: int, dtype: torch.dtype, a
 
 @pytest.mark.parametrize("scale", [0.01, 1.0])
 def test_insert_fp8_quantizes_with_the_scale(scale: float) -> None:
-    """Round trip: the stored bytes are torch's clamp(x / scale) cast; scale 0.05 saturates some
-    (|x| up to ~12 / 0.01 > 448)."""
+    """Round trip: the stored bytes are torch's clamp(x / scale) cast, keys by `scale`, values by
+    1.5 x `scale`; scale 0.01 saturates some (|x| up to ~12 / 0.015 > 448)."""
     flat, slots, expected = insert_case(53, FP8, torch.float16, scale)
     live = slots >= 0
     got, want = flat[:, slots[live]].float(), expected[:, live].float()

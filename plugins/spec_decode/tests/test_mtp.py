@@ -237,6 +237,8 @@ def test_a_drafter_backend_is_refused_for_mtp(model_dirs: dict[str, Path]) -> No
         LLM(str(model_dirs["mtp"]), **BASE, **MTP, **{"attention.drafter_backend": "torch_ref"})
 
 
-def test_a_kv_connector_beside_mtp_is_refused(model_dirs: dict[str, Path]) -> None:
+def test_a_kv_connector_or_an_fp8_cache_beside_mtp_is_refused(model_dirs: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match=r"'cpu_offload' with speculative.method 'mtp' is not run yet"):
         LLM(str(model_dirs["mtp"]), **BASE, **MTP, **{"kv_connector.name": "cpu_offload"})
+    with pytest.raises(ConfigError, match=r"'fp8_e4m3' with speculative.method 'mtp' is not run yet"):
+        LLM(str(model_dirs["mtp"]), **BASE, **MTP, **{"attention.kv_cache_dtype": "fp8_e4m3"})

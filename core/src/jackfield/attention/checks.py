@@ -6,19 +6,23 @@ import weakref
 
 import torch
 
-from jackfield.attention.kv_cache import ACTIVATION_DTYPES, FP8_DTYPE, is_mla
+from jackfield.attention.kv_cache import ACTIVATION_DTYPES, FP8_DTYPE, is_mla, kv_scale_size
 from jackfield.contracts.attention import AttentionLayerSpec, AttentionMetadata
 
 
 def check_kv_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
-    """An fp8 cache needs a float32 per-tensor scale on the cache's device."""
+    """An fp8 cache needs float32 per-tensor scales on the cache's device: [1] for an MLA cache,
+    [2] (key, value) for an MHA cache."""
     if kv_cache.dtype != FP8_DTYPE:
         return
     if kv_scale is None:
-        raise ValueError("fp8_e4m3 KV cache needs kv_scale (a float32 per-tensor scale), got None")
-    if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1:
+        raise ValueError("fp8_e4m3 KV cache needs kv_scale (float32 per-tensor scales), got None")
+    size = kv_scale_size(kv_cache)
+    if kv_scale.dtype != torch.float32 or kv_scale.numel() != size:
+        what = "(key scale, value scale) of an MHA cache" if size == 2 else "of an MLA cache"
         raise ValueError(
-            f"kv_scale must be a 1-element float32 tensor, got {kv_scale.dtype} {tuple(kv_scale.shape)}"
+            f"kv_scale must be a {size}-element float32 tensor {what}, "
+            f"got {kv_scale.dtype} {tuple(kv_scale.shape)}"
         )
     if kv_scale.device != kv_cache.device:
         raise ValueError(f"kv_scale is on {kv_scale.device}, the cache on {kv_cache.device}")

@@ -2,7 +2,9 @@
 
 MLA cache [num_blocks, block_size, kv_lora_rank + rope_dim] (latent ‖ rope key, one record per token).
 MHA cache [2, num_blocks, block_size, H_kv, D] (key, value).
-fp8 caches hold float8_e4m3fn values clamp(x / scale, -448, 448) with a per-tensor float32 scale.
+fp8 caches hold float8_e4m3fn values clamp(x / scale, -448, 448) with per-tensor float32 scales,
+`kv_scale`: [1] for an MLA cache (its one record per token), [2] for an MHA cache (key scale,
+value scale). Element 0 scales keys, element -1 values, so one indexing serves both layouts.
 """
 
 from __future__ import annotations
@@ -54,8 +56,42 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=cache_dtype(layer.kv_cache_dtype, dtype), device=device)
 
 
+def kv_scale_size(kv_cache: torch.Tensor) -> int:
+    """Elements of a cache's fp8 scale: 2 for the MHA layout (key, value), 1 for MLA's record."""
+    return 2 if kv_cache.dim() == 5 else 1
+
+
+def key_scale(kv_scale: torch.Tensor | None) -> torch.Tensor | None:
+    return None if kv_scale is None else kv_scale.reshape(-1)[0]
+
+
+def value_scale(kv_scale: torch.Tensor | None) -> torch.Tensor | None:
+    return None if kv_scale is None else kv_scale.reshape(-1)[-1]
+
+
+def calibrated_kv_scale(key: torch.Tensor, value: torch.Tensor, mla: bool) -> torch.Tensor:
+    """The fp8 scale that maps the largest |value| written to the e4m3 maximum (amax / 448, as
+    vLLM's calculate_kv_scales, without its headroom divisors): MLA [1] over the record
+    kv_c ‖ k_pe, MHA [2] (keys, values). An all-zero tensor gets scale 1 (any scale stores 0)."""
+    amax = torch.stack([key.detach().abs().amax().float(), value.detach().abs().amax().float()])
+    if mla:
+        amax = amax.amax().reshape(1)
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def dequantize_cache(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """A whole cache as float32 (fp8: times its key / value scale)."""
+    if kv_cache.dtype != FP8_DTYPE:
+        return kv_cache.float()
+    assert kv_scale is not None
+    if kv_cache.dim() == 5:
+        return kv_cache.float() * kv_scale.reshape(2, 1, 1, 1, 1)
+    return kv_cache.float() * kv_scale.reshape(())
+
+
 def quantize(x: torch.Tensor, cache_dtype_: torch.dtype, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """Values as stored in a cache of `cache_dtype_`."""
+    """Values as stored in a cache of `cache_dtype_`; `kv_scale` is the one per-tensor scale of
+    these values (key_scale / value_scale of a layer's kv_scale)."""
     if cache_dtype_ != FP8_DTYPE:
         return x.to(cache_dtype_)
     assert kv_scale is not None  # check_kv_scale ran at the entry
@@ -63,7 +99,7 @@ def quantize(x: torch.Tensor, cache_dtype_: torch.dtype, kv_scale: torch.Tensor 
 
 
 def dequantize(x: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """Cache values as float32."""
+    """Cache values as float32; `kv_scale` is their one per-tensor scale (as in `quantize`)."""
     if x.dtype != FP8_DTYPE:
         return x.float()
     assert kv_scale is not None

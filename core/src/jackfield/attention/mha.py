@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from jackfield.attention.checks import check_cache, check_kv_scale, check_slot_mapping, check_written_rows
-from jackfield.attention.kv_cache import quantize, write_slots
+from jackfield.attention.kv_cache import key_scale, quantize, value_scale, write_slots
 from jackfield.contracts.attention import AttentionImpl, AttentionLayerSpec, AttentionMetadata
 
 
@@ -55,5 +55,6 @@ class MHAImpl(AttentionImpl):
         check_written_rows("key", key, shape, kv_cache)
         check_written_rows("value", value, shape, kv_cache)
         check_slot_mapping(slot_mapping, num_tokens, kv_cache.shape[1] * kv_cache.shape[2])
-        for half, rows in ((kv_cache[0], key), (kv_cache[1], value)):
-            write_slots(half.flatten(0, 1), slot_mapping, quantize(rows, kv_cache.dtype, kv_scale))
+        for half, rows, scale in ((kv_cache[0], key, key_scale(kv_scale)),
+                                  (kv_cache[1], value, value_scale(kv_scale))):
+            write_slots(half.flatten(0, 1), slot_mapping, quantize(rows, kv_cache.dtype, scale))

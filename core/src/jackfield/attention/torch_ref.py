@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from jackfield.attention.checks import check_attend_inputs
-from jackfield.attention.kv_cache import dequantize, is_mla, request_slots
+from jackfield.attention.kv_cache import dequantize, is_mla, key_scale, request_slots, value_scale
 from jackfield.attention.mha import MHAImpl
 from jackfield.attention.mla import MLAImpl
 from jackfield.builtins import TORCH_REF_CAPABILITIES
@@ -47,7 +47,7 @@ def paged_attention(
         if q0 == q1:
             continue
         slots = request_slots(metadata.block_table[b], seq_len, block_size)
-        k, v = dequantize(keys[slots], kv_scale), dequantize(values[slots], kv_scale)
+        k, v = dequantize(keys[slots], key_scale(kv_scale)), dequantize(values[slots], value_scale(kv_scale))
         if topk_indices is None:
             visible = visibility_mask(
                 q1 - q0, seq_len, causal=metadata.causal, sliding_window=sliding_window, device=query.device

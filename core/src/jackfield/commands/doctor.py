@@ -38,6 +38,9 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
         resolved.append(f"attention[{role}]: {choice.name} - {choice.reason}")
         for name, reasons in sorted(choice.rejected.items()):
             resolved.append(f"    rejected {name}: {'; '.join(reasons)}")
+    if checked.kv_scales is not None:
+        plan = checked.kv_scales
+        resolved.append(f"kv cache: fp8_e4m3, scales ({plan.source}): {plan.detail}")
     resolved.append(f"sampler: {config.sampler.name}")
     note = tokenizer_note(config)
     if note is not None:

@@ -162,6 +162,7 @@ def main(args: argparse.Namespace) -> int:
         ]
         print(json.dumps({"model": str(engine.model_dir), "device": str(engine.device),
                           "dtype": str(engine.capabilities.dtype), "backends": backends,
+                          "kv_cache": engine.kv_cache_summary(),
                           "cuda_graphs_off_reason": engine.runner.decode_graphs_off,
                           "prefill_graphs_off_reason": engine.runner.prefill_graphs_off,
                           "outputs": results, "summary": summary}, indent=2))
@@ -174,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"decode CUDA graphs: {graphs}")
     pieces = "on" if engine.runner.prefill_graphs_off is None else f"off: {engine.runner.prefill_graphs_off}"
     print(f"prefill CUDA graphs (pieces between attention calls): {pieces}")
+    print(kv_cache_line(engine.kv_cache_summary()))
     for prompt, out in samples:
         print(f"\n--- {prompt!r}{f' [{out.index}]' if params.n > 1 else ''} ({out.finish_reason})")
         print(out.text if out.text is not None else out.token_ids)
@@ -189,6 +191,24 @@ def main(args: argparse.Namespace) -> int:
     if "kv_connector" in summary:
         print("kv connector: " + ", ".join(f"{k} {v}" for k, v in summary["kv_connector"].items()))
     return 0
+
+
+def kv_cache_line(summary: dict[str, object]) -> str:
+    """`Engine.kv_cache_summary()` in one line: the dtype, and an fp8 cache's scales (where they
+    come from, their range over the layers)."""
+    line = f"kv cache: {summary['dtype']}"
+    if "scale_source" not in summary:
+        return line
+    line += f", scales ({summary['scale_source']}): {summary['scale_detail']}"
+    scales = summary["scales"]
+    if scales is None:
+        return line + ", not calibrated yet (no prefill ran)"
+    assert isinstance(scales, list)
+    parts = list(zip(*scales, strict=True))  # per part of a layer's scales, over the layers
+    names = ("record",) if len(parts) == 1 else ("keys", "values")
+    ranges = ", ".join(f"{name} {min(values):.4g}..{max(values):.4g}"
+                       for name, values in zip(names, parts, strict=True))
+    return f"{line}; {len(scales)} layers, {ranges}"
 
 
 def _embed(llm: LLM, prompts: list[str], as_json: bool) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -289,10 +290,20 @@ class StepContext:
     kv_caches: list[torch.Tensor]
     groups: tuple[tuple[BatchPart, ...], ...]  # per KV cache group: its batch's parts, decode rows first
     layer_group: tuple[int, ...] = ()  # per layer: its index in `groups` (empty: one group)
+    # per KV cache (as kv_caches): an fp8 cache's scales, the `kv_scale` its impl takes ([1] MLA,
+    # [2] key and value MHA), None for other caches; empty: no fp8 cache
+    kv_scales: Sequence[torch.Tensor | None] = ()
+    # set the fp8 scales from the KV each layer writes, in place, before writing it (the engine's
+    # first prefill when the scales are calibrated: amax / 448)
+    calibrate_kv_scales: bool = False
 
     def parts(self, layer_index: int) -> tuple[BatchPart, ...]:
         """The parts of the batch as `layer_index` sees them (its KV cache group's metadata)."""
         return self.groups[self.layer_group[layer_index] if self.layer_group else 0]
+
+    def kv_scale(self, layer_index: int) -> torch.Tensor | None:
+        """KV cache `layer_index`'s fp8 scales (None: not an fp8 cache)."""
+        return self.kv_scales[layer_index] if self.kv_scales else None
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,14 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """One CUDA graph of the model's forward per captured batch size (decode rows only)."""
 
-    def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor], contexts: StepContextBuilder,
-                 num_groups: int, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+    def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor],
+                 kv_scales: list[torch.Tensor | None], contexts: StepContextBuilder, num_groups: int,
+                 num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  device: torch.device) -> None:
         """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's;
+        `kv_scales`: the fp8 caches' scales (read by address: later values reach every replay);
         `num_groups`: the model's KV cache groups."""
-        self.model, self.kv_caches, self.contexts = model, kv_caches, contexts
+        self.model, self.kv_caches, self.kv_scales, self.contexts = model, kv_caches, kv_scales, contexts
         self.block_size, self.max_model_len = block_size, max_model_len
         self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
         self.sizes = capture_sizes(max_num_seqs)
@@ -137,4 +139,4 @@ class DecodeGraphs:
             )
             for slot_mapping, block_table in zip(self.slot_mapping, self.block_table, strict=True)
         ]
-        return self.contexts.build(self.kv_caches, per_group, for_capture=True)
+        return self.contexts.build(self.kv_caches, per_group, for_capture=True, kv_scales=self.kv_scales)

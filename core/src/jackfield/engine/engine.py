@@ -92,8 +92,9 @@ class Engine:
                                f"max_model_len {self.capabilities.max_model_len}"])
         self.max_model_len = engine.max_model_len or self.capabilities.max_model_len
         model_drafter = self.drafter if isinstance(self.drafter, ModelDrafter) else None
+        self.kv_scales = checked.kv_scales
         self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say,
-                                  model_drafter)
+                                  model_drafter, self.kv_scales)
         kv = self.runner.kv
         # A bidirectional model's KV depends on later tokens: no prefix of it can be reused.
         prefix_caching = engine.enable_prefix_caching and self.capabilities.causal
@@ -112,6 +113,19 @@ class Engine:
         if self.device.type == "cuda" and self.capabilities.causal:
             say("warming up")
             self._warm_up()
+        # Calibrated fp8 scales come from the first request's prefill, not the warm-up's zeros.
+        self.runner.calibrate_at_next_step = self.kv_scales is not None and self.kv_scales.layers is None
+
+    def kv_cache_summary(self) -> dict[str, object]:
+        """The KV cache's dtype and, for fp8, where its scales come from and their values, one
+        list per fp8 cache in layer order ([record] MLA, [key, value] MHA; None until the first
+        prefill calibrated them). One host sync."""
+        summary: dict[str, object] = {"dtype": str(self.runner.kv_caches[0].dtype).removeprefix("torch.")}
+        if self.kv_scales is None:
+            return summary
+        scales = [scale.tolist() for scale in self.runner.kv_scales if scale is not None]
+        return {**summary, "scale_source": self.kv_scales.source, "scale_detail": self.kv_scales.detail,
+                "scales": None if self.runner.calibrate_at_next_step else scales}
 
     def kv_connector_stats(self) -> dict[str, object] | None:
         """The KV connector's name and counters (None: no connector)."""

@@ -18,8 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+from jackfield.attention.kv_cache import is_mla
 from jackfield.config import EngineConfig
-from jackfield.contracts.attention import AttentionBackends, AttentionMetadata, StepContext
+from jackfield.contracts.attention import (
+    AttentionBackends,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    StepContext,
+)
 from jackfield.contracts.drafter import ModelDrafter
 from jackfield.contracts.kv_connector import ConnectorMetadata, KVConnectorWorker, TransferResult
 from jackfield.contracts.model import LayerHooks, ModelFamily
@@ -32,6 +38,7 @@ from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.engine.sequence import Sequence
 from jackfield.models.attention import StepContextBuilder
 from jackfield.models.embedding import pool
+from jackfield.models.kv_scales import KVScalePlan
 from jackfield.ops.staging import async_tensor_h2d, host_single_threaded
 from jackfield.sampling.filters import filter_cutoffs
 from jackfield.sampling.processors import apply_processors, bias_and_mask_from_params, penalties_from_rows
@@ -81,8 +88,10 @@ class ConnectorLayers(LayerHooks):
 class ModelRunner:
     def __init__(self, model: ModelFamily, backends: AttentionBackends, sampler: Sampler,
                  engine: EngineConfig, max_model_len: int, device: torch.device,
-                 say: Callable[[str], None], drafter: ModelDrafter | None = None) -> None:
-        """`drafter`: a model drafter, run inside each step (a token drafter is the engine's)."""
+                 say: Callable[[str], None], drafter: ModelDrafter | None = None,
+                 kv_scales: KVScalePlan | None = None) -> None:
+        """`drafter`: a model drafter, run inside each step (a token drafter is the engine's).
+        `kv_scales`: the fp8 caches' scales (preflight's plan; None: no fp8 cache)."""
         self.model, self.backends, self.sampler, self.device = model, backends, sampler, device
         self.drafter = drafter
         if drafter is not None:
@@ -92,6 +101,10 @@ class ModelRunner:
         self.kv = KVCache.allocate(model.kv_cache_layers, engine, max_model_len, self.capabilities.dtype,
                                    device)
         self.kv_caches, self.block_size, self.groups = self.kv.layer_caches, engine.block_size, self.kv.groups
+        # Per KV cache: an fp8 cache's scales, static tensors written in place (CUDA graphs read
+        # them by address); the Engine arms calibration once start-up's own steps are done.
+        self.kv_scales = fp8_kv_scales(model.kv_cache_layers, kv_scales, self.capabilities.num_layers, device)
+        self.calibrate_at_next_step = False
         self.contexts = StepContextBuilder(backends, model.kv_cache_layers, self.groups.layer_group)
         self.decode_graphs_off = self._decode_graphs_off_reason(engine)
         self.prefill_graphs_off = self._prefill_graphs_off_reason(engine)
@@ -147,9 +160,9 @@ class ModelRunner:
 
     def _capture_decode(self, engine: EngineConfig, max_model_len: int,
                         say: Callable[[str], None]) -> DecodeGraphs:
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.contexts, len(self.groups.windows),
-                              self.kv.num_blocks, self.block_size, max_model_len, engine.max_num_seqs,
-                              self.device)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.kv_scales, self.contexts,
+                              len(self.groups.windows), self.kv.num_blocks, self.block_size, max_model_len,
+                              engine.max_num_seqs, self.device)
         try:
             graphs.capture(say)
         except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
@@ -263,9 +276,11 @@ class ModelRunner:
                 hooks: LayerHooks | None = None) -> torch.Tensor:
         """Final hidden states of `output_rows` of the step's flat batch (all rows when None),
         writing every row's KV (`hooks` around each layer's attention)."""
+        calibrate, self.calibrate_at_next_step = self.calibrate_at_next_step, False
         with host_single_threaded():
             per_group, input_ids, positions = self._metadata(chunks)
-            context = self.contexts.build(self.kv_caches, per_group)
+            context = self.contexts.build(self.kv_caches, per_group, kv_scales=self.kv_scales,
+                                          calibrate_kv_scales=calibrate)
             rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
             ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):
@@ -278,7 +293,8 @@ class ModelRunner:
              ) -> StepResult:
         sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
         hooks = self._layer_hooks(connector_metadata)
-        if self.graphs is not None and self.graphs.fits(chunks):
+        # a calibrating step runs eagerly: its layers set their scales before writing KV
+        if self.graphs is not None and not self.calibrate_at_next_step and self.graphs.fits(chunks):
             layers = range(self.capabilities.num_layers) if hooks is not None else range(0)
             for layer in layers:  # a replayed step is one piece: every layer's hooks around it
                 hooks.before_attend(layer)  # type: ignore[union-attr]
@@ -425,6 +441,25 @@ class ModelRunner:
                                                targets[lo : lo + PROMPT_LOGPROB_ROWS], values, strict=True):
                 entries.append({**dict(zip(ids, tops, strict=True)), token: value})
         return entries
+
+
+def fp8_kv_scales(layers: list[AttentionLayerSpec], plan: KVScalePlan | None, num_layers: int,
+                  device: torch.device) -> list[torch.Tensor | None]:
+    """Per KV cache layer j: its fp8 scales (those of decoder layer j % num_layers in `plan`; ones
+    until calibrated), None for other caches."""
+    scales: list[torch.Tensor | None] = []
+    for j, layer in enumerate(layers):
+        if layer.kv_cache_dtype != "fp8_e4m3":
+            scales.append(None)
+            continue
+        if plan is None:
+            raise ValueError("an fp8_e4m3 KV cache needs a scale plan (preflight makes one)")
+        size = 1 if is_mla(layer) else 2
+        values = plan.layers[j % num_layers] if plan.layers is not None else (1.0,) * size
+        if len(values) != size:
+            raise ValueError(f"KV cache {j} takes {size} scale(s), the plan gives {len(values)}")
+        scales.append(torch.tensor(values, dtype=torch.float32, device=device))
+    return scales
 
 
 def _output_rows(chunks: list[ScheduledChunk]) -> list[int]:

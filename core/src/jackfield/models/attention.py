@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from jackfield.attention.kv_cache import calibrated_kv_scale, is_mla
 from jackfield.attention.metadata import GroupMetadataBuilder
 from jackfield.contracts.attention import (
     AttentionBackends,
@@ -44,12 +45,14 @@ class StepContextBuilder:
         self.groups = [GroupMetadataBuilder(backends.decode, backends.prefill, g) for g in group_layers]
 
     def build(self, kv_caches: list[torch.Tensor], per_group: Sequence[AttentionMetadata],
-              for_capture: bool = False) -> StepContext:
-        """The step's context from each group's common metadata (decodes first)."""
+              for_capture: bool = False, kv_scales: Sequence[torch.Tensor | None] = (),
+              calibrate_kv_scales: bool = False) -> StepContext:
+        """The step's context from each group's common metadata (decodes first); `kv_scales` per
+        KV cache as StepContext holds them."""
         if len(per_group) != len(self.groups):
             raise ValueError(f"{len(per_group)} metadata for {len(self.groups)} KV cache groups")
         parts = tuple(g.build(common, for_capture) for g, common in zip(self.groups, per_group, strict=True))
-        return StepContext(kv_caches, parts, self.layer_group)
+        return StepContext(kv_caches, parts, self.layer_group, kv_scales, calibrate_kv_scales)
 
 
 class RoleImpls(nn.Module):
@@ -80,13 +83,26 @@ class RoleImpls(nn.Module):
         for part in step.parts(layer_index):
             yield part.rows, self.impl(part.role), part.metadata
 
+    def kv_scale(self, step: StepContext, layer_index: int, key: torch.Tensor,
+                 value: torch.Tensor) -> torch.Tensor | None:
+        """The layer's fp8 scales for this step (None: not an fp8 cache), first set from the `key`
+        and `value` rows it is about to write when the step calibrates (MLA: kv_c and k_pe)."""
+        scale = step.kv_scale(layer_index)
+        if scale is not None and step.calibrate_kv_scales:
+            scale.copy_(calibrated_kv_scale(key, value, is_mla(self.spec)))
+        return scale
+
     def run(
         self, step: StepContext, layer_index: int, *rows: torch.Tensor, **layer_args: torch.Tensor
     ) -> torch.Tensor:
-        """impl.forward(*rows, cache, metadata, **layer_args) per part of the batch, concatenated.
-        `rows` are divided between the parts; `layer_args` (per-layer tensors: sinks) are not."""
+        """impl.forward(*rows, cache, metadata, kv_scale=, **layer_args) per part of the batch,
+        concatenated. `rows` (query, key, value) are divided between the parts; `layer_args`
+        (per-layer tensors: sinks) are not."""
         cache = step.kv_caches[layer_index]
         parts = step.parts(layer_index)
+        scale = self.kv_scale(step, layer_index, rows[1], rows[2])
+        if scale is not None:
+            layer_args = {**layer_args, "kv_scale": scale}
         if len(parts) == 1:  # the whole batch (every decode-only step): no slicing
             part = parts[0]
             return self.impl(part.role).forward(*rows, cache, part.metadata, **layer_args)  # type: ignore[attr-defined]

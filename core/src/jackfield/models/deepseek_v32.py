@@ -119,11 +119,13 @@ class SparseMLAAttention(MLAAttention):
         cache = step.kv_caches[self.index]
         key_cache = step.kv_caches[a.num_layers + self.index]  # same blocks and slots as `cache`
         out = q.new_empty(q.shape[0], a.num_heads, a.v_head_dim)
+        kv_scale = self.attn.kv_scale(step, self.index, kv_c, k_pe)
         # The engine's parts of the batch (its role halves, this layer's KV cache group): the
         # indexer picks each part's top-k with that part's metadata, then its impl attends.
         for rows, impl, metadata in self.attn.parts(step, self.index):
             topk = self.indexer.top_k(index_q[rows], index_k[rows], head_weights[rows], key_cache, metadata)
-            out[rows] = impl.forward(q[rows], kv_c[rows], k_pe[rows], cache, metadata, topk_indices=topk)  # type: ignore[attr-defined]
+            out[rows] = impl.forward(q[rows], kv_c[rows], k_pe[rows], cache, metadata, kv_scale=kv_scale,  # type: ignore[attr-defined]
+                                     topk_indices=topk)
         return out
 
 

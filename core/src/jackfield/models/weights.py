@@ -4,7 +4,8 @@ A family declares a `WeightMapper`: rules from Hugging Face tensor names (regexe
 groups) to the model's parameter names, optionally into one shard of a fused parameter (dim 0
 split into equal parts) or one expert of a stacked parameter. Loading checks that every
 parameter is written exactly once and that every checkpoint tensor has a home; both failures
-name the tensors.
+name the tensors. fp8 KV-cache scales beside the attention weights are not parameters: the
+engine reads them (models/kv_scales.py), the loader passes over them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from jackfield.model_files import ModelFileError
+from jackfield.models.kv_scales import is_kv_scale_tensor
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,8 @@ def load_weights(
     finite: list[tuple[str, torch.Tensor]] = []
     with torch.no_grad():
         for hf_name, tensor in weights:
+            if is_kv_scale_tensor(hf_name):  # fp8 KV-cache scales: the engine's (models/kv_scales.py)
+                continue
             try:
                 target = mapper.target(hf_name)
             except KeyError:

@@ -43,7 +43,8 @@ def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
 
 
 def check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """The per-tensor fp8 scale tensor the kernels read (no host sync); fp8 without one fails.
+    """The per-tensor fp8 scales the kernels read (no host sync); fp8 without them fails: [1] for
+    an MLA cache (3-D), [2] (key scale at element 0, value scale at 1) for an MHA cache (5-D).
 
     Non-fp8 caches get the kernels' unused dummy (the cache itself, never dereferenced).
     """
@@ -51,12 +52,14 @@ def check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.
         return kv_cache
     require(
         kv_scale is not None,
-        "fp8 (float8_e4m3fn) kv_cache needs kv_scale (a per-tensor scale); none was given",
+        "fp8 (float8_e4m3fn) kv_cache needs kv_scale (per-tensor scales); none was given",
     )
     assert kv_scale is not None
+    size = 2 if kv_cache.dim() == 5 else 1
     require(
-        kv_scale.numel() == 1,
-        lambda: f"kv_scale must hold one per-tensor value, got shape {tuple(kv_scale.shape)}",
+        kv_scale.numel() == size and kv_scale.is_contiguous(),
+        lambda: f"kv_scale must hold {size} contiguous per-tensor value(s) "
+                f"({'key, value' if size == 2 else 'the record'}), got shape {tuple(kv_scale.shape)}",
     )
     require(kv_scale.dtype == torch.float32, lambda: f"kv_scale dtype {kv_scale.dtype} must be float32")
     check_device("kv_scale", kv_scale, kv_cache.device)

@@ -143,7 +143,8 @@ def paged_attention(
     at position p lives in slot p % block_size of block block_table[b, p // block_size].
     query [T, H, Dk], key_cache [num_blocks, block_size, Hkv, Dk], value_cache [.., Hkv, Dv].
     MLA's latent cache [num_blocks, block_size, L + R] is both: key_cache = cache[:, :, None] and
-    value_cache = cache[:, :, None, :L]. Cached values are multiplied by kv_scale (fp8 caches).
+    value_cache = cache[:, :, None, :L]. fp8 caches: keys are multiplied by kv_scale's first element,
+    values by its last (one scale for both, or [key scale, value scale]).
     topk_indices [T, k] (request-local positions, -1 for none) replace causality and the window.
     Rows that see no key (a request without keys: a padded row) give out 0 and lse -inf.
     Returns out [T, H, Dv] and lse [T, H].
@@ -162,7 +163,8 @@ def paged_attention(
         blocks, offsets = block_table[b, pos // block_size].long(), pos % block_size
         k, v = key_cache[blocks, offsets].to(dtype), value_cache[blocks, offsets].to(dtype)
         if kv_scale is not None:
-            k, v = k * kv_scale, v * kv_scale
+            scales = torch.as_tensor(kv_scale, dtype=dtype, device=k.device).reshape(-1)
+            k, v = k * scales[0], v * scales[-1]
         if topk_indices is None:
             visible = visibility_mask(
                 q1 - q0, seq_len, causal=causal, sliding_window=sliding_window, device=query.device

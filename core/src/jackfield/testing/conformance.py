@@ -142,7 +142,7 @@ class AttentionConformance(ConformanceHarness):
         slots = batch.metadata.slot_mapping.clone()
         slots[torch.randperm(slots.numel(), generator=gen)[:3].to(slots.device)] = -1  # padding rows
         key, value = random_kv(layer, batch.num_tokens, case.dtype, self.device, gen)
-        kv_scale = self.kv_scale(case.kv_cache_dtype)
+        kv_scale = self.kv_scale(layer)
         got, want = (
             poisoned_cache(layer, batch, case.dtype, self.device),
             poisoned_cache(layer, batch, case.dtype, self.device),
@@ -188,7 +188,7 @@ class AttentionConformance(ConformanceHarness):
         bs = self.block_size_list(backend)[0]
         q_lens = [max_q, 1, 5, 9]  # two decodes, then a fresh prefill and a chunked one
         batch = make_batch(q_lens, [max_q + 2 * bs, 3, 5, 9 + bs + 3], 2, bs, self.device, gen)
-        kv_scale = self.kv_scale(case.kv_cache_dtype)
+        kv_scale = self.kv_scale(layer)
         got_cache, new_kv = self.filled(layer, batch, case.dtype, kv_scale, gen)
         want_cache = got_cache.clone()
         width = layer.qk_nope_head_dim + layer.qk_rope_head_dim if case.kind == "mla" else layer.head_size
@@ -212,7 +212,7 @@ class AttentionConformance(ConformanceHarness):
         impl, ref = self.impls(backend, layer, case.dtype, gen)
         bs = self.block_size_list(backend)[0]
         batch = make_batch([1, 1, 1], [5, 2 * bs + 3, 9], 3, bs, self.device, gen)
-        kv_scale = self.kv_scale(layer.kv_cache_dtype)
+        kv_scale = self.kv_scale(layer)
         got_cache, (key, value) = self.filled(layer, batch, case.dtype, kv_scale, gen)
         want_cache = got_cache.clone()
         width = layer.qk_nope_head_dim + layer.qk_rope_head_dim if case.kind == "mla" else layer.head_size

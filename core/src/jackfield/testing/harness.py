@@ -64,7 +64,9 @@ class ConformanceHarness:
     mha_num_kv_heads: ClassVar[int] = 2
     mha_head_size: ClassVar[int] = 32
     block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: derived from the capabilities
-    kv_scale_value: ClassVar[float] = 0.02  # fp8 per-tensor scale: |x| up to ~9 stays unclamped
+    # fp8 per-tensor scales (MLA: the first; MHA: key, value): |x| up to ~9 stays unclamped; the
+    # key and value scales differ, so a backend that swaps them or uses one for both fails
+    kv_scale_values: ClassVar[tuple[float, float]] = (0.02, 0.03)
     tolerances: ClassVar[dict[torch.dtype, float]] = {
         torch.float32: 1e-4,
         torch.bfloat16: 2e-2,
@@ -139,10 +141,12 @@ class ConformanceHarness:
                 target.process_weights_after_loading({"kv_b_proj": w.to(device=self.device, dtype=dtype)})
         return impl, ref
 
-    def kv_scale(self, kv_cache_dtype: KVCacheDType) -> torch.Tensor | None:
-        if kv_cache_dtype != "fp8_e4m3":
+    def kv_scale(self, layer: AttentionLayerSpec) -> torch.Tensor | None:
+        """The layer's fp8 scales ([1] for MLA, [2] key and value for MHA); None for other caches."""
+        if layer.kv_cache_dtype != "fp8_e4m3":
             return None
-        return torch.tensor(self.kv_scale_value, dtype=torch.float32, device=self.device)
+        values = self.kv_scale_values[:1] if layer.kv_lora_rank else self.kv_scale_values
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
 
     def filled(
         self,
@@ -177,7 +181,7 @@ class ConformanceHarness:
     ) -> None:
         """attend on one cache (this step's KV already in it) vs torch_ref, output and LSE."""
         impl, ref = self.impls(backend, layer, dtype, g)
-        kv_scale = self.kv_scale(layer.kv_cache_dtype)
+        kv_scale = self.kv_scale(layer)
         cache, new_kv = self.filled(layer, batch, dtype, kv_scale, g)
         ref.write_kv(cache, batch.metadata.slot_mapping, *new_kv, kv_scale)
         q = self.query(layer, batch.num_tokens, query_width(layer), dtype, g)

@@ -22,7 +22,8 @@ multi-token decode rows ride along in the same tile.
 
 Softmax runs in base 2 (scores scaled by log2(e)); LSE is returned in natural log, float32, -inf
 for rows that saw no key (those give output 0). Sinks join the denominator only. fp8 caches are
-dequantized by folding the per-tensor scale into the score scale and the output.
+dequantized by folding the key scale (kv_scale[0]) into the score scale and the value scale
+(kv_scale[1]) into the output.
 """
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ def _store_rows(
         acc = acc * kept[:, None]
     total = tl.where(seen, l_i, 1.0)
     o = acc / total[:, None]
-    if FP8:
-        o = o * tl.load(kv_scale)
+    if FP8:  # values are stored divided by their scale (kv_scale[1])
+        o = o * tl.load(kv_scale + 1)
     tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=row_live[:, None])
     lse = tl.where(seen, (m_top + tl.log2(total)) * 0.6931471805599453, float("-inf"))
     tl.store(lse_ptrs, lse, mask=row_live)
@@ -213,7 +214,7 @@ def _decode_kernel(
     first = tile_lo + split * per_split
     last = tl.minimum(first + per_split, tile_end)
 
-    if FP8:  # keys are stored divided by the scale
+    if FP8:  # keys are stored divided by their scale (kv_scale[0])
         qk_scale = qk_scale * tl.load(kv_scale)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -228,7 +229,7 @@ def _decode_kernel(
         seen = l_i > 0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
         if FP8:
-            o = o * tl.load(kv_scale)
+            o = o * tl.load(kv_scale + 1)
         at = row * NUM_HEADS + head
         part_ptrs = part_out + split * stride_split_out + at[:, None] * D + d[None, :]
         tl.store(part_ptrs, o, mask=row_live[:, None])
@@ -365,7 +366,7 @@ def _prefill_kernel(
         full_lo = tl.minimum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N), tile_hi)
     full_hi = tl.maximum(tl.minimum(full_hi, tile_hi), full_lo)
 
-    if FP8:  # keys are stored divided by the scale
+    if FP8:  # keys are stored divided by their scale (kv_scale[0])
         qk_scale = qk_scale * tl.load(kv_scale)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -508,7 +509,7 @@ def paged_attention(
     if tokens == 0:
         return out, lse
     fp8 = kv_cache.dtype == FP8
-    qk_scale = sm_scale * LOG2E  # fp8: the kernels also multiply by the cache's scale
+    qk_scale = sm_scale * LOG2E  # fp8: the kernels also multiply by the key scale
     common = dict(
         q=query, k_cache=kv_cache[0], v_cache=kv_cache[1], sinks=query if sinks is None else sinks,
         kv_scale=scale, out=out, lse=lse, window=sliding_window or 0, stride_qt=query.stride(0),

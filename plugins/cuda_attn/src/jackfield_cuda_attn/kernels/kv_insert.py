@@ -1,7 +1,8 @@
 """KV insert: write key and value rows into the paged MHA cache [2, blocks, block_size, H_kv, D].
 
 Each program writes BLOCK_T tokens of one KV head, key and value. fp8 caches hold
-clamp(x / scale, -448, 448) with the per-tensor scale, as the core's `quantize`.
+clamp(x / scale, -448, 448) with the per-tensor scales (keys kv_scale[0], values kv_scale[1]), as
+the core's `quantize`.
 
 Slot range: every layer of a step inserts with the same slot_mapping tensor, so its range is
 checked on the host once per (tensor, version, capacity) and remembered (one device sync a step,
@@ -51,10 +52,9 @@ def _kv_insert_kernel(
     d = tl.arange(0, D)[None, :]
     k = tl.load(key + tok[:, None] * stride_kt + head * stride_kh + d, mask=live).to(tl.float32)
     v = tl.load(value + tok[:, None] * stride_vt + head * stride_vh + d, mask=live).to(tl.float32)
-    if QUANT:  # fp8: divide by the per-tensor scale and saturate to the finite range
-        scale = tl.load(kv_scale)
-        k = tl.clamp(k / scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+    if QUANT:  # fp8: divide by the per-tensor scales (key, value) and saturate to the finite range
+        k = tl.clamp(k / tl.load(kv_scale), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v / tl.load(kv_scale + 1), -FP8_MAX, FP8_MAX)
     where = slot[:, None] * stride_slot + head * D + d
     out_ty = k_cache.dtype.element_ty
     tl.store(k_cache + where, k.to(out_ty), mask=live)
@@ -73,7 +73,8 @@ def mha_kv_insert(
 ) -> None:
     """Write key, value [T, H_kv, D] into kv_cache [2, blocks, block_size, H_kv, D] at slot_mapping [T].
 
-    Slots < 0 are skipped; fp8 caches are quantized with `kv_scale` (required). An out-of-range
+    Slots < 0 are skipped; fp8 caches are quantized with `kv_scale` [2] (key scale, value scale;
+    required). An out-of-range
     slot is a ValueError here; the check syncs once per slot_mapping (see the module docstring).
     """
     check_cache(kv_cache)
