@@ -21,7 +21,7 @@ from jackfield.attention import mla as mla_module
 from jackfield.attention import torch_ref
 from jackfield.models import attention as attention_module
 from jackfield.testing.checkpoints import write_deepseek, write_granite
-from jackfield.testing.fp8_reference import fp8_reference, round_fp8
+from jackfield.testing.fp8_reference import float64_logits, fp8_reference, round_fp8
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
@@ -81,18 +81,21 @@ def test_calibrated_scales_are_amax_over_448_of_the_first_prefill(family: Family
     prompts = random_prompts(family, (13, 21))  # one step: the whole first prefill
     llm.generate(prompts, GREEDY)
     scales = engine_scales(llm)
-    want = amax_scales(family, prompts, scales)
-    assert len(scales) == len(want) == family.model.config.num_hidden_layers
-    # float32 arithmetic against float64: a few units of float32 rounding
-    got = torch.tensor(scales, dtype=torch.float64)
-    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=0)
+    amax = amax_scales(family, prompts, scales)
+    assert len(scales) == len(amax) == family.model.config.num_hidden_layers
+    got, want = torch.tensor(scales, dtype=torch.float64), torch.tensor(amax, dtype=torch.float64)
+    # layer 0 reads no attention: float32 arithmetic against float64, a few float32 roundings
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)
+    # later layers also see the fp8 KV of earlier ones, where a float32 value within float32
+    # rounding of an fp8 midpoint may round the other way: far below 1e-3 of an amax (a scale
+    # off by a power of two, or taken over other rows, is far above)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
     llm.generate(random_prompts(family, (30,)), GREEDY)
     assert engine_scales(llm) == scales, "the scales moved after the first prefill (they are frozen)"
 
 
 def test_logprobs_equal_transformers_with_the_same_fp8_rounding(family: Family) -> None:
-    """The engine computes exactly transformers' forward over KV rounded by its scales (float32
-    arithmetic against float64: 1e-4 on logprobs of a few nats)."""
+    """The engine computes transformers' forward over KV rounded by its scales."""
     llm = LLM(family.directory, **FP8)
     prompts = random_prompts(family, (9, 17, 30))
     outputs = llm.generate(prompts, FIRST_TOKEN)
@@ -101,12 +104,19 @@ def test_logprobs_equal_transformers_with_the_same_fp8_rounding(family: Family) 
 
 def assert_matches_fp8_reference(family: Family, prompts: list[list[int]], outputs: list,
                                  scales: list[list[float]]) -> None:
+    """Top-5 first-token logprobs within 1e-4 (float32 against float64 over logprobs of a few
+    nats) plus a tenth of what fp8's rounding moves them: a float32 value within float32 rounding
+    of an fp8 midpoint can round to the other neighbour (one element moves one fp8 step), which
+    moves the result by a small part of what the rounding of every element does. Rounding with
+    other scales, or misreading them, moves it by about all of that or more."""
     for prompt, out in zip(prompts, outputs, strict=True):
         want = torch.log_softmax(fp8_reference(family.model, prompt, scales).logits[-1], dim=-1)
+        unrounded = torch.log_softmax(float64_logits(family.model, prompt)[-1], dim=-1)
         got = out.logprobs[0]
-        assert list(got) == want.topk(5).indices.tolist()
-        torch.testing.assert_close(torch.tensor(list(got.values()), dtype=torch.float64), want[list(got)],
-                                   rtol=0, atol=1e-4)
+        tokens = list(got)  # the engine's top 5 (the reference's, up to near-ties)
+        rounding = float((want[tokens] - unrounded[tokens]).abs().max())
+        torch.testing.assert_close(torch.tensor(list(got.values()), dtype=torch.float64), want[tokens],
+                                   rtol=0, atol=1e-4 + 0.1 * rounding)
 
 
 def logprob_error(family: Family, llm: LLM, prompts: list[list[int]]) -> float:
