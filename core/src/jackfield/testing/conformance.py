@@ -210,7 +210,7 @@ class AttentionConformance(ConformanceHarness):
         got = forward_by_role(backend, impl, q, new_kv, got_cache, md, kv_scale, topk)
         want = forward_by_role(TorchRefBackend, ref, q, new_kv, want_cache, md, kv_scale, topk)
         what = f"forward, {case.id}, q_lens={q_lens}"
-        checks.assert_output_close(got, want, self.tolerances[case.dtype], what)
+        checks.assert_output_close(got, want, self.tolerance(case.dtype, case.kv_cache_dtype), what)
         checks.assert_cache_close(got_cache, want_cache, kv_scale, what)
 
     def check_graph_style_decode(
@@ -236,7 +236,7 @@ class AttentionConformance(ConformanceHarness):
         got = impl.forward(q, keys, values, got_cache, padded, kv_scale=kv_scale)  # type: ignore[attr-defined]
         want = ref.forward(q[:3], key, value, want_cache, md, kv_scale=kv_scale)  # type: ignore[attr-defined]
         what = f"graph-style decode (upper-bound lengths, one padded row), {case.id}"
-        checks.assert_output_close(got[:3], want, self.tolerances[case.dtype], what)
+        checks.assert_output_close(got[:3], want, self.tolerance(case.dtype, case.kv_cache_dtype), what)
         assert torch.equal(got[3], torch.zeros_like(got[3])), f"{what}: the padded row is not exactly 0"
         checks.assert_cache_close(got_cache, want_cache, kv_scale, f"{what}: cache")
 
