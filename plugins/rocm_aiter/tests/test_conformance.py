@@ -24,10 +24,11 @@ class DeepSeekShapes(AttentionConformance):
 
     def tolerance(self, dtype: torch.dtype, kv_cache_dtype: KVCacheDType) -> float:
         """Over an fp8 cache AITER takes fp8 queries: each latent query element keeps 3 mantissa
-        bits where torch_ref keeps bf16's 8 (the emulator's output was within 0.085 of the
-        output's scale over 30 seeds). test_backend.py checks the fp8 path against the quantized
-        query exactly."""
-        return 0.125 if kv_cache_dtype == "fp8_e4m3" else super().tolerance(dtype, kv_cache_dtype)
+        bits where torch_ref keeps bf16's 8. Over 30 seeds at 16 and 128 heads the emulated
+        outputs were within 0.085 of the output's scale and the LSEs within 0.2 (rows of few keys:
+        the LSE is about one logit's rounding). test_backend.py checks the fp8 path tightly
+        against the attention of the quantized query."""
+        return 0.25 if kv_cache_dtype == "fp8_e4m3" else super().tolerance(dtype, kv_cache_dtype)
 
 
 class TestGfx950(DeepSeekShapes):
@@ -36,20 +37,24 @@ class TestGfx950(DeepSeekShapes):
     backend_cls = emulated_backend(EmulatedAiter("gfx950"))
 
 
+def declaring(
+    backend: type[AttentionBackend], kv_cache_dtypes: tuple[KVCacheDType, ...]
+) -> type[AttentionBackend]:
+    """`backend` declaring only these caches (the kit generates its cases from the declaration)."""
+    caps = dataclasses.replace(backend.capabilities, kv_cache_dtypes=kv_cache_dtypes)
+    return type(backend.__name__, (backend,), {"capabilities": caps})
+
+
 class TestGfx950With128Heads(DeepSeekShapes):
-    backend_cls = emulated_backend(EmulatedAiter("gfx950"))
+    """128 heads: one kernel for every query length. "auto" is "bfloat16" for bf16 activations
+    (the 16-head class runs both)."""
+
+    backend_cls = declaring(emulated_backend(EmulatedAiter("gfx950")), ("bfloat16", "fp8_e4m3"))
     num_heads = 128
 
 
-def without_fp8(backend: type[AttentionBackend]) -> type[AttentionBackend]:
-    """gfx942's AITER reads fp8 as float8_e4m3fnuz, which a Jackfield fp8 cache is not: validate()
-    refuses it there (test_backend.py), so the kit runs the 16-bit caches."""
-    caps = dataclasses.replace(backend.capabilities, kv_cache_dtypes=("auto", "bfloat16"))
-    return type("Gfx942Backend", (backend,), {"capabilities": caps})
-
-
 class TestGfx942(DeepSeekShapes):
-    """MI300: causal kernels only."""
+    """MI300: causal kernels only. Its AITER reads fp8 as float8_e4m3fnuz, which a Jackfield fp8
+    cache is not: validate() refuses fp8 there (test_backend.py), so the kit runs 16-bit caches."""
 
-    backend_cls = without_fp8(emulated_backend(EmulatedAiter("gfx942")))
-    dtypes = (torch.bfloat16,)
+    backend_cls = declaring(emulated_backend(EmulatedAiter("gfx942")), ("auto", "bfloat16"))
