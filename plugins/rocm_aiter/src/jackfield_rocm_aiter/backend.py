@@ -118,10 +118,11 @@ class RocmAiterMLAImpl(MLAImpl):
             kv_scale=None if kv_scale is None else kv_scale.reshape(1),
             **options,
         )
+        lse = lse if return_lse else None  # without return_lse some paths hand back split LSEs
         if layout.padded_rows is not None:
             out = out[layout.padded_rows]
             lse = None if lse is None else lse[layout.padded_rows]
-        return AttentionOutput(out, lse if return_lse else None)
+        return AttentionOutput(out, lse)
 
 
 def fp8_query(q: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
