@@ -132,3 +132,23 @@ def test_an_unset_block_size_passes_capability_checks_and_a_set_one_is_checked()
     caps = dataclasses.replace(TORCH_REF_CAPABILITIES, block_size_multiple=64)
     assert capability_mismatches(caps, dataclasses.replace(MLA, block_size=None)) == []
     assert any("multiple of 64" in r for r in capability_mismatches(caps, MLA))
+
+
+def test_validate_asks_supports_non_causal_for_every_decode_query_length() -> None:
+    """A backend whose non-causal answer depends on the cache dtype and query length (a per-arch
+    kernel list) is refused for exactly the lengths up to the requirement's longest it lacks."""
+    from jackfield.attention.torch_ref import TorchRefBackend
+
+    class LacksTwoRowFp8(TorchRefBackend):
+        @classmethod
+        def supports_non_causal(cls, device: object, kv_cache_dtype: str = "auto",
+                                query_len: int = 1) -> bool:
+            return not (kv_cache_dtype == "fp8_e4m3" and query_len == 2)
+
+    req = dataclasses.replace(MLA, non_causal=True, max_decode_query_len=4, kv_cache_dtype="fp8_e4m3")
+    assert LacksTwoRowFp8.validate(req) == [
+        "non_causal not supported on cpu with kv_cache_dtype 'fp8_e4m3' for decode query lengths [2]"
+    ]
+    assert LacksTwoRowFp8.validate(dataclasses.replace(req, max_decode_query_len=1)) == []
+    assert LacksTwoRowFp8.validate(dataclasses.replace(req, kv_cache_dtype="auto")) == []
+    assert LacksTwoRowFp8.validate(dataclasses.replace(req, non_causal=False)) == []

@@ -10,7 +10,12 @@ import pytest
 import torch
 from jackfield.attention.kv_cache import write_slots
 from jackfield.attention.torch_ref import TorchRefBackend, TorchRefMHAImpl, TorchRefMLAImpl
-from jackfield.contracts.attention import AttentionLayerSpec, AttentionOutput
+from jackfield.contracts.attention import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionOutput,
+)
 from jackfield.testing import AttentionConformance
 from jackfield.testing.harness import Case
 
@@ -130,6 +135,44 @@ def test_graph_claim_of_a_backend_that_reads_host_lengths_fails(gen: torch.Gener
     assert case in Kit().cases(claims)["test_forward_matches_reference"]
     with pytest.raises(FAILED):
         Kit().test_forward_matches_reference(claims, case, gen)
+
+
+class StagedQueryOffsets(AttentionMetadataBuilder):
+    """Keeps the step's CPU query offsets in a buffer it reuses from build to build (as a backend
+    staging them for its kernel would). `capture_buffer`: whether a capture-time build stages
+    into a buffer of its own, as the contract asks, or into the run-time one."""
+
+    capture_buffer = True
+
+    def __init__(self) -> None:
+        self.offsets = torch.zeros(64, dtype=torch.int32)
+
+    def build(self, common: AttentionMetadata, for_capture: bool = False) -> AttentionMetadata:
+        n = common.num_reqs + 1
+        staged = torch.zeros(64, dtype=torch.int32) if for_capture and self.capture_buffer else self.offsets
+        staged[:n] = common.query_start_loc_cpu
+        return common.replace(query_start_loc_cpu=staged[:n])
+
+
+class CaptureClobbersQueryOffsets(StagedQueryOffsets):
+    capture_buffer = False
+
+
+@pytest.mark.parametrize("builder, broken",
+                         [(StagedQueryOffsets, False), (CaptureClobbersQueryOffsets, True)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_capture_build_that_clobbers_run_time_offsets_fails(
+    builder: type[AttentionMetadataBuilder], broken: bool, gen: torch.Generator
+) -> None:
+    """The kit's builder test fails a capture-time build that writes the run-time CPU query
+    offsets, and passes the same builder once its capture-time build stages into its own buffer."""
+    backend = type("staged", (TorchRefBackend,), {"name": "staged", "metadata_builder": classmethod(
+        lambda cls: builder())})
+    if broken:
+        with pytest.raises(FAILED, match="query_start_loc_cpu"):
+            Kit().test_capture_build_leaves_run_time_metadata_intact(backend, mha(), gen)
+    else:
+        Kit().test_capture_build_leaves_run_time_metadata_intact(backend, mha(), gen)
 
 
 def test_overclaiming_validate_fails() -> None:

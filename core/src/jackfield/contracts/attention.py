@@ -247,8 +247,12 @@ class AttentionBackend(ABC):
         """Whether this machine can run the backend; fails closed with a reason."""
 
     @classmethod
-    def supports_non_causal(cls, device: torch.device | str) -> bool:
-        """Answers that depend on the machine; default: the capability record."""
+    def supports_non_causal(
+        cls, device: torch.device | str, kv_cache_dtype: KVCacheDType = "auto", query_len: int = 1
+    ) -> bool:
+        """Whether this machine attends non-causally on `device`, over a `kv_cache_dtype` cache, to
+        a decode batch whose longest request has `query_len` query rows. For answers that depend
+        on the machine (a library's signature, a per-arch kernel list); default: the record."""
         return cls.capabilities.non_causal
 
     @classmethod
@@ -258,8 +262,13 @@ class AttentionBackend(ABC):
         available = cls.availability()
         if not available.ok:
             reasons.append(f"unavailable: {available.reason}")
-        elif req.non_causal and cls.capabilities.non_causal and not cls.supports_non_causal(req.device):
-            reasons.append(f"non_causal not supported on {req.device}")
+        elif req.non_causal and cls.capabilities.non_causal:
+            # any decode batch up to the longest query the requirements allow may come
+            lengths = range(1, req.max_decode_query_len + 1)
+            refused = [q for q in lengths if not cls.supports_non_causal(req.device, req.kv_cache_dtype, q)]
+            if refused:
+                reasons.append(f"non_causal not supported on {req.device} with kv_cache_dtype "
+                               f"{req.kv_cache_dtype!r} for decode query lengths {refused}")
         return reasons
 
     @classmethod

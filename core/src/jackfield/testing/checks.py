@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
 
 from jackfield.attention.kv_cache import dequantize_cache
-from jackfield.contracts.attention import AttentionBackend
+from jackfield.contracts.attention import AttentionBackend, AttentionMetadata
 from jackfield.plugins import get_registry
 from jackfield.specs import resolve_factory
 
@@ -102,3 +103,53 @@ def assert_cache_close(
     torch.testing.assert_close(
         g[keep], w[keep], rtol=0.13, atol=float(kv_scale.max()) * 2**-9, msg=lambda m: f"{what}: {m}"
     )
+
+
+def metadata_tensors(metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+    """Every tensor `metadata` reaches, by path: its fields and what a builder put in `extra`,
+    through dataclasses, mappings, lists and tuples."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(value: object, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+            return
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), f"{path}.{f.name}")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, f"{path}[{key!r}]")
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]")
+
+    walk(metadata, "metadata")
+    return found
+
+
+def assert_tensors_unchanged(
+    tensors: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor], what: str
+) -> None:
+    """Each tensor holds the bytes it held in `before` (taken by clone), path by path."""
+    changed = [
+        path for path, t in tensors.items()
+        if path not in before or t.shape != before[path].shape or t.dtype != before[path].dtype
+        or not torch.equal(_as_bytes(t), _as_bytes(before[path]))
+    ]
+    assert not changed, f"{what}: changed {changed}"
+
+
+def shared_storage(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """Pairs of paths, one from each side, whose (non-empty) tensors share storage."""
+    storages = {t.untyped_storage().data_ptr(): path for path, t in b.items() if t.numel()}
+    return [(path, storages[ptr]) for path, t in a.items()
+            if t.numel() and (ptr := t.untyped_storage().data_ptr()) in storages]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)

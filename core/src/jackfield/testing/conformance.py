@@ -79,6 +79,7 @@ class AttentionConformance(ConformanceHarness):
                     )
                 out["test_validate_rejects_what_capabilities_do_not_claim"].append(base)
                 out["test_bad_inputs_are_rejected_at_the_entry"].append(base)
+                out["test_capture_build_leaves_run_time_metadata_intact"].append(base)
         return dict(out)  # every test has a case: kinds and dtypes are never empty
 
     def requirements(self, backend: type[AttentionBackend], case: Case) -> AttentionRequirements:
@@ -99,7 +100,10 @@ class AttentionConformance(ConformanceHarness):
         caps, base = backend.capabilities, self.requirements(backend, case)
         assert backend.validate(base) == [], f"validate({case.id})"
         claimed = {name: True for name in FEATURES if getattr(caps, name)}
-        if claimed.get("non_causal") and not backend.supports_non_causal(self.device):
+        lengths = range(1, caps.max_decode_query_len + 1)
+        if claimed.get("non_causal") and not all(
+            backend.supports_non_causal(self.device, case.kv_cache_dtype, q) for q in lengths
+        ):
             del claimed["non_causal"]  # a fact of this machine, which validate reports
         everything = dataclasses.replace(base, max_decode_query_len=caps.max_decode_query_len, **claimed)
         assert backend.validate(everything) == [], f"validate({case.id} with {sorted(claimed)})"
@@ -155,8 +159,11 @@ class AttentionConformance(ConformanceHarness):
     def test_attend_matches_reference(
         self, backend: type[AttentionBackend], case: Case, gen: torch.Generator
     ) -> None:
-        """variant: "causal" / "non_causal" masks, "sliding_window=<w>", "sinks", "sparse_topk"."""
-        if case.variant == "non_causal" and not backend.supports_non_causal(self.device):
+        """variant: "causal" / "non_causal" masks, "sliding_window=<w>", "sinks", "sparse_topk".
+        Non-causal batches run where `supports_non_causal` says this machine serves them."""
+        if case.variant == "non_causal" and not backend.supports_non_causal(
+            self.device, case.kv_cache_dtype, 1
+        ):
             pytest.skip(f"{backend.name} attends non-causally on another device, not on {self.device}")
         window = int(case.variant.removeprefix("sliding_window=")) if "window" in case.variant else None
         layer = self.layer(case.kind, case.kv_cache_dtype, sliding_window=window)
@@ -172,6 +179,10 @@ class AttentionConformance(ConformanceHarness):
             torch.randn(layer.num_heads, generator=gen).to(self.device) if case.variant == "sinks" else None
         )
         for what, batch in self.batches(backend, case.kind, gen, causal=case.variant != "non_causal"):
+            if not batch.metadata.causal and not backend.supports_non_causal(
+                self.device, case.kv_cache_dtype, batch.metadata.max_query_len
+            ):
+                continue  # a kernel this machine lacks (validate says so); the other batches run
             self.check_attend(backend, layer, batch, case.dtype, gen, what=f"{case.id}, {what}", sinks=sinks)
 
     # ---- forward (write + attend, the batch divided by role as the engine divides it) -----------
@@ -199,7 +210,7 @@ class AttentionConformance(ConformanceHarness):
         got = forward_by_role(backend, impl, q, new_kv, got_cache, md, kv_scale, topk)
         want = forward_by_role(TorchRefBackend, ref, q, new_kv, want_cache, md, kv_scale, topk)
         what = f"forward, {case.id}, q_lens={q_lens}"
-        checks.assert_output_close(got, want, self.tolerances[case.dtype], what)
+        checks.assert_output_close(got, want, self.tolerance(case.dtype, case.kv_cache_dtype), what)
         checks.assert_cache_close(got_cache, want_cache, kv_scale, what)
 
     def check_graph_style_decode(
@@ -219,29 +230,44 @@ class AttentionConformance(ConformanceHarness):
         q = self.query(layer, 4, width, case.dtype, gen)  # the fourth row is padding
         pad_key, pad_value = random_kv(layer, 1, case.dtype, self.device, gen)
         md = batch.metadata
-        bound = md.block_table.shape[1] * bs
-        padded = dataclasses.replace(
-            md,
-            query_start_loc=torch.arange(5, dtype=torch.int32, device=self.device),
-            seq_lens=torch.cat([md.seq_lens, md.seq_lens.new_zeros(1)]),
-            block_table=torch.cat([md.block_table, md.block_table[:1]]),
-            slot_mapping=torch.cat([md.slot_mapping, md.slot_mapping.new_full((1,), -1)]),
-            query_start_loc_cpu=torch.arange(5, dtype=torch.int32),
-            seq_lens_cpu=torch.full((4,), bound, dtype=torch.int32),
-            max_seq_len=bound,
-            num_decodes=4,
-            num_decode_tokens=4,
-            extra={},
-        )
-        padded = backend.metadata_builder().build(padded, for_capture=True)
+        padded = backend.metadata_builder().build(graph_style_decode(md, bs), for_capture=True)
         checks.poison_allocator(self.device)
         keys, values = torch.cat([key, pad_key]), torch.cat([value, pad_value])
         got = impl.forward(q, keys, values, got_cache, padded, kv_scale=kv_scale)  # type: ignore[attr-defined]
         want = ref.forward(q[:3], key, value, want_cache, md, kv_scale=kv_scale)  # type: ignore[attr-defined]
         what = f"graph-style decode (upper-bound lengths, one padded row), {case.id}"
-        checks.assert_output_close(got[:3], want, self.tolerances[case.dtype], what)
+        checks.assert_output_close(got[:3], want, self.tolerance(case.dtype, case.kv_cache_dtype), what)
         assert torch.equal(got[3], torch.zeros_like(got[3])), f"{what}: the padded row is not exactly 0"
         checks.assert_cache_close(got_cache, want_cache, kv_scale, f"{what}: cache")
+
+    # ---- metadata builds: what a CUDA-graph capture may not touch --------------------------------
+    def test_capture_build_leaves_run_time_metadata_intact(
+        self, backend: type[AttentionBackend], case: Case, gen: torch.Generator
+    ) -> None:
+        """The builder contract for every backend: a capture-time build (`for_capture=True`) uses
+        buffers of its own. One builder (the decode role's) builds a step's run-time metadata, then
+        capture-time metadata of another batch, then the run-time metadata again: the first
+        build's tensors (its CPU query offsets among them) and its input are byte for byte what
+        they were, the capture build shares no storage with them, and the second run-time build
+        equals the first."""
+        bs = self.block_size_list(backend)[0]
+        max_q = min(backend.capabilities.max_decode_query_len, 3)
+        run_common = make_batch([max_q, 1, 1], [max_q + bs, 5, 2 * bs + 1], 3, bs, self.device, gen).metadata
+        capture_batch = make_batch([1, 1], [3, bs + 2], 2, bs, self.device, gen)
+        capture_common = graph_style_decode(capture_batch.metadata, bs)
+        builder = backend.metadata_builder()
+        run_tensors = checks.metadata_tensors(builder.build(run_common))
+        input_tensors = checks.metadata_tensors(run_common)
+        before = {path: t.clone() for path, t in run_tensors.items()}
+        inputs_before = {path: t.clone() for path, t in input_tensors.items()}
+        captured = checks.metadata_tensors(builder.build(capture_common, for_capture=True))
+        checks.assert_tensors_unchanged(run_tensors, before, "run-time metadata after a capture-time build")
+        checks.assert_tensors_unchanged(input_tensors, inputs_before, "the run-time build's input")
+        shared = checks.shared_storage(captured, run_tensors)
+        assert not shared, f"the capture-time build shares storage with the run-time metadata: {shared}"
+        again = checks.metadata_tensors(builder.build(run_common))
+        assert again.keys() == before.keys(), f"a second run-time build holds {sorted(again)}"
+        checks.assert_tensors_unchanged(again, before, "a run-time build after a capture-time build")
 
     # ---- fail closed ---------------------------------------------------------------------------
     def test_bad_inputs_are_rejected_at_the_entry(
@@ -277,6 +303,27 @@ class AttentionConformance(ConformanceHarness):
                 lambda: fp8_impl.write_kv(fp8_cache, slots, key, value), "fp8 write_kv without scale"
             )
             checks.assert_rejects(lambda: fp8_impl.attend(q, fp8_cache, md), "fp8 attend without scale")
+
+
+def graph_style_decode(metadata: AttentionMetadata, block_size: int) -> AttentionMetadata:
+    """A decode batch (one query row per request) as a CUDA-graph capture sees it: one padded row
+    more (seq_len 0, slot -1) and Python lengths that only bound the real ones (the whole block
+    table), as the engine records its decode graphs."""
+    md, n = metadata, metadata.num_reqs + 1
+    bound = md.block_table.shape[1] * block_size
+    return dataclasses.replace(
+        md,
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=md.query_start_loc.device),
+        seq_lens=torch.cat([md.seq_lens, md.seq_lens.new_zeros(1)]),
+        block_table=torch.cat([md.block_table, md.block_table[:1]]),
+        slot_mapping=torch.cat([md.slot_mapping, md.slot_mapping.new_full((1,), -1)]),
+        query_start_loc_cpu=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens_cpu=torch.full((n,), bound, dtype=torch.int32),
+        max_seq_len=bound,
+        num_decodes=n,
+        num_decode_tokens=n,
+        extra={},
+    )
 
 
 def forward_by_role(

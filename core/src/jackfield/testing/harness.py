@@ -141,6 +141,12 @@ class ConformanceHarness:
                 target.process_weights_after_loading({"kv_b_proj": w.to(device=self.device, dtype=dtype)})
         return impl, ref
 
+    def tolerance(self, dtype: torch.dtype, kv_cache_dtype: KVCacheDType) -> float:
+        """The error allowed, relative to the output's scale (absolute for the LSE): `tolerances`
+        by activation dtype. A backend whose kernels round more than that dtype does for some
+        cache (one that quantizes the query to fp8 over an fp8 cache) overrides this for it."""
+        return self.tolerances[dtype]
+
     def kv_scale(self, layer: AttentionLayerSpec) -> torch.Tensor | None:
         """The layer's fp8 scales ([1] for MLA, [2] key and value for MHA); None for other caches."""
         if layer.kv_cache_dtype != "fp8_e4m3":
@@ -194,7 +200,7 @@ class ConformanceHarness:
         got: AttentionOutput = impl.attend(q, cache, batch.metadata, **kwargs)
         checks.same_bytes(cache, before, f"{what}: attend modified the KV cache")
         want: AttentionOutput = ref.attend(q, cache, batch.metadata, **kwargs)
-        tol = self.tolerances[dtype]
+        tol = self.tolerance(dtype, layer.kv_cache_dtype)
         checks.assert_output_close(got.out, want.out, tol, f"{what}: output")
         if backend.capabilities.dcp:
             checks.assert_lse_close(got.lse, want.lse, tol, f"{what}: lse")
