@@ -5,7 +5,8 @@ it (the consumer side) and run it as a script (the producer, in a process of its
 
 KIND is "mla" (bf16, one group) or "mha" (float32, a full group and a window group sharing two
 cache tensors). With DIE_AFTER_LAYERS the producer kills itself (no goodbye) once it has sent
-that many layer messages, in the middle of the transfer.
+that many layer messages, in the middle of the transfer. `run_prefill_then_die` does the same
+to a whole prefill engine (`PDLLM`'s child, which imports it from here).
 """
 
 from __future__ import annotations
@@ -104,3 +105,22 @@ def produce(kind: str, address: str, seed: int, die_after: int | None) -> None:
 
 if __name__ == "__main__":
     produce(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)
+
+
+def run_prefill_then_die(config: object, pipe: object) -> None:
+    """`jackfield.commands.pd.run_prefill_engine`, killed (no goodbye) once its connector has sent
+    $PD_TEST_DIE_AFTER layer messages: a prefill engine dying in the middle of a transfer."""
+    from jackfield.commands.pd import run_prefill_engine
+    from jackfield_kv_offload import channel
+
+    die_after, real_send, sent = int(os.environ["PD_TEST_DIE_AFTER"]), channel.Sender._send, [0]
+
+    def send_then_die(self: channel.Sender, message: channel.Outgoing) -> None:
+        if message.kind == channel.Kind.LAYER:
+            if sent[0] == die_after:
+                os._exit(3)
+            sent[0] += 1
+        real_send(self, message)
+
+    channel.Sender._send = send_then_die  # type: ignore[method-assign]
+    run_prefill_engine(config, pipe)  # type: ignore[arg-type]

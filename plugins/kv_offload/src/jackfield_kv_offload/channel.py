@@ -8,6 +8,8 @@ the cache layout. Gloo gives no usable poll (a receive completes only inside `wa
 that times out closes the pair for good. So the consumer receives on a thread of its own, the
 producer sends from a thread of its own (`Sender`, in order) and sends a heartbeat whenever it
 has been quiet for a quarter of the timeout; a receive that times out means the producer is gone.
+A producer that stops says BYE, and both threads are ended at exit (`atexit`): a thread still
+blocked in gloo when the interpreter finalizes aborts the process once its wait returns.
 
 Another transport (NCCL between GPUs, shared memory on one host) implements `Channel`.
 """
@@ -35,6 +37,7 @@ class Kind(enum.IntEnum):
     LAYER = 4  # one KV cache layer's rows for the transfer's chunks of its group: one tensor per plane
     END = 5  # the transfer is whole: its chunks may be read
     HEARTBEAT = 6
+    BYE = 7  # the producer stops: the stream ends here
 
 
 def header(kind: Kind, transfer: int = 0, count: int = 0, layer: int = 0) -> torch.Tensor:
@@ -103,6 +106,7 @@ class Sender:
         self.queue.put(message)
 
     def close(self) -> None:
+        """Send what is queued, then BYE (bounded: a consumer that takes nothing times it out)."""
         self.queue.put(None)
         self.thread.join(timeout=self.heartbeat_s * 4)
 
@@ -117,9 +121,10 @@ class Sender:
                 message = self.queue.get(timeout=self.heartbeat_s)
             except queue.Empty:
                 message = Outgoing(Kind.HEARTBEAT)
-            if message is None:
-                return
             try:
+                if message is None:
+                    self._send(Outgoing(Kind.BYE))
+                    return
                 self._send(message)
             except RuntimeError as exc:
                 self.error = f"pd: sending to the consumer failed: {str(exc).splitlines()[0]}"

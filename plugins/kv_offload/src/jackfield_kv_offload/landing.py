@@ -120,6 +120,10 @@ class Receiver:
         self.thread = threading.Thread(target=self._run, name="jackfield-pd-receiver", daemon=True)
         self.thread.start()
 
+    def join(self, timeout_s: float) -> None:
+        """Wait (bounded) for the stream to end: the producer's BYE, or its timeout."""
+        self.thread.join(timeout_s)
+
     def _run(self) -> None:
         arrival: Arrival | None = None
         try:
@@ -129,6 +133,9 @@ class Receiver:
                 kind, _, count, layer = head.tolist()
                 if kind == Kind.HEARTBEAT:
                     continue
+                if kind == Kind.BYE:
+                    self.landing.fail(arrival, "pd: the producer closed the stream")
+                    return
                 if kind == Kind.BEGIN:
                     keys = torch.empty((count, 2), dtype=torch.int64)
                     self.channel.recv(keys)

@@ -24,6 +24,7 @@ like a CPU-tier hit), or fails at `timeout_s`, and the engine recomputes them. L
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -321,13 +322,16 @@ def make_pd(context: KVConnectorContext) -> tuple[KVConnectorScheduler, KVConnec
         raise ValueError(str(exc)) from None
     if producer:
         sender = Sender(channel, heartbeat_s=options.timeout_s / 4)
+        atexit.register(sender.close)
         worker = PDProducerWorker(cache, context.layer_group, sender, context.device)
         return PDProducerScheduler(chunkings), worker
     manager = OffloadManager(num_slots, make_policy("lru", num_slots))
     pool = HostPool(context, 1, num_slots)
     landing = Landing(manager, pool, context.layer_group, len(context.coverage))
     layouts = [[(p.shape[1], p.dtype) for p in cache.of_layer(layer)] for layer in range(len(context.layers))]
-    Receiver(channel, landing, layouts)
+    receiver = Receiver(channel, landing, layouts)
+    # Registered after the launcher's own exit handler, so it runs first: it stops the producer.
+    atexit.register(receiver.join, options.timeout_s)
     return (PDConsumerScheduler(landing, chunkings, context.block_size, options.timeout_s),
             PDConsumerWorker(pool, context.layer_group))
 
