@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import torch
+
 from jackfield.config import ConfigError, JackfieldConfig, resolve_config
 from jackfield.contracts.sampler import SamplingParams
 from jackfield.engine.llm import LLM
@@ -86,12 +88,15 @@ def free_address() -> str:
 
 class PDLLM(LLM):
     """PDLLM(model=None, config=None, **overrides): `LLM`'s arguments; both engines get the same
-    config but for [kv_connector] (pd, with a role each). `close()` stops the prefill process."""
+    config but for [kv_connector] (pd, with a role each) and `prefill_overrides`, which the prefill
+    engine alone takes (e.g. {"engine.device": "cuda:1"}: a GPU of its own). `close()` stops it;
+    a script that builds one needs the `if __name__ == "__main__":` guard (the child is spawned)."""
 
     def __init__(self, model: str | Path | None = None, config: JackfieldConfig | str | Path | None = None,
-                 *, progress: Callable[[str], None] | None = None, **overrides: object) -> None:
+                 *, progress: Callable[[str], None] | None = None,
+                 prefill_overrides: Mapping[str, object] | None = None, **overrides: object) -> None:
         address = free_address()
-        producer = pd_config(config, model, overrides, "producer", address)
+        producer = pd_config(config, model, {**overrides, **(prefill_overrides or {})}, "producer", address)
         consumer = pd_config(config, model, overrides, "consumer", address)
         context = multiprocessing.get_context("spawn")
         self._pipe, child_end = context.Pipe()
@@ -101,6 +106,7 @@ class PDLLM(LLM):
         child_end.close()
         self.producer_error: str | None = None  # why the prefill engine stopped serving, if it did
         self._next_id = 0  # request ids of this engine pair (the decode engine's own are not used)
+        self._at_producer: dict[int, Sequence] = {}  # sent to the prefill engine, not handed back yet
         try:  # the connector's rendezvous waits here for the child to load its model and join
             super().__init__(config=consumer, progress=progress)
         except BaseException:
@@ -160,48 +166,59 @@ class PDLLM(LLM):
             print(f"jackfield: the prefill engine stopped: {reason}; its requests are computed by the "
                   "decode engine", file=sys.stderr)
 
+    def add_requests(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Sequence]:
+        """Queue requests all or none (each checked first), each sent to the prefill engine; `step`
+        moves them on. While the prefill engine is lost, they are computed here whole."""
+        for token_ids, params in requests:
+            self.engine.check_request(token_ids, params)
+        seqs = []
+        for token_ids, params in requests:
+            seq = Sequence(self._next_id, len(token_ids), list(token_ids), params, seed=-1)
+            self._next_id += 1
+            seqs.append(seq)
+            self._at_producer[seq.request_id] = seq
+            self._send(Prefill(seq.request_id, seq.token_ids, params))
+        return seqs
+
+    def has_work(self) -> bool:
+        return bool(self._at_producer) or self.engine.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """The prefill engine's handoffs (waiting up to 50 ms for one when nothing runs here), then
+        one decode step. Returns the requests that finished."""
+        scheduler = self.engine.scheduler
+        finished = self._take_handoffs(wait=not scheduler.has_work())  # their first token ended them
+        if self._at_producer and self.producer_error is not None:
+            for seq in self._at_producer.values():
+                self._run_here(seq)
+            self._at_producer.clear()
+        if scheduler.has_work():
+            finished += self.engine.step()
+            if scheduler.loading and not scheduler.running:
+                time.sleep(0.001)  # only waiting for KV in flight: leave the cores to it
+        return finished
+
     def _run(self, requests: list[tuple[list[int], SamplingParams]], pooling: str | None, use_tqdm: bool,
              progress: Callable[[int, int], None] | None) -> list[Sequence]:
         """`LLM._run` across the two engines: prefill there, decode here (pooling runs here)."""
         if pooling is not None or self.producer_error is not None:
             return super()._run(requests, pooling, use_tqdm, progress)
-        engine = self.engine
         with self._lock:
-            for token_ids, params in requests:  # all or none, before anything is sent
-                engine.check_request(token_ids, params)
-            seqs = []
-            for token_ids, params in requests:
-                seq = Sequence(self._next_id, len(token_ids), list(token_ids), params, seed=-1)
-                self._next_id += 1
-                seqs.append(seq)
-                self._send(Prefill(seq.request_id, seq.token_ids, params))
-            at_producer = {seq.request_id: seq for seq in seqs}
+            seqs = self.add_requests(requests)
             done = 0
             try:
-                while at_producer or engine.scheduler.has_work():
-                    finished = self._take_handoffs(at_producer, wait=not engine.scheduler.has_work())
-                    if finished:  # their first token ended them
-                        done += len(finished)
-                        if progress:
-                            progress(done, len(seqs))
-                    if at_producer and self.producer_error is not None:
-                        for seq in at_producer.values():
-                            self._run_here(seq)
-                        at_producer.clear()
-                    if engine.scheduler.has_work():
-                        done += len(engine.step())
-                        if progress:
-                            progress(done, len(seqs))
-                        if engine.scheduler.loading and not engine.scheduler.running:
-                            time.sleep(0.001)  # only waiting for KV in flight: leave the cores to it
+                while self.has_work():
+                    done += len(self.step())
+                    if progress:
+                        progress(done, len(seqs))
             except BaseException:
                 for seq in seqs:
-                    if seq.request_id not in at_producer:  # the others never reached this engine
-                        engine.scheduler.abort(seq)
+                    if self._at_producer.pop(seq.request_id, None) is None:  # it reached this engine
+                        self.engine.scheduler.abort(seq)
                 raise
         return seqs
 
-    def _take_handoffs(self, at_producer: dict[int, Sequence], wait: bool) -> list[Sequence]:
+    def _take_handoffs(self, wait: bool) -> list[Sequence]:
         """Apply the prefill engine's handoffs; returns the requests they finished."""
         finished: list[Sequence] = []
         timeout = 0.05 if wait else 0.0
@@ -211,15 +228,15 @@ class PDLLM(LLM):
                 message = self._pipe.recv()
                 if isinstance(message, str):  # the child's error, its last message
                     self._lost(message)
-                elif isinstance(message, Handoff) and message.request_id in at_producer:
-                    seq = at_producer.pop(message.request_id)
+                elif isinstance(message, Handoff) and message.request_id in self._at_producer:
+                    seq = self._at_producer.pop(message.request_id)
                     if self._continue(seq, message):
                         self.engine.scheduler.add(seq)
                     else:
                         finished.append(seq)
         except (EOFError, OSError):
             pass
-        if at_producer and not self._child.is_alive():
+        if self._at_producer and not self._child.is_alive():
             self._lost(f"its process exited with code {self._child.exitcode}")
         return finished
 
@@ -254,6 +271,8 @@ def run_prefill_engine(config: JackfieldConfig, pipe: Connection) -> None:
     Between steps it takes new requests and sends a `Handoff` per finished one; a "stats" message
     is answered with its connector's counters. Any error is sent as text before it exits."""
     try:
+        if config.engine.device.startswith("cuda:"):  # a GPU of its own: kernels launch on the current one
+            torch.cuda.set_device(torch.device(config.engine.device))
         engine = LLM(config=config).engine
         ids: dict[Sequence, int] = {}  # its requests -> the parent's ids
         while True:
