@@ -132,3 +132,15 @@ def test_pd_refuses_another_connector_and_launcher_options(model_dirs: dict[str,
         PDLLM(model_dirs["deepseek"], **BASE, **{"kv_connector.name": "cpu_offload"})
     with pytest.raises(ConfigError, match="kv_connector.options.role: set by --pd"):
         PDLLM(model_dirs["deepseek"], **BASE, **{"kv_connector.options": {"role": "consumer"}})
+
+
+def test_a_prefill_engine_that_cannot_start_is_named_in_the_error(model_dirs: dict[str, Path]) -> None:
+    from jackfield.config import ConfigError
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (the prefill engine is sent to cuda:0)")
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="the prefill engine failed to start: .*cuda:0"):
+        PDLLM(model_dirs["deepseek"], **BASE, prefill_overrides={"engine.device": "cuda:0"},
+              **{"kv_connector.options": {"connect_timeout_s": 3.0}})
+    assert time.monotonic() - start < 60

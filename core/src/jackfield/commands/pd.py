@@ -35,7 +35,7 @@ from jackfield.contracts.sampler import SamplingParams
 from jackfield.engine.llm import LLM
 from jackfield.engine.sequence import Sequence, Status
 
-STOP_WAIT_S = 10.0  # for the child to exit after it was asked to
+STOP_WAIT_S = 10.0  # for the child to exit after it was asked to, or to say why it failed
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,11 @@ class PDLLM(LLM):
         self._at_producer: dict[int, Sequence] = {}  # sent to the prefill engine, not handed back yet
         try:  # the connector's rendezvous waits here for the child to load its model and join
             super().__init__(config=consumer, progress=progress)
-        except BaseException:
+        except BaseException as exc:
+            failed = self._pipe.poll(STOP_WAIT_S) and self._pipe.recv()  # (bounded: it may be slow)
             self.close()
+            if isinstance(failed, str):  # the child's own error explains the rendezvous that failed
+                raise ConfigError([f"the prefill engine failed to start: {failed}"]) from exc
             raise
         # Registered after the connector's own handlers, so it runs before them: the prefill
         # engine stops in order at exit (its connector says goodbye) and nothing waits on it.
@@ -271,7 +274,9 @@ def run_prefill_engine(config: JackfieldConfig, pipe: Connection) -> None:
     Between steps it takes new requests and sends a `Handoff` per finished one; a "stats" message
     is answered with its connector's counters. Any error is sent as text before it exits."""
     try:
-        if config.engine.device.startswith("cuda:"):  # a GPU of its own: kernels launch on the current one
+        # A GPU of its own becomes the current one: kernels launch there (without CUDA the engine
+        # itself says why it cannot run).
+        if config.engine.device.startswith("cuda:") and torch.cuda.is_available():
             torch.cuda.set_device(torch.device(config.engine.device))
         engine = LLM(config=config).engine
         ids: dict[Sequence, int] = {}  # its requests -> the parent's ids
