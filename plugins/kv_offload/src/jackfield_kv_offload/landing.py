@@ -139,6 +139,8 @@ class Receiver:
                 if kind == Kind.BEGIN:
                     keys = torch.empty((count, 2), dtype=torch.int64)
                     self.channel.recv(keys)
+                    if arrival is not None:  # the producer's step broke off before its END
+                        self.landing.end(arrival, whole=False)
                     arrival = self.landing.begin([ChunkKey(g, h) for g, h in keys.tolist()])
                 elif kind == Kind.LAYER and arrival is not None:
                     group = self.landing.layer_group[layer]

@@ -238,7 +238,8 @@ class PDConsumerScheduler(CpuOffloadScheduler):
         stream ended, a block was lost, the deadline passed). Returns the failed request ids."""
         now, failed = time.monotonic(), []
         for rid, wait in list(self.waiting.items()):
-            needed = self._needed_keys(wait.request, wait.num_computed + wait.num_external, wait.num_computed)
+            resume = wait.num_computed + wait.num_external
+            needed = self._needed_keys(wait.request, resume, wait.num_computed)
             if self.manager.lookup(needed) == len(needed):
                 del self.waiting[rid]
                 self._start_load(wait.request, wait.block_ids, wait.num_computed, wait.num_external)
