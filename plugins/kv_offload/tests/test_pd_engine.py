@@ -27,7 +27,8 @@ LENGTHS = (3, 16, 40, 67, 33, 64, 50)  # under a block, whole blocks, and betwee
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pd_models")
     write_deepseek("v3", root / "deepseek")
-    write_granite("granite_swa", root / "granite_swa", max_position_embeddings=256, sliding_window=20)
+    # a window of one block: a drafter's KV lookahead makes window groups send two blocks, not one
+    write_granite("granite_swa", root / "granite_swa", max_position_embeddings=256, sliding_window=16)
     return {"deepseek": root / "deepseek", "granite_swa": root / "granite_swa"}
 
 
@@ -43,25 +44,35 @@ def workload(family: str, seed: int) -> tuple[list[list[int]], list[SamplingPara
     return prompts, params
 
 
-def expected_blocks(windows: tuple[int | None, ...], prompt_len: int, block: int) -> int:
+def expected_blocks(windows: tuple[int | None, ...], prompt_len: int, block: int, lookahead: int) -> int:
     """Blocks the decode engine reads from the prefill engine: it resumes at R (the prompt's whole
-    blocks); a full group needs every block before R, a window group (W) those with keys in (R - W, R)."""
+    blocks); a full group needs every block before R, a window group (W) those with keys in
+    (R - W, R), and `lookahead` more for the draft positions a drafter keeps."""
     resume = prompt_len // block * block
     count = 0
     for window in windows:
-        first = 0 if window is None else max(0, resume - (window - 1))
+        first = 0 if window is None else max(0, resume - (window - 1 + lookahead))
         count += len({p // block for p in range(first, resume)})
     return count
 
 
-@pytest.mark.parametrize("family", ["deepseek", "granite_swa"])
-def test_outputs_identical_to_one_engine_and_block_counts_agree(model_dirs: dict[str, Path],
-                                                                family: str) -> None:
+NGRAM = {"speculative.method": "ngram", "speculative.num_speculative_tokens": 3,
+         "speculative.prompt_lookup_min": 1, "speculative.prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize(("family", "drafter"), [("deepseek", {}), ("granite_swa", {}),
+                                                 ("deepseek", NGRAM), ("granite_swa", NGRAM)])
+def test_outputs_identical_to_one_engine_and_block_counts_agree(model_dirs: dict[str, Path], family: str,
+                                                                drafter: dict[str, object]) -> None:
+    """With a drafter the decode engine drafts and verifies, and windows keep its lookahead too."""
     prompts, params = workload(family, seed=21)
-    single = LLM(model_dirs[family], **BASE)
+    config = {**BASE, **drafter}
+    single = LLM(model_dirs[family], **config)
     expected = single.generate(prompts, params, use_tqdm=False)
     windows = single.engine.runner.kv.groups.windows
-    with PDLLM(model_dirs[family], **BASE, **{"kv_connector.options": {"timeout_s": 10.0}}) as llm:
+    # the drafter's declared KV lookahead (n-gram lookup: 0, it writes no KV of its own; MTP: k)
+    lookahead = single.engine.drafter.lookahead_tokens if single.engine.drafter is not None else 0
+    with PDLLM(model_dirs[family], **config, **{"kv_connector.options": {"timeout_s": 10.0}}) as llm:
         got = llm.generate(prompts, params, use_tqdm=False)
         decode, prefill = llm.engine.kv_connector_stats(), llm.producer_stats()
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
@@ -74,8 +85,8 @@ def test_outputs_identical_to_one_engine_and_block_counts_agree(model_dirs: dict
                 assert a.keys() == b.keys()
                 assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
     assert decode is not None and prefill is not None
-    sent = sum(expected_blocks(windows, len(p), 16) for p in prompts)
-    read = sum(expected_blocks(windows, len(p), 16) for p, sp in zip(prompts, params, strict=True)
+    sent = sum(expected_blocks(windows, len(p), 16, lookahead) for p in prompts)
+    read = sum(expected_blocks(windows, len(p), 16, lookahead) for p, sp in zip(prompts, params, strict=True)
                if sp.max_tokens > 1)  # one that ended at its first token never reached the decode engine
     assert prefill["exported_blocks"] == decode["received_chunks"] == sent
     assert decode["loaded_chunks"] == read and decode["hit_tokens"] == sum(
