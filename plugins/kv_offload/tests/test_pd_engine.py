@@ -155,3 +155,21 @@ def test_a_prefill_engine_that_cannot_start_is_named_in_the_error(model_dirs: di
         PDLLM(model_dirs["deepseek"], **BASE, prefill_overrides={"engine.device": "cuda:0"},
               **{"kv_connector.options": {"connect_timeout_s": 3.0}})
     assert time.monotonic() - start < 60
+
+
+def test_a_landing_zone_too_small_drops_transfers_and_the_decode_engine_recomputes(
+        model_dirs: dict[str, Path]) -> None:
+    """Room for 3 DeepSeek blocks (3 MLA layers x 16 tokens x 40 floats each): the prompts of 4
+    blocks (67 and 64 tokens) are received and dropped, each request's blocks all or none, and
+    those requests compute their prompts themselves at once (a lost block is known, not waited
+    for); smaller prompts beside them in the same transfers still load."""
+    prompts, params = workload("deepseek", seed=25)
+    expected = [o.token_ids for o in LLM(model_dirs["deepseek"], **BASE).generate(prompts, params,
+                                                                                 use_tqdm=False)]
+    options = {"timeout_s": 10.0, "cpu_bytes": 3 * 3 * 16 * 40 * 4}
+    with PDLLM(model_dirs["deepseek"], **BASE, **{"kv_connector.options": options}) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.kv_connector_stats()
+    assert got == expected
+    assert stats is not None and stats["dropped_chunks"] >= 8 and stats["loaded_chunks"] > 0
+    assert stats["timed_out_loads"] == 0 and stats["failed_loads"] == 0  # lost blocks known, not waited for

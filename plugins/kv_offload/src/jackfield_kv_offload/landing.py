@@ -2,12 +2,14 @@
 request (the CPU tier's manager and host pool, filled from the network instead of the device).
 
 The receiver thread reads the producer's stream in order: BEGIN reserves slots for a transfer's
-chunks (`prepare_store`: chunks already held are skipped, unused ready ones evicted; with no room
-the transfer is received and dropped), each LAYER's rows are written into the reserved slots as
-they arrive, and END makes the chunks ready only if every layer arrived. Anything less (a missing
-layer, a broken stream, a producer that stopped) frees the reserved slots: a chunk is found only
-whole. Chunks lost after arriving (evicted) or never stored are remembered as `gone`, so a
-request waiting for one fails at once instead of at its deadline.
+chunks, each request's all or none (`prepare_store`: chunks already held are skipped, unused
+ready ones evicted; a request with no room has its chunks received and dropped), each LAYER's
+rows are written into the reserved slots as they arrive, and END makes the chunks ready only if
+every layer arrived. Anything less (a missing layer, a broken stream, a producer that stopped)
+frees the reserved slots: a chunk is found only whole. Chunks lost after arriving (evicted) or
+never stored are remembered as `gone`, so a request waiting for one fails at once instead of at
+its deadline. Chunks that arrived are held (a load reference) until a load claims them or
+`hold_s` passes: arrivals evict only chunks already read or long unclaimed.
 
 The scheduler side reads the same manager; every use of it, on either thread, holds `lock`.
 """
@@ -15,6 +17,7 @@ The scheduler side reads the same manager; every use of it, on either thread, ho
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -39,30 +42,54 @@ class Arrival:
 
 
 class Landing:
+    """`hold_s`: how long chunks that arrived are kept from eviction while no load has claimed
+    them (a burst of prefills must not evict what the decode engine has not admitted yet)."""
+
     def __init__(self, manager: OffloadManager, pool: HostPool, layer_group: tuple[int, ...],
-                 num_groups: int) -> None:
+                 num_groups: int, hold_s: float) -> None:
         self.manager, self.pool = manager, pool
-        self.layer_group, self.num_groups = layer_group, num_groups
+        self.layer_group, self.num_groups, self.hold_s = layer_group, num_groups, hold_s
         self.lock = threading.Lock()
         self.gone: OrderedDict[ChunkKey, None] = OrderedDict()
+        self.held: OrderedDict[ChunkKey, float] = OrderedDict()  # unclaimed arrivals -> until when
         self.error: str | None = None  # why the stream ended; no transfer comes after it
         self.counts = {"received_chunks": 0, "dropped_chunks": 0, "evicted_chunks": 0, "aborted_transfers": 0}
+
+    def claim(self, keys: list[ChunkKey]) -> None:
+        """A load took its own references to `keys`: they need no holding any more (`lock` held)."""
+        for key in keys:
+            if self.held.pop(key, None) is not None:
+                self.manager.complete_load([key])
+
+    def release_expired(self) -> None:
+        """Unclaimed arrivals past their time become evictable (`lock` held)."""
+        now = time.monotonic()
+        while self.held and next(iter(self.held.values())) < now:
+            key, _ = self.held.popitem(last=False)
+            self.manager.complete_load([key])
 
     def is_gone(self, key: ChunkKey) -> bool:
         """Lost after arriving or never stored, and not back since (call with `lock` held)."""
         return key in self.gone and self.manager.lookup([key]) == 0
 
-    def begin(self, keys: list[ChunkKey]) -> Arrival:
+    def begin(self, keys: list[ChunkKey], owners: list[int]) -> Arrival:
+        """Reserve slots for a transfer's chunks, all or none of each request's (`owners`: per
+        key, its request within the transfer): one request with no room drops only its own."""
         rows = [sum(1 for k in keys if k.group == g) for g in range(self.num_groups)]
+        slot_of: dict[ChunkKey, int] = {}
         with self.lock:
-            plan = self.manager.prepare_store(keys)
-            if plan is None:  # every held chunk is being read: receive this one and drop it
-                self.counts["dropped_chunks"] += len(keys)
-                self._mark_gone(keys)
-            else:
+            self.release_expired()
+            for owner in dict.fromkeys(owners):
+                mine = [key for key, o in zip(keys, owners, strict=True) if o == owner]
+                plan = self.manager.prepare_store(mine)
+                if plan is None:  # every held chunk is being read: receive these and drop them
+                    self.counts["dropped_chunks"] += len(mine)
+                    self._mark_gone(mine)
+                    continue
                 self.counts["evicted_chunks"] += len(plan.evicted)
                 self._mark_gone(plan.evicted)
-        slot_of = dict(zip(plan.keys, plan.slots, strict=True)) if plan is not None else {}
+                slot_of.update(zip(plan.keys, plan.slots, strict=True))
+        stored = tuple(slot_of)
         kept: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for group in range(self.num_groups):
             index, host_rows = [], []
@@ -72,7 +99,7 @@ class Landing:
                     host_rows.append(slot_of.pop(key))
             kept.append((torch.tensor(index), torch.tensor(host_rows)) if index else None)
         layers = {layer for layer, group in enumerate(self.layer_group) if rows[group]}
-        return Arrival(keys, rows, kept, plan.keys if plan is not None else (), layers)
+        return Arrival(keys, rows, kept, stored, layers)
 
     def write(self, arrival: Arrival, layer: int, data: list[torch.Tensor]) -> None:
         """One layer's rows (per plane) into the slots reserved for them."""
@@ -90,8 +117,14 @@ class Landing:
             self.manager.complete_store(arrival.stored, whole)
             if whole:
                 self.counts["received_chunks"] += len(arrival.stored)
-                for key in arrival.keys:
-                    self.gone.pop(key, None)
+                until = time.monotonic() + self.hold_s
+                for key in dict.fromkeys(arrival.keys):
+                    if not self.manager.lookup([key]):
+                        continue  # dropped at BEGIN: it stays gone
+                    self.gone.pop(key, None)  # stored now, or held before: hold it for its request
+                    if key not in self.held:
+                        self.manager.prepare_load([key])
+                        self.held[key] = until
             else:
                 self.counts["aborted_transfers"] += 1
                 self._mark_gone(arrival.keys)
@@ -137,11 +170,13 @@ class Receiver:
                     self.landing.fail(arrival, "pd: the producer closed the stream")
                     return
                 if kind == Kind.BEGIN:
-                    keys = torch.empty((count, 2), dtype=torch.int64)
+                    keys = torch.empty((count, 3), dtype=torch.int64)
                     self.channel.recv(keys)
                     if arrival is not None:  # the producer's step broke off before its END
                         self.landing.end(arrival, whole=False)
-                    arrival = self.landing.begin([ChunkKey(g, h) for g, h in keys.tolist()])
+                    listed = keys.tolist()
+                    arrival = self.landing.begin([ChunkKey(g, h) for g, h, _ in listed],
+                                                 [owner for _, _, owner in listed])
                 elif kind == Kind.LAYER and arrival is not None:
                     group = self.landing.layer_group[layer]
                     if count != arrival.rows[group]:

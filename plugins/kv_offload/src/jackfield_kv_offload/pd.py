@@ -53,10 +53,11 @@ from jackfield_kv_offload.transfer import CachePlanes, HostPool
 
 @dataclass(frozen=True)
 class Export:
-    """One step's transfer: its chunks (one block each) grouped by KV cache group, each group's
-    device blocks in the same order, and the requests they belong to."""
+    """One step's transfer: its chunks (one block each) grouped by KV cache group, per chunk its
+    request (an index into `requests`), and each group's device blocks in chunk order."""
 
     keys: tuple[ChunkKey, ...]
+    owners: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...]
     requests: tuple[str, ...]
 
@@ -78,9 +79,9 @@ class PDProducerScheduler(KVConnectorScheduler):
             self.next_chunk[request.request_id] = [0] * len(self.chunkings)
 
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
-        keys: list[list[ChunkKey]] = [[] for _ in self.chunkings]
+        keys: list[list[tuple[ChunkKey, int]]] = [[] for _ in self.chunkings]  # (key, its request)
         blocks: list[list[int]] = [[] for _ in self.chunkings]
-        requests = []
+        requests: list[str] = []
         for item in scheduled:
             request = item.request
             start = self.next_chunk.setdefault(request.request_id, [0] * len(self.chunkings))
@@ -91,14 +92,17 @@ class PDProducerScheduler(KVConnectorScheduler):
                 reached = chunking.needed_chunks(resume)
                 end = min(complete, reached.stop)
                 for chunk in range(max(start[group], reached.start), end):
-                    keys[group].append(ChunkKey(group, request.block_hashes[chunk]))
+                    keys[group].append((ChunkKey(group, request.block_hashes[chunk]), len(requests)))
                     blocks[group].append(item.block_ids[group][chunk])
                 start[group] = max(start[group], end)
             if sum(map(len, keys)) > before:
                 requests.append(request.request_id)
-        flat = tuple(key for group_keys in keys for key in group_keys)
+        flat = [entry for group_keys in keys for entry in group_keys]
         self.counts["exported_blocks"] += len(flat)
-        export = Export(flat, tuple(map(tuple, blocks)), tuple(requests)) if flat else None
+        export = None
+        if flat:
+            export = Export(tuple(key for key, _ in flat), tuple(owner for _, owner in flat),
+                            tuple(map(tuple, blocks)), tuple(requests))
         return ConnectorMetadata({"export": export})
 
     def update_connector_output(self, result: TransferResult) -> None:
@@ -132,7 +136,9 @@ class PDProducerWorker(KVConnectorWorker):
         self.transfer += 1
         self.current = [async_tensor_h2d(list(b), torch.int64, self.device, pin_memory=True) if b else None
                         for b in export.blocks]
-        keys = torch.tensor([[k.group, k.block_hash] for k in export.keys], dtype=torch.int64)
+        keys = torch.tensor([[k.group, k.block_hash, owner] for k, owner in zip(export.keys, export.owners,
+                                                                                strict=True)],
+                            dtype=torch.int64)
         self.sender.put(Outgoing(Kind.BEGIN, self.transfer, len(export.keys), tensors=(keys,)))
         self.in_flight[self.transfer] = export.requests
 
@@ -227,8 +233,14 @@ class PDConsumerScheduler(CpuOffloadScheduler):
             else:
                 super().update_state_after_alloc(request, block_ids, num_computed, num_external)
 
+    def _start_load(self, request: ConnectorRequest, block_ids: Sequence[Sequence[int]], num_computed: int,
+                    num_external: int) -> None:
+        super()._start_load(request, block_ids, num_computed, num_external)
+        self.landing.claim(self.loading[request.request_id])
+
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
         with self.landing.lock:
+            self.landing.release_expired()
             failed = self._settle_waiting()
             loads, self.loads = self.loads, []
         return ConnectorMetadata({"loads": loads, "stores": [], "failed": failed})
@@ -260,7 +272,8 @@ class PDConsumerScheduler(CpuOffloadScheduler):
 
     def stats(self) -> dict[str, int]:
         with self.landing.lock:
-            return {**super().stats(), **self.landing.counts, "waiting_loads": len(self.waiting)}
+            return {**super().stats(), **self.landing.counts, "waiting_loads": len(self.waiting),
+                    "unclaimed_chunks": len(self.landing.held)}
 
 
 class PDConsumerWorker(CpuOffloadWorker):
@@ -328,7 +341,7 @@ def make_pd(context: KVConnectorContext) -> tuple[KVConnectorScheduler, KVConnec
         return PDProducerScheduler(chunkings), worker
     manager = OffloadManager(num_slots, make_policy("lru", num_slots))
     pool = HostPool(context, 1, num_slots)
-    landing = Landing(manager, pool, context.layer_group, len(context.coverage))
+    landing = Landing(manager, pool, context.layer_group, len(context.coverage), hold_s=options.timeout_s)
     layouts = [[(p.shape[1], p.dtype) for p in cache.of_layer(layer)] for layer in range(len(context.layers))]
     receiver = Receiver(channel, landing, layouts)
     # Registered after the launcher's own exit handler, so it runs first: it stops the producer.
