@@ -234,7 +234,7 @@ def test_a_client_that_disconnects_frees_its_kv(server: tuple[str, AsyncEngine],
         ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
-        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
         ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
@@ -381,3 +381,28 @@ def test_metrics_report_speculative_acceptance(model_dir: Path) -> None:
     assert int(values["jackfield_spec_decode_draft_tokens_total"]) == spec.draft_tokens
     assert int(values["jackfield_spec_decode_accepted_tokens_total"]) == spec.accepted_tokens
     assert int(values["jackfield_spec_decode_drafts_total"]) == spec.drafts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_are_the_offline_engines(server: tuple[str, AsyncEngine], offline: LLM,
+                                                 stream: bool) -> None:
+    url, _ = server
+    prompt = prompts(offline)[0]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "prompt_logprobs": 2,
+            "stream": stream}
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2),
+                            use_tqdm=False)[0].prompt_logprobs
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: {")]
+        got = [c["prompt_logprobs"] for e in events for c in e["choices"] if "prompt_logprobs" in c]
+        assert len(got) == 1  # once, with the choice's first chunk
+        got = got[0]
+    else:
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S).json()["choices"][0][
+            "prompt_logprobs"]
+    assert want is not None and got[0] is None and len(got) == len(want)
+    for entry, expected in zip(got[1:], want[1:], strict=True):
+        assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(expected, abs=1e-5)
+        assert all(v["decoded_token"] == offline.tokenizer.decode([int(t)]) for t, v in entry.items())

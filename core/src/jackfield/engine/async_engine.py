@@ -33,6 +33,8 @@ class RequestDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     error: str | None = None
     text_end: int | None = None  # where a stop string begins in the output text (Sequence.text_end)
+    # SamplingParams.prompt_logprobs: the prompt's (Sequence.prompt_logprobs), on the first delta only
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -147,10 +149,11 @@ class AsyncEngine:
         if not new and seq.status != Status.FINISHED:
             return
         logprobs = seq.logprobs[stream.sent :] if seq.params.logprobs is not None else None
+        prompt_logprobs = seq.prompt_logprobs if stream.sent == 0 else None
         stream.sent += len(new)
         finished = seq.status == Status.FINISHED
         delta = RequestDelta(new, logprobs, seq.finish_reason if finished else None,
-                             text_end=seq.text_end if finished else None)
+                             text_end=seq.text_end if finished else None, prompt_logprobs=prompt_logprobs)
         if delta.finished:
             self._finish(stream, delta)
         else:

@@ -64,6 +64,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     last_token_time: float | None = None
     text_offset: int = 0  # completions' logprobs: where the next token's text starts
 
@@ -238,6 +239,7 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                     "index": c.index,
                     "finish_reason": c.finish_reason,
                     "logprobs": _logprobs(c, c.token_ids, c.logprobs, gen, chat),
+                    **_prompt_logprobs(c.prompt_logprobs),
                     "token_ids": c.token_ids,
                     **({"message": {"role": "assistant", "content": _text(c)}}
                        if chat else {"text": _text(c)}),
@@ -269,6 +271,7 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                     choice.last_token_time = now
                 choice.token_ids += delta.token_ids
                 choice.logprobs += delta.logprobs or []
+                choice.prompt_logprobs = delta.prompt_logprobs or choice.prompt_logprobs
                 piece = choice.text.add(delta) if choice.text is not None else ""
                 if delta.finished:
                     choice.finish_reason = delta.finish_reason or "abort"
@@ -297,6 +300,7 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                 body["text"] = piece or ""
             if delta is not None:
                 body["logprobs"] = _logprobs(choice, delta.token_ids, delta.logprobs, gen, chat)
+                body.update(_prompt_logprobs(delta.prompt_logprobs))
             body["finish_reason"] = delta.finish_reason if delta is not None else None
             return event({"choices": [body]})
 
@@ -306,7 +310,8 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                 for choice in choices:
                     yield chunk(choice, None, None, role=True)
             async for choice, delta, piece in events:
-                if piece or delta.finished or (delta.token_ids and gen.params.logprobs is not None):
+                if (piece or delta.finished or delta.prompt_logprobs is not None
+                        or (delta.token_ids and gen.params.logprobs is not None)):
                     yield chunk(choice, piece, delta)
             if gen.include_usage:
                 yield event({"choices": [], "usage": response.usage(choices)})
@@ -315,6 +320,16 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
             yield f"data: {json.dumps(exc.body())}\n\n"
         finally:
             await events.aclose()
+
+    def _prompt_logprobs(entries: list[dict[int, float] | None] | None) -> dict[str, object]:
+        """vLLM's `prompt_logprobs` field (none when not asked): per prompt token, None for the
+        first, then {token id: {logprob, decoded_token}} for the top k and the token itself."""
+        if entries is None:
+            return {}
+        return {"prompt_logprobs": [
+            None if entry is None else {str(t): {"logprob": v, "decoded_token": _token_text(t)}
+                                        for t, v in entry.items()}
+            for entry in entries]}
 
     def _token_text(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"

@@ -30,7 +30,6 @@ class RequestError(ValueError):
 UNSUPPORTED = {
     "best_of": (None, "best_of is not supported"),
     "echo": (False, "echo is not supported yet"),
-    "prompt_logprobs": (None, "prompt_logprobs are not returned by the server yet (LLM.generate has them)"),
     "suffix": (None, "suffix is not supported"),
     "tools": (None, "tools are not supported"),
     "tool_choice": (None, "tool_choice is not supported"),
@@ -43,7 +42,7 @@ UNSUPPORTED = {
 }
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
                    "ignore_eos", "logit_bias", "n", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logprobs", "stream", "stream_options"}
+                   "repetition_penalty", "logprobs", "prompt_logprobs", "stream", "stream_options"}
 REQUEST_FIELDS = {"completions": {"model", "prompt"}, "chat": {"model", "messages", "max_completion_tokens",
                                                                "top_logprobs"}}
 # Fields that cannot change what is generated here; accepted and ignored (as OpenAI and vLLM do).
@@ -102,6 +101,7 @@ def parse_generation(
             frequency_penalty=_get(body, "frequency_penalty", 0.0),
             repetition_penalty=_get(body, "repetition_penalty", 1.0),
             logprobs=logprobs,
+            prompt_logprobs=body.get("prompt_logprobs"),
         )
     except (ValueError, TypeError) as exc:
         raise RequestError(str(exc), field_named(str(exc))) from None
