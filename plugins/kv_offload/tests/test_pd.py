@@ -17,7 +17,8 @@ from jackfield.commands.pd import free_address
 from jackfield.contracts.kv_connector import ConnectorRequest, KVCoverageSpec, ScheduledRequest
 from jackfield_kv_offload.keys import group_chunkings
 from jackfield_kv_offload.options import check_pd_options
-from jackfield_kv_offload.pd import PDProducerScheduler, make_pd
+from jackfield_kv_offload.pd import make_pd
+from jackfield_kv_offload.pd_producer import PDProducerScheduler
 
 SIDE = Path(__file__).with_name("pd_side.py")
 _spec = importlib.util.spec_from_file_location("pd_side", SIDE)
