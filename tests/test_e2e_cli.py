@@ -29,7 +29,7 @@ def test_run_json_on_the_embedded_default(cache: Path) -> None:
                        "--attention-backend", "torch_ref", "--json"], cache)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert (cache / "tiny-deepseek-v3-r1" / "config.json").is_file()
+    assert (cache / "tiny-deepseek-v3-r2" / "config.json").is_file()
     assert report["backends"]["decode"] == {"name": "torch_ref", "reason": "named in the config"}
     assert [len(o["token_ids"]) for o in report["outputs"]] == [6, 6] or any(
         o["finish_reason"] == "stop" for o in report["outputs"])

@@ -15,7 +15,7 @@ from jackfield.config import JackfieldConfig, unsupported_features
 from jackfield.contracts.attention import AttentionRequirements
 from jackfield.gguf_files import checkpoint_dir
 from jackfield.model_files import TOKENIZER_FILES, RemoteCodeError
-from jackfield.models.weights import checkpoint_files
+from jackfield.models.weights import checkpoint_files, tensor_names
 from jackfield.plugins import Registry, get_registry
 from jackfield.requirements import attention_requirements, read_config_json
 from jackfield.selection import BackendChoice, pick_block_size, resolve_attention
@@ -66,6 +66,7 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
             checkpoint_files(checkpoint_dir(config.model.path))
         except FileNotFoundError as exc:
             problems.append(str(exc))
+    problems += _mtp_layer_problems(config, registry, hf_config)
     attention, block_size = None, config.engine.block_size
     try:
         requirements = attention_requirements(hf_config, config)
@@ -115,6 +116,42 @@ def tokenizer_note(config: JackfieldConfig) -> str | None:
         return None
     return (f"{config.model.path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): "
             "prompts must be token ids, text prompts are refused")
+
+
+def _mtp_layer_problems(config: JackfieldConfig, registry: Registry,
+                        hf_config: Mapping[str, object]) -> list[str]:
+    """A drafter that runs the checkpoint's multi-token-prediction layers needs a checkpoint that
+    has them: config.json's num_nextn_predict_layers, and their tensors in the files."""
+    method = config.speculative.method
+    drafter = registry.entries.get("drafter", {}).get(method or "")
+    if drafter is None or not drafter.spec.mtp_layers:  # a missing drafter is reported already
+        return []
+    from jackfield.models.hf_config import mtp_layers_problem  # imports transformers: only when needed
+
+    config_json = Path(config.model.path) / "config.json" if config.model.path else "default config.json"
+    needs = f"speculative.method {method!r} runs the checkpoint's multi-token-prediction layers"
+    backend = config.attention.drafter_backend
+    if backend is not None:
+        return [f"attention.drafter_backend {backend!r}: {needs}, on the target's attention backends "
+                "(they share its KV cache groups); leave it out"]
+    if config.kv_connector.name is not None:  # its layer hooks save each cache during the forward
+        return [f"kv_connector.name {config.kv_connector.name!r} with speculative.method {method!r} is not "
+                "run yet: the multi-token-prediction layers' KV is written after the connector saves"]
+    problem = mtp_layers_problem(hf_config)
+    if problem is not None:
+        return [f"{needs}; {config_json}: {problem}"]
+    if config.model.path is None:
+        return []
+    first = f"model.layers.{hf_config.get('num_hidden_layers')}."
+    try:
+        present = any(name.startswith(first) for name in tensor_names(checkpoint_dir(config.model.path)))
+    except (FileNotFoundError, ValueError):  # no or unreadable checkpoint files: reported as such above
+        return []
+    if present:
+        return []
+    count = hf_config.get("num_nextn_predict_layers")
+    return [f"{needs}; {config_json}: num_nextn_predict_layers is {count} "
+            f"but the checkpoint has no {first}* tensors (the first MTP layer)"]
 
 
 def _named_plugin_problems(config: JackfieldConfig, registry: Registry) -> list[str]:

@@ -54,6 +54,8 @@ def _check_fields(spec: object) -> None:
             problems.append(f"check_options must be a callable or None, got {value!r}")
         elif field.name == "availability" and not callable(value):
             problems.append(f"availability must be a callable probe, got {value!r}")
+        elif field.name == "mtp_layers" and not isinstance(value, bool):
+            problems.append(f"mtp_layers must be a bool, got {value!r}")
         elif field.name == "priority" and not (
                 isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)):
             problems.append(f"priority must be a finite number, got {value!r}")
@@ -90,9 +92,12 @@ class SamplerSpec(_CheckedSpec):
 @dataclass(frozen=True)
 class DrafterSpec(_CheckedSpec):
     name: str
-    factory: Factory  # -> a Drafter subclass
+    factory: Factory  # -> a TokenDrafter or ModelDrafter subclass
     replaces: str | None = None
     description: str = ""
+    # Runs the target checkpoint's multi-token-prediction layers (DeepSeek's MTP): start-up
+    # refuses a checkpoint without them and loads them (they are skipped otherwise).
+    mtp_layers: bool = False
 
 
 @dataclass(frozen=True)

@@ -62,3 +62,16 @@ def test_disabled_prefix_caching_never_matches() -> None:
 def test_bad_sizes_are_rejected() -> None:
     with pytest.raises(ValueError, match="positive"):
         BlockManager(num_blocks=0, block_size=4, enable_prefix_caching=True)
+
+
+def test_a_model_drafter_s_hit_leaves_its_last_block_to_be_computed_again() -> None:
+    """With drop_last_hit_block (a model drafter's KV at a position read the token after it), a
+    hit of k blocks serves k - 1; the token after those is inside the matched k-th block."""
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True, drop_last_hit_block=True)
+    a = _seq(0, list(range(14)))
+    _run_prefill(bm, a)
+    b = _seq(1, list(range(12)) + [99, 98])
+    assert bm.match_prefix(b) == [a.block_table[:2]]  # 3 blocks match
+    assert bm.match_prefix(_seq(2, list(range(5)))) == [[]]  # 1 block matches
+    with pytest.raises(ValueError, match="full-attention KV cache groups only"):
+        BlockManager(8, 4, True, windows=(None, 6), drop_last_hit_block=True)

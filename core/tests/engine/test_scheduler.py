@@ -51,3 +51,25 @@ def test_preemption_frees_the_newest_and_requeues_it_first() -> None:
     assert [c.seq for c in step] == [a]
     assert b.status is Status.WAITING and b.num_computed == 0 and b.block_table == []
     assert s.waiting[0] is b and s.num_preemptions == 1
+
+
+def test_lookahead_is_reserved_for_running_requests_only_and_never_preempts() -> None:
+    """A model drafter writes KV up to `lookahead` slots past a step's rows: a running request's
+    blocks cover them where the pool has them, a request's first step (admission) never, and the
+    reservation stops at its last position (max_tokens, max_model_len)."""
+    bm = BlockManager(7, 4, False)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100, lookahead=3, max_model_len=64)
+    a = Sequence(1, 5, list(range(5)), SamplingParams(max_tokens=5), 0)
+    s.add(a)
+    _advance(s.schedule())
+    assert len(a.block_table) == 2  # the prompt's 5 slots only
+    _advance(s.schedule())  # decode of position 5: slots 0..5 and 3 more -> 9 slots
+    assert len(a.block_table) == 3
+    _advance(s.schedule())
+    assert len(a.block_table) == 3  # positions past prompt + max_tokens (10) are never reserved
+    b = Sequence(2, 14, list(range(14)), SamplingParams(max_tokens=9), 0)
+    s.add(b)
+    _advance(s.schedule())  # b's prompt takes the last 4 blocks
+    step = s.schedule()  # b's decode fits its 4 blocks; its lookahead would need a 5th: skipped
+    assert [c.seq for c in step] == [a, b] and s.num_preemptions == 0
+    assert len(b.block_table) == 4

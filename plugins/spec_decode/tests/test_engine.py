@@ -12,7 +12,7 @@ import pytest
 import torch
 from jackfield import LLM, SamplingParams
 from jackfield.config import ConfigError
-from jackfield.contracts.drafter import Drafter, DrafterOptions, DraftProposal
+from jackfield.contracts.drafter import DrafterOptions, DraftProposal, TokenDrafter
 from jackfield.engine.block_manager import max_request_blocks
 from jackfield.testing.checkpoints import write_deepseek, write_granite
 
@@ -40,7 +40,7 @@ def prompts(vocab: int, seed: int) -> list[list[int]]:
     return [motif * 4, torch.randint(0, vocab, (17,), generator=g).tolist(), [3, 1]]
 
 
-class Oracle(Drafter):
+class Oracle(TokenDrafter):
     """Proposes the reference continuation, with the draft at index (known tokens mod (k + 1))
     replaced by a wrong token: every verify step has a planted rejection, or none when that index
     is past the drafts."""
@@ -51,8 +51,7 @@ class Oracle(Drafter):
         super().__init__(DrafterOptions(num_speculative_tokens=K))
         self.references, self.vocab, self.corrupt = references, vocab, corrupt
 
-    def propose(self, token_ids: Sequence[Sequence[int]], hidden_states: torch.Tensor | None = None,
-                ) -> DraftProposal:
+    def propose(self, token_ids: Sequence[Sequence[int]]) -> DraftProposal:
         drafts = []
         for tokens in token_ids:
             reference = next(r for r in self.references if list(tokens) == r[: len(tokens)])

@@ -1,4 +1,13 @@
-"""The speculative-decoding drafter contract and the one lookahead rule connectors use."""
+"""The speculative-decoding drafter contract and the one lookahead rule connectors use.
+
+Two kinds of drafter:
+- a `TokenDrafter` looks at token ids only (n-gram lookup) and drafts after the engine appended
+  a step's tokens;
+- a `ModelDrafter` runs layers on the engine's device (DeepSeek's MTP layers): the model runner
+  calls it inside the step that verified its previous drafts, after the target's forward, with a
+  `DraftContext`: the target's hidden states of that same forward (no second target pass) and the
+  attention over the drafter's own KV cache layers, paged through the requests' block tables.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +17,21 @@ from dataclasses import dataclass
 
 import torch
 
+from jackfield.contracts.attention import StepContext
+from jackfield.contracts.model import ModelFamily
+
 
 @dataclass(frozen=True)
 class DraftProposal:
-    """Draft tokens per request: token_ids[i] has at most num_speculative_tokens entries."""
+    """Draft tokens per request: token_ids[i] has at most num_speculative_tokens entries.
+
+    probabilities[i] (float32 [len(token_ids[i]), vocab], on the device): the distribution each
+    draft was drawn from, q in the rejection rule. None: every draft is certain (q one-hot, as
+    n-gram lookup), or the request is greedy (only argmax matches count).
+    """
 
     token_ids: list[list[int]]
+    probabilities: list[torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -28,7 +46,8 @@ class DrafterOptions:
 
 
 class Drafter(ABC):
-    """Proposes up to `num_speculative_tokens` tokens per request for the target to verify."""
+    """Proposes up to `num_speculative_tokens` tokens per request for the target to verify.
+    Subclass `TokenDrafter` or `ModelDrafter`."""
 
     name: str
 
@@ -50,13 +69,73 @@ class Drafter(ABC):
         """
         return self.num_speculative_tokens
 
+
+class TokenDrafter(Drafter):
+    """A drafter that reads token ids only; it drafts after the engine appended a step's tokens."""
+
     @abstractmethod
-    def propose(
-        self,
-        token_ids: Sequence[Sequence[int]],
-        hidden_states: torch.Tensor | None = None,
-    ) -> DraftProposal:
+    def propose(self, token_ids: Sequence[Sequence[int]]) -> DraftProposal:
         """Draft tokens after each request's verified `token_ids`."""
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """One forward of a model drafter's layer: R rows, each a position of one request. A row at
+    position p pairs the hidden state `hidden[r]` it continues from with the token at p + 1."""
+
+    input_ids: torch.Tensor  # int64 [R]: the token after each row's position
+    positions: torch.Tensor  # int64 [R]
+    hidden: torch.Tensor  # [R, hidden_size]
+    step: StepContext  # the drafter's attention: each row's KV is written at its position
+
+
+class DraftContext(ABC):
+    """One engine step as a model drafter sees it: the target's forward has run and verified the
+    step's drafts; the engine has not appended the new tokens yet (the model runner implements it).
+
+    `verified` holds every position the target computed this step whose next token is now known
+    (prompt chunks, and each decode's verified tokens), over every request of the step, its hidden
+    states the target's final ones (after the final norm). `num_drafting` requests draft after
+    this step: request r's first draft comes from the output of row `last_rows[r]` of `verified`
+    (its newest verified position), and it may draft at most `max_drafts[r]` (>= 1) tokens: what its
+    remaining tokens, max_model_len and its reserved KV slots allow.
+    """
+
+    model: ModelFamily
+    verified: DraftRows
+    last_rows: torch.Tensor  # int64 [num_drafting]: rows of `verified`
+    max_drafts: list[int]
+
+    @property
+    def num_drafting(self) -> int:
+        return len(self.max_drafts)
+
+    @abstractmethod
+    def draft_rows(self, requests: Sequence[int], draft: int, input_ids: torch.Tensor,
+                   hidden: torch.Tensor) -> DraftRows:
+        """The rows that draft token `draft` (0-based, >= 1) of `requests` (indices < num_drafting):
+        one per request, pairing its draft `draft - 1` (`input_ids`) with the hidden state that
+        drafted it (`hidden`), at the position before that draft's. Their KV goes into the
+        requests' reserved lookahead slots (a rejected draft's KV is overwritten by a later step)."""
+
+    @abstractmethod
+    def sample(self, logits: torch.Tensor, requests: Sequence[int], draft: int,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft token `draft` of each of `requests` from its row of float32 `logits`: at the
+        request's temperature from the drafting noise stream (position + 2**30; argmax where
+        greedy), no other filter. Returns (int64 token ids [R] (-1: the row had no finite logit),
+        float32 [R, vocab] probabilities the tokens were drawn from, None when every row is greedy)."""
+
+
+class ModelDrafter(Drafter):
+    """A drafter that runs layers on the engine's device, called by the model runner inside the
+    step (see `DraftContext`). Its spec's `mtp_layers` says whether it runs the target
+    checkpoint's multi-token-prediction layers (the engine then loads them)."""
+
+    @abstractmethod
+    def propose(self, context: DraftContext) -> DraftProposal:
+        """Run the drafter's layers over `context.verified` (every step, drafting or not, so its KV
+        caches hold every verified position), then draft for the `num_drafting` requests, in order."""
 
 
 def combined_lookahead(drafters: Iterable[Drafter]) -> int:

@@ -142,6 +142,27 @@ class ModelFamily(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, hidden] -> float32 logits [N, vocab_size]."""
 
+    # Multi-token prediction (DeepSeek's MTP layers, stored after the main ones). Loaded only
+    # when a drafter runs them; a family whose checkpoints have none keeps these defaults.
+
+    def load_mtp_layers(self, model_dir: str | Path) -> None:
+        """Build and load the checkpoint's `capabilities.num_mtp_layers` MTP layers after
+        `from_pretrained`: from then on `kv_cache_layers` lists their caches after the model's
+        own, and `mtp_forward` / `mtp_logits` run them. A ValueError says why it cannot."""
+        raise ValueError(f"{type(self).__name__} has no multi-token-prediction layers to load")
+
+    def mtp_forward(self, layer: int, step: StepContext, input_ids: torch.Tensor, positions: torch.Tensor,
+                    hidden: torch.Tensor) -> torch.Tensor:
+        """MTP layer `layer` over rows pairing the token at position + 1 (`input_ids`) with the
+        hidden state of position (`hidden`: the target's final one, or an MTP layer's output):
+        writes each row's KV into the layer's cache and returns its output [T, hidden] before
+        its head's norm (what the next MTP step continues from)."""
+        raise ValueError(f"{type(self).__name__} has no multi-token-prediction layers")
+
+    def mtp_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab_size] of MTP layer `layer`'s outputs x [N, hidden]."""
+        raise ValueError(f"{type(self).__name__} has no multi-token-prediction layers")
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
                 output_rows: torch.Tensor | None = None, taps: LayerTaps | None = None,
                 hooks: LayerHooks | None = None) -> torch.Tensor:

@@ -46,14 +46,23 @@ def max_request_blocks(windows: Seq[int | None], block_size: int, num_tokens: in
 
 
 class BlockManager:
-    """`windows`: one entry per KV cache group, its sliding window (None: full attention)."""
+    """`windows`: one entry per KV cache group, its sliding window (None: full attention).
+
+    `drop_last_hit_block`: a model drafter's KV at a position depends on the token after it, which
+    a block's hash does not cover; the last block of a hit is computed again instead (vLLM does
+    the same for EAGLE), so the request's own next token is what the drafter's KV saw.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 windows: Seq[int | None] = (None,), hash_seed: int = 0) -> None:
+                 windows: Seq[int | None] = (None,), hash_seed: int = 0,
+                 drop_last_hit_block: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         if not windows or any(w is not None and w <= 0 for w in windows):
             raise ValueError(f"need one window per KV cache group, each None or positive, got {windows}")
+        if drop_last_hit_block and any(w is not None for w in windows):
+            raise ValueError("drop_last_hit_block needs full-attention KV cache groups only")
+        self.drop_last_hit_block = drop_last_hit_block
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.enable_prefix_caching = enable_prefix_caching
@@ -120,8 +129,9 @@ class BlockManager:
         for k in range(len(hashes), 0, -1):  # the longest hit every group can serve
             firsts = [self._first_needed(group, k * self.block_size) for group in range(len(self.windows))]
             if all(m[k] == m[first] for m, first in zip(misses, firsts, strict=True)):
-                return [[NULL_BLOCK] * first + found[group][first:k]  # type: ignore[list-item]
-                        for group, first in enumerate(firsts)]
+                tables = [[NULL_BLOCK] * first + found[group][first:k]  # type: ignore[list-item]
+                          for group, first in enumerate(firsts)]
+                return [table[:-1] for table in tables] if self.drop_last_hit_block else tables
         return none
 
     def can_admit(self, num_new_tokens: int, hits: list[list[int]]) -> bool:

@@ -21,7 +21,13 @@ import torch
 
 from jackfield.config import ConfigError, JackfieldConfig
 from jackfield.contracts.attention import AttentionBackends
-from jackfield.contracts.drafter import Drafter, DrafterOptions, combined_lookahead
+from jackfield.contracts.drafter import (
+    Drafter,
+    DrafterOptions,
+    ModelDrafter,
+    TokenDrafter,
+    combined_lookahead,
+)
 from jackfield.contracts.kv_connector import (
     KVConnectorContext,
     KVConnectorScheduler,
@@ -60,7 +66,7 @@ class Engine:
         config = dataclasses.replace(config, engine=engine_config)
         self.config = config
         sampler = _sampler(config)  # a config naming a missing sampler fails before any loading
-        self.drafter = _drafter(config)
+        self.drafter, runs_mtp_layers = _drafter(config)
         self.device = torch.device(resolve_device(config))
         if config.model.path is None:
             say("creating the embedded default model")
@@ -73,6 +79,8 @@ class Engine:
         say(f"loading {self.model_dir}")
         dtype = resolve_dtype(config, self.device.type)
         self.model = load_model(self.model_dir, backends, dtype, self.device, config.attention.kv_cache_dtype)
+        if runs_mtp_layers:  # preflight checked the checkpoint has them
+            self.model.load_mtp_layers(self.model_dir)
         self.capabilities = self.model.capabilities
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(config_json, self.tokenizer)
@@ -83,17 +91,22 @@ class Engine:
             raise ConfigError([f"engine.max_model_len {engine.max_model_len} exceeds the model's "
                                f"max_model_len {self.capabilities.max_model_len}"])
         self.max_model_len = engine.max_model_len or self.capabilities.max_model_len
-        self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say)
+        model_drafter = self.drafter if isinstance(self.drafter, ModelDrafter) else None
+        self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say,
+                                  model_drafter)
         kv = self.runner.kv
         # A bidirectional model's KV depends on later tokens: no prefix of it can be reused.
         prefix_caching = engine.enable_prefix_caching and self.capabilities.causal
         self.block_manager = BlockManager(kv.num_blocks, engine.block_size, prefix_caching, kv.groups.windows,
-                                          engine.prefix_hash_seed)
-        connector = _kv_connector(config, self.runner, [self.drafter] if self.drafter else [])
+                                          engine.prefix_hash_seed,
+                                          drop_last_hit_block=model_drafter is not None)
+        drafters = [self.drafter] if self.drafter else []
+        connector = _kv_connector(config, self.runner, drafters)
         if connector is not None:
             self.runner.connector = connector[1]
         self.scheduler = Scheduler(self.block_manager, engine.max_num_seqs, engine.max_num_batched_tokens,
-                                   connector[0] if connector else None)
+                                   connector[0] if connector else None, combined_lookahead(drafters),
+                                   self.max_model_len)
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
         if self.device.type == "cuda" and self.capabilities.causal:
@@ -198,10 +211,11 @@ class Engine:
             seq.prompt_logprobs[first + 1 : first + 1 + len(entries)] = entries
         finished = []
         sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
+        drafted = iter(result.drafts) if result.drafts is not None else None
         pooled = iter(result.embeddings)
         for chunk in chunks:
             seq, samples = chunk.seq, chunk.samples  # `samples` reads num_computed: before the update
-            seq.draft_ids = []
+            seq.draft_ids, seq.draft_probs = [], None
             if not samples:
                 seq.num_computed += chunk.num_tokens
                 self.block_manager.commit(seq)
@@ -226,18 +240,21 @@ class Engine:
             # drafts (a rejected draft's slot is overwritten when that position is computed again).
             seq.num_computed = seq.num_tokens - (seq.pooling is None)
             self.block_manager.commit(seq)
+            drafts = next(drafted) if drafted is not None and seq.pooling is None else None
             if reason:
                 seq.finish_time = now
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
-        if self.drafter is not None:
+            elif drafts is not None:  # a model drafter drafted in the step (within its room)
+                seq.draft_ids, seq.draft_probs = drafts
+        if isinstance(self.drafter, TokenDrafter):
             self._propose([c.seq for c in chunks if c.seq in self.scheduler.running])
         return finished
 
     def _propose(self, seqs: list[Sequence]) -> None:
         """Drafts for the requests that decode next step, no more than their remaining tokens and
         max_model_len leave room for (a verify step emits up to drafts + 1 tokens)."""
-        assert self.drafter is not None
+        assert isinstance(self.drafter, TokenDrafter)
         decoding = [s for s in seqs if s.num_uncomputed == 1 and s.pooling is None]
         if not decoding:
             return
@@ -276,11 +293,12 @@ def _sampler(config: JackfieldConfig) -> Sampler:
     return resolve_factory(entry.spec.factory)()  # type: ignore[operator,return-value]
 
 
-def _drafter(config: JackfieldConfig) -> Drafter | None:
-    """The drafter [speculative] names, built from its options (None: no speculative decoding)."""
+def _drafter(config: JackfieldConfig) -> tuple[Drafter | None, bool]:
+    """The drafter [speculative] names, built from its options (None: no speculative decoding), and
+    whether it runs the checkpoint's multi-token-prediction layers."""
     spec = config.speculative
     if spec.method is None:
-        return None
+        return None, False
     entry = get_registry().lookup("drafter", spec.method)  # preflight named a missing one
     options = DrafterOptions(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
                              spec.model)
@@ -288,10 +306,10 @@ def _drafter(config: JackfieldConfig) -> Drafter | None:
         drafter = resolve_factory(entry.spec.factory)(options)  # type: ignore[operator]
     except ValueError as exc:  # the drafter refuses its options
         raise ConfigError([f"speculative.method {spec.method!r}: {exc}"]) from None
-    if not isinstance(drafter, Drafter):
+    if not isinstance(drafter, TokenDrafter | ModelDrafter):
         raise ConfigError([f"speculative.method {spec.method!r}: {entry.spec.factory} built a "
-                           f"{type(drafter).__name__}, not a Drafter"])
-    return drafter
+                           f"{type(drafter).__name__}, not a TokenDrafter or ModelDrafter"])
+    return drafter, entry.spec.mtp_layers
 
 
 def _kv_connector(config: JackfieldConfig, runner: ModelRunner, drafters: list[Drafter],

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from jackfield.config import EngineConfig
-from jackfield.contracts.attention import AttentionBackends, AttentionMetadata
+from jackfield.contracts.attention import AttentionBackends, AttentionMetadata, StepContext
+from jackfield.contracts.drafter import ModelDrafter
 from jackfield.contracts.kv_connector import ConnectorMetadata, KVConnectorWorker, TransferResult
 from jackfield.contracts.model import LayerHooks, ModelFamily
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.engine.cuda_graphs import DecodeGraphs
+from jackfield.engine.drafting import DraftLimits, Span, draft_in_step
 from jackfield.engine.kv_cache import KVCache
 from jackfield.engine.piecewise_graphs import PiecewiseGraphs
 from jackfield.engine.scheduler import ScheduledChunk
@@ -45,6 +47,9 @@ class StepResult:
     embeddings: list[torch.Tensor]  # one [hidden] float32 per pooling chunk, in chunk order
     # (request, first position, entries): entry i scores prompt token first + 1 + i (prompt_logprobs)
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, float]]]]
+    # A model drafter's drafts per sampling chunk: (token ids, their probabilities or None); None
+    # without a model drafter.
+    drafts: list[tuple[list[int], torch.Tensor | None]] | None = None
 
 
 def greedy(logits: torch.Tensor) -> SamplerOutput:
@@ -76,8 +81,13 @@ class ConnectorLayers(LayerHooks):
 class ModelRunner:
     def __init__(self, model: ModelFamily, backends: AttentionBackends, sampler: Sampler,
                  engine: EngineConfig, max_model_len: int, device: torch.device,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], drafter: ModelDrafter | None = None) -> None:
+        """`drafter`: a model drafter, run inside each step (a token drafter is the engine's)."""
         self.model, self.backends, self.sampler, self.device = model, backends, sampler, device
+        self.drafter = drafter
+        if drafter is not None:
+            assert engine.block_size is not None  # the Engine resolves it first
+            self.draft_limits = DraftLimits(drafter.num_speculative_tokens, max_model_len, engine.block_size)
         self.capabilities = model.capabilities
         self.kv = KVCache.allocate(model.kv_cache_layers, engine, max_model_len, self.capabilities.dtype,
                                    device)
@@ -166,44 +176,58 @@ class ModelRunner:
 
     def _metadata(self, chunks: list[ScheduledChunk],
                   ) -> tuple[list[AttentionMetadata], list[int], torch.Tensor]:
-        """(metadata per KV cache group, input ids, positions) for the step's flat batch. The
-        groups' metadata differ only in block tables and slots."""
+        """(metadata per KV cache group, input ids, positions) for the step's flat batch."""
         input_ids: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
         for chunk in chunks:
             seq, start, known = chunk.seq, chunk.seq.num_computed, chunk.num_tokens - chunk.num_drafts
             input_ids += seq.token_ids[start : start + known] + seq.draft_ids[: chunk.num_drafts]
-            query_start.append(query_start[-1] + chunk.num_tokens)
-            seq_lens.append(start + chunk.num_tokens)
-        decodes = [c for c in chunks if c.is_decode]  # the scheduler put them first
+        spans = [Span(c.seq, c.seq.num_computed, c.num_tokens) for c in chunks]
+        per_group, positions = self._span_metadata(spans, sum(c.is_decode for c in chunks))  # decodes first
+        return per_group, input_ids, positions
+
+    def _span_metadata(self, spans: list[Span],
+                       num_decodes: int) -> tuple[list[AttentionMetadata], torch.Tensor]:
+        """(metadata per KV cache group, positions [T] on the host) of rows at each span's
+        positions, the first `num_decodes` spans being decodes. The groups' metadata differ only
+        in block tables and slots."""
+        query_start = [0]
+        seq_lens: list[int] = []
+        for span in spans:
+            query_start.append(query_start[-1] + span.count)
+            seq_lens.append(span.start + span.count)
         qsl_cpu = torch.tensor(query_start, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         # Per row: its request and position (vectorized: a prefill chunk has thousands of rows).
         q_lens = qsl_cpu.diff().long()
-        row_req = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
+        row_req = torch.repeat_interleave(torch.arange(len(spans)), q_lens)
         positions = torch.arange(query_start[-1]) + (seq_lens_cpu.long() - q_lens - qsl_cpu[:-1])[row_req]
         shared = dict(
             query_start_loc=self._h2d(qsl_cpu, torch.int32),
             seq_lens=self._h2d(seq_lens_cpu, torch.int32),
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
-            max_query_len=max(c.num_tokens for c in chunks),
+            max_query_len=max(s.count for s in spans),
             max_seq_len=max(seq_lens),
-            num_decodes=len(decodes),
-            num_decode_tokens=sum(c.num_tokens for c in decodes),
+            num_decodes=num_decodes,
+            num_decode_tokens=query_start[num_decodes],
             causal=self.capabilities.causal,
         )
         bs = self.block_size
         per_group = []
         for group in range(len(self.groups.windows)):
-            tables = [c.seq.block_tables[group] for c in chunks]
+            tables = [s.seq.block_tables[group] for s in spans]
             width = max(len(table) for table in tables)
             padded = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64)
             slots = padded[row_req, positions // bs] * bs + positions % bs
             per_group.append(AttentionMetadata(block_table=self._h2d(padded, torch.int32),
                                                slot_mapping=self._h2d(slots, torch.int64), **shared))  # type: ignore[arg-type]
-        return per_group, input_ids, positions
+        return per_group, positions
+
+    def _draft_attention(self, spans: list[Span], num_decodes: int) -> tuple[StepContext, torch.Tensor]:
+        """A model drafter's rows: their step context and positions on the device."""
+        with host_single_threaded():
+            per_group, positions = self._span_metadata(spans, num_decodes)
+            return self.contexts.build(self.kv_caches, per_group), self._h2d(positions, torch.int64)
 
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
         """One row per sampled position: a verify chunk's row i samples position num_tokens + i
@@ -259,7 +283,8 @@ class ModelRunner:
             for layer in layers:  # a replayed step is one piece: every layer's hooks around it
                 hooks.before_attend(layer)  # type: ignore[union-attr]
             with host_single_threaded():  # the replay itself is GPU work
-                hidden = self.graphs.run(chunks)  # every row is a sampling decode (fits() checked it)
+                # every row is a sampling decode (fits() checked it)
+                every_row = hidden = self.graphs.run(chunks)
             for layer in layers:
                 hooks.after_attend(layer)  # type: ignore[union-attr]
             embeddings: list[torch.Tensor] = []
@@ -269,17 +294,18 @@ class ModelRunner:
             # pooled (an embedding request's rows) or score prompt tokens: its output projection
             # and MLP skip the rest.
             # A step that samples nothing (a middle prefill chunk) runs whole: its output is unused.
+            # A model drafter reads every row's hidden state.
             rows = _output_rows(chunks)
-            hidden = self.forward(chunks, rows if 0 < len(rows) < sum(c.num_tokens for c in chunks) else None,
-                                  hooks)
-            hidden = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+            some = 0 < len(rows) < sum(c.num_tokens for c in chunks) and self.drafter is None
+            every_row = self.forward(chunks, rows if some else None, hooks)
+            hidden = every_row if len(rows) == every_row.shape[0] else every_row[rows]
             hidden, embeddings, scored = self._split_rows(chunks, hidden)
         if self.connector is not None:
             self.connector.wait_for_save()
         prompt_logprobs = [(c.seq, c.prompt_logprob_positions.start, self._prompt_logprobs(c, h))
                            for c, h in scored]
         if not sampling:
-            return StepResult([], [], embeddings, prompt_logprobs)
+            return StepResult([], [], embeddings, prompt_logprobs, self._draft(chunks, every_row, []))
         logits = self.model.compute_logits(hidden)  # one row per sampled position
         metadata = None
         if all(_plain_greedy(c.seq.params) for c in sampling):
@@ -318,7 +344,16 @@ class ModelRunner:
                 logprobs[i] = [{**dict(zip(ids[r][:k], values[r][:k], strict=True)), token: next(chosen)}
                                for r, token in zip(range(first_row[i], first_row[i] + len(emitted[i])),
                                                    emitted[i], strict=True)]
-        return StepResult(emitted, logprobs, embeddings, prompt_logprobs)
+        drafts = self._draft(chunks, every_row, emitted)
+        return StepResult(emitted, logprobs, embeddings, prompt_logprobs, drafts)
+
+    def _draft(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+               emitted: list[list[int]]) -> list[tuple[list[int], torch.Tensor | None]] | None:
+        """The model drafter's part of the step (engine/drafting.py; `hidden`: every row's)."""
+        if self.drafter is None:
+            return None
+        return draft_in_step(self.drafter, self.model, self.sampler, self._draft_attention, self.draft_limits,
+                             chunks, hidden, emitted)
 
     def _rejection_verify(self, chunks: list[ScheduledChunk], first_rows: list[int], logits: torch.Tensor,
                           sampled: torch.Tensor, metadata: SamplingMetadata) -> list[list[int]]:
@@ -338,7 +373,15 @@ class ModelRunner:
         drafts = [c.seq.draft_ids[: c.num_drafts] + [NO_TOKEN] * (width - c.num_drafts) for c in chunks]
         bonus = sampled[self._h2d([first + c.num_drafts for c, first in zip(chunks, first_rows, strict=True)],
                                   torch.int64)]
-        out = rejection_verify(self._h2d(drafts, torch.int64), probs, None, bonus,
+        # q of each draft (a model drafter's; None: every draft certain, as n-gram lookup's); padded
+        # rows are masked by NO_TOKEN.
+        draft_probs = None
+        if any(c.seq.draft_probs is not None for c in chunks):
+            draft_probs = torch.zeros_like(probs)
+            for i, c in enumerate(chunks):
+                assert c.seq.draft_probs is not None, "a drafter gives every sampled request q or none"
+                draft_probs[i, : c.num_drafts] = c.seq.draft_probs[: c.num_drafts]
+        out = rejection_verify(self._h2d(drafts, torch.int64), probs, draft_probs, bonus,
                                self._h2d([c.seq.seed for c in chunks], torch.int64),
                                self._h2d([c.seq.num_tokens for c in chunks], torch.int64))
         return [[t for t in row if t != NO_TOKEN] for row in out.tolist()]

@@ -12,6 +12,11 @@ prefix hit gets blocks for it and waits in `loading` (taking no token budget) un
 connector's report says the load finished (it then resumes after the loaded tokens) or failed
 (it recomputes them); the others run meanwhile. A finished request's blocks stay held while the
 connector still reads them.
+
+A model drafter writes KV past a step's rows (its draft rows); a running request's blocks then
+also cover `lookahead` slots past them where the pool has them (never at the cost of another
+request, and never for a request's first step, the P/D rule: a remote prefill allocates the
+prompt's blocks only); the drafter drafts no further than its blocks reach.
 """
 
 from __future__ import annotations
@@ -57,11 +62,15 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None, lookahead: int = 0,
+                 max_model_len: int | None = None) -> None:
+        """lookahead: KV slots a drafter may write past a step's rows (`combined_lookahead`), never
+        reserved beyond a request's last position (max_tokens, max_model_len)."""
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
+        self.lookahead, self.max_model_len = lookahead, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []  # admitted, their prefix's KV coming from the connector
@@ -137,7 +146,7 @@ class Scheduler:
                 if index >= len(self.running) or self.running[index] is not seq:
                     break  # seq itself was the newest: it waits now
             else:
-                self.blocks.grow(seq, seq.num_computed + count)
+                self.blocks.grow(seq, self._with_lookahead(seq, seq.num_computed + count))
                 chunks.append(ScheduledChunk(seq, count, drafts))
                 budget -= count
                 index += 1
@@ -184,12 +193,22 @@ class Scheduler:
                                f"{seq.num_tokens}-token request: whole blocks, short of the last token")
         return external
 
+    def _with_lookahead(self, seq: Sequence, num_tokens: int) -> int:
+        """The slots to hold: `num_tokens` and the lookahead past them, where the pool has it."""
+        if not self.lookahead:
+            return num_tokens
+        last = seq.prompt_len + seq.params.max_tokens
+        if self.max_model_len is not None:
+            last = min(last, self.max_model_len)
+        wanted = min(num_tokens + self.lookahead, last)
+        return wanted if wanted > num_tokens and self.blocks.can_grow(seq, wanted) else num_tokens
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.status = Status.WAITING
         seq.num_computed = 0
-        seq.draft_ids = []  # proposed again once it decodes
+        seq.draft_ids, seq.draft_probs = [], None  # proposed again once it decodes
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

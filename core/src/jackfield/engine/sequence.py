@@ -79,6 +79,8 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     text_end: int | None = None  # where a stop string begins in the decoded output (text is cut there)
     draft_ids: list[int] = field(default_factory=list)  # proposed after token_ids, verified next step
+    # float32 [len(draft_ids), vocab]: the distribution each draft was drawn from (None: certain drafts)
+    draft_probs: torch.Tensor | None = None
     speculative: SpeculativeStats = field(default_factory=lambda: SpeculativeStats())
     embedding: torch.Tensor | None = None  # an embedding request's pooled vector [hidden] float32
     finish_reason: str | None = None

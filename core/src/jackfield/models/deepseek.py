@@ -3,11 +3,21 @@
 Parameter names follow the Hugging Face checkpoint except where weights are fused (gate ‖ up)
 or stacked (experts); DEEPSEEK_WEIGHTS says how. kv_b_proj is loaded, handed to the attention
 impl (which splits it into W_UK / W_UV), then dropped.
+
+Multi-token prediction (the MTP drafter): the checkpoint stores `num_nextn_predict_layers` MTP
+layers after the main ones (`model.layers.{L + i}`). They are skipped at load unless a drafter
+runs them (`load_mtp_layers`); then each is, for a row at position p pairing the token t at p + 1
+with the hidden state h of p (DeepSeek-V3 report, section 2.2; vLLM's deepseek_mtp):
+    h' = eh_proj(cat(enorm(embed(t)), hnorm(h)))     (embedding first; zero where p == 0)
+    x  = decoder_layer(h')                           (MLA over the MTP layer's own KV cache, MLP/MoE)
+    logits = head(shared_head.norm(x))               (embedding and head: the target's)
 """
 
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -170,6 +180,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MTPLayer(DecoderLayer):
+    """A multi-token-prediction layer: a decoder layer (its index picks MLP or MoE as for any
+    layer) after enorm, hnorm and eh_proj, and before shared_head.norm."""
+
+    def __init__(self, arch: DeepseekArch, index: int, self_attn: MLAAttention, dtype: torch.dtype) -> None:
+        super().__init__(arch, index, self_attn, dtype)
+        size, eps = arch.hidden_size, arch.rms_norm_eps
+        self.enorm = RMSNorm(size, eps, dtype)
+        self.hnorm = RMSNorm(size, eps, dtype)
+        self.eh_proj = Linear(2 * size, size, dtype)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(size, eps, dtype)
+
+
 class DeepseekForCausalLM(DecoderStack):
     """Built from the transformers config; `from_pretrained` loads a local checkpoint directory."""
 
@@ -177,7 +201,8 @@ class DeepseekForCausalLM(DecoderStack):
                  kv_cache_dtype: KVCacheDType = "auto") -> None:
         super().__init__()
         arch = deepseek_arch(hf_config)
-        self.arch, self.dtype = arch, dtype
+        self.arch, self.dtype, self.backends = arch, dtype, backends
+        self.num_loaded_mtp_layers = 0  # `load_mtp_layers` appends them to model.layers
         self.attention_spec = attention_spec(arch, kv_cache_dtype)
         inv_freq, rope_scaling = rope_inv_freq(hf_config, arch.qk_rope_head_dim)
         self.rope = RotaryEmbedding(inv_freq, rope_scaling, arch.max_position_embeddings,
@@ -215,8 +240,9 @@ class DeepseekForCausalLM(DecoderStack):
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:
-        """One attention layer spec per KV cache the model writes (the engine allocates them)."""
-        return [self.attention_spec] * self.arch.num_layers
+        """One attention layer spec per KV cache the model writes (the engine allocates them):
+        the decoder layers', then the loaded MTP layers'."""
+        return [self.attention_spec] * (self.arch.num_layers + self.num_loaded_mtp_layers)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_config: PretrainedConfig, backends: AttentionBackends,
@@ -241,6 +267,62 @@ class DeepseekForCausalLM(DecoderStack):
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.model.layers[i].before_attention(x, positions, self.rope)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.head_weight).float()
+
+    def load_mtp_layers(self, model_dir: str | Path) -> None:
+        a, first = self.arch, self.arch.num_layers
+        if a.num_mtp_layers == 0 or a.non_causal:
+            why = "a bidirectional model" if a.non_causal else "num_nextn_predict_layers is 0"
+            raise ValueError(f"{model_dir}: no multi-token-prediction layers to run ({why})")
+        if self.num_loaded_mtp_layers:
+            raise ValueError("the multi-token-prediction layers are loaded already")
+        with torch.device(self.model.embed_tokens.weight.device):
+            layers = [MTPLayer(a, first + i, self.make_attention(first + i, self.backends), self.dtype)
+                      for i in range(a.num_mtp_layers)]
+        params = {f"model.layers.{first + i}.{name}": param
+                  for i, layer in enumerate(layers) for name, param in layer.named_parameters()}
+        indices = "|".join(str(first + i) for i in range(len(layers)))
+        mtp_names = re.compile(rf"model\.layers\.(?:{indices})\..+")
+        # The checkpoint may store copies of the shared embedding and head in each MTP layer:
+        # they must be the target's (Jackfield runs the target's).
+        shared = {"embed_tokens.weight": self.model.embed_tokens.weight,
+                  "shared_head.head.weight": self.head_weight}
+        differing: list[str] = []
+
+        def mtp_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in iter_checkpoint(model_dir, keep=mtp_names.fullmatch):
+                target = next((w for suffix, w in shared.items() if name.endswith("." + suffix)), None)
+                if target is None:
+                    yield name, tensor
+                elif not torch.equal(tensor.to(target.device, target.dtype), target):
+                    differing.append(name)
+
+        load_weights(params, mtp_tensors(), DEEPSEEK_WEIGHTS)
+        if differing:
+            raise ValueError(f"{model_dir}: {', '.join(differing)} differ from the target's embedding and "
+                             "head, which the multi-token-prediction layers share")
+        for layer in layers:
+            layer.self_attn.finish_loading()
+        self.model.layers.extend(layers)
+        self.num_loaded_mtp_layers = len(layers)
+
+    def _mtp_layer(self, layer: int) -> MTPLayer:
+        if not 0 <= layer < self.num_loaded_mtp_layers:
+            raise ValueError(f"MTP layer {layer} of {self.num_loaded_mtp_layers} loaded")
+        return self.model.layers[self.arch.num_layers + layer]
+
+    def mtp_forward(self, layer: int, step: StepContext, input_ids: torch.Tensor, positions: torch.Tensor,
+                    hidden: torch.Tensor) -> torch.Tensor:
+        mtp = self._mtp_layer(layer)
+        embedded = self.embed(input_ids).masked_fill((positions == 0).unsqueeze(1), 0.0)
+        x = mtp.eh_proj(torch.cat((mtp.enorm(embedded), mtp.hnorm(hidden)), dim=-1))
+        attn_out = mtp.self_attn.attend(step, *mtp.before_attention(x, positions, self.rope))
+        return mtp.after_attention(x, attn_out)
+
+    def mtp_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(self._mtp_layer(layer).shared_head.norm(x))

@@ -11,6 +11,8 @@ Everything else (MoE, MLA projections, weights) is the DeepSeek-V3 model.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,6 +150,10 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
             scale=arch.index_head_dim**-0.5,
             kv_lora_rank=arch.index_head_dim,
         )
+
+    def load_mtp_layers(self, model_dir: str | Path) -> None:
+        raise ValueError(f"{model_dir}: DeepSeek-V3.2's multi-token-prediction layers (with their indexer) "
+                         "are not supported")
 
     def make_attention(self, index: int, backends: AttentionBackends) -> MLAAttention:
         return SparseMLAAttention(self.arch, index, self.attention_spec, backends, self.dtype)

@@ -15,7 +15,7 @@ import torch
 
 from jackfield.gguf_files import cache_dir
 
-DEFAULT_MODEL_NAME = "tiny-deepseek-v3-r1"  # bump the suffix when the recipe below changes
+DEFAULT_MODEL_NAME = "tiny-deepseek-v3-r2"  # bump the suffix when the recipe below changes
 SEED = 20261129
 BOS_ID, EOS_ID = 256, 257
 
@@ -42,6 +42,7 @@ TINY_CONFIG = dict(
     bos_token_id=BOS_ID,
     eos_token_id=EOS_ID,
     initializer_range=0.1,  # livelier logits than 0.02, so sampled text is not uniform noise
+    num_nextn_predict_layers=0,  # no multi-token-prediction layers (transformers' config says 1)
 )
 
 

@@ -239,6 +239,21 @@ def _deepseek_routing_problems(c: PretrainedConfig, v3: bool) -> list[str]:
 
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+MTP_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # whose MTP layers Jackfield runs
+
+
+def mtp_layers_problem(data: Mapping[str, object]) -> str | None:
+    """Why config.json's checkpoint has no multi-token-prediction layers Jackfield can run
+    (`num_nextn_predict_layers` of them, stored as model.layers.{L + i}), or None."""
+    archs = data.get("architectures")
+    count = data.get("num_nextn_predict_layers") or 0
+    if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in MTP_ARCHITECTURES):
+        return f"architectures {archs}: only {' and '.join(MTP_ARCHITECTURES)} checkpoints' MTP layers run"
+    if not isinstance(count, int) or count < 1:
+        return f"num_nextn_predict_layers is {count!r}: the checkpoint has no multi-token-prediction layers"
+    if data.get("is_causal") is False:
+        return "is_causal is false: a bidirectional model decodes nothing to draft for"
+    return None
 
 
 def deepseek_arch(hf_config: PretrainedConfig) -> DeepseekArch:

@@ -10,7 +10,7 @@ name the tensors.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,16 +64,30 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the folder's safetensors; a truncated or foreign file is a
-    ModelFileError naming it."""
+def iter_checkpoint(model_dir: str | Path,
+                    keep: Callable[[str], object] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the folder's safetensors (only names `keep` accepts: the others
+    are never read); a truncated or foreign file is a ModelFileError naming it."""
     for file in checkpoint_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as exc:
             raise ModelFileError(f"{file}: not a readable safetensors file: {exc}") from exc
+
+
+def tensor_names(model_dir: str | Path) -> set[str]:
+    """The names of the folder's checkpoint tensors (read from the files' headers only)."""
+    names: set[str] = set()
+    for file in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names.update(f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise ModelFileError(f"{file}: not a readable safetensors file: {exc}") from exc
+    return names
 
 
 def load_weights(

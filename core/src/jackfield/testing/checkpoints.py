@@ -9,9 +9,11 @@ random values too, so that a model ignoring them fails a comparison, saves it, a
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (
     DeepseekV2Config,
@@ -64,7 +66,9 @@ DEEPSEEK_V32 = dict(
     n_group=2, topk_group=1, first_k_dense_replace=1, index_n_heads=8, index_head_dim=16,
     max_position_embeddings=64, tie_word_embeddings=False,
 )  # fmt: skip
-DEEPSEEK_CONSTANTS = ("e_score_correction_bias", "layernorm.weight", "k_norm.weight", "k_norm.bias")
+DEEPSEEK_CONSTANTS = (
+    "e_score_correction_bias", "layernorm.weight", "model.norm.weight", "k_norm.weight", "k_norm.bias"
+)
 
 # ---- Llama / Granite / Granite SWA / Granite MoE (SWA) (grouped-query attention) --------------
 LLAMA = dict(
@@ -125,6 +129,39 @@ def write_deepseek(variant: str, directory: Path, seed: int = 0, **config: objec
     return write_model(
         model_cls, config_cls(**{**DEEPSEEK, **extra, **config}), directory, DEEPSEEK_CONSTANTS, seed
     )
+
+
+def write_deepseek_mtp(variant: str, directory: Path, num_mtp_layers: int = 1, seed: int = 0,
+                       **config: object) -> tuple[PreTrainedModel, PreTrainedModel, dict[str, torch.Tensor]]:
+    """A DEEPSEEK_VARIANTS checkpoint with `num_mtp_layers` multi-token-prediction layers in
+    DeepSeek's published layout (transformers' model skips them), in a file of their own.
+
+    MTP layer i is `model.layers.{L + i}`: a decoder layer's tensors (those of layer L + i of a
+    transformers model of L + n layers, so its index picks MLP or MoE as transformers does),
+    enorm, hnorm, eh_proj [H, 2H] and shared_head.norm (random), and copies of the target's
+    embedding and head as embed_tokens and shared_head.head. Returns (the target, that
+    transformers model of L + n layers (the reference of the MTP decoder layers), the tensors of
+    the MTP file)."""
+    target = write_deepseek(variant, directory, seed, num_nextn_predict_layers=num_mtp_layers, **config)
+    num_layers = target.config.num_hidden_layers
+    config_cls, model_cls, extra = DEEPSEEK_VARIANTS[variant]
+    longer = config_cls(**{**DEEPSEEK, **extra, **config, "num_hidden_layers": num_layers + num_mtp_layers})
+    with tempfile.TemporaryDirectory() as scratch:  # saved for transformers' checkpoint names
+        extended = write_model(model_cls, longer, Path(scratch), DEEPSEEK_CONSTANTS, seed + 2)
+        saved = load_file(str(Path(scratch) / "model.safetensors"))
+        tensors = {name: tensor for name, tensor in saved.items()
+                   if any(name.startswith(f"model.layers.{num_layers + i}.") for i in range(num_mtp_layers))}
+    gen = torch.Generator().manual_seed(seed + 3)
+    size = target.config.hidden_size
+    for i in range(num_mtp_layers):
+        prefix = f"model.layers.{num_layers + i}."
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[prefix + norm + ".weight"] = torch.randn(size, generator=gen) * 0.5 + 1.0
+        tensors[prefix + "eh_proj.weight"] = torch.randn(size, 2 * size, generator=gen) * (2 * size) ** -0.5
+        tensors[prefix + "embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+        tensors[prefix + "shared_head.head.weight"] = target.lm_head.weight.detach().clone()
+    save_file(tensors, str(directory / "mtp.safetensors"))
+    return target, extended, tensors
 
 
 def write_deepseek_v32(directory: Path, index_topk: int, seed: int = 0, **config: object) -> PreTrainedModel:

@@ -10,7 +10,7 @@ from torch import nn
 
 from jackfield.attention.kv_cache import allocate_kv_cache
 from jackfield.attention.torch_ref import TorchRefBackend
-from jackfield.contracts.attention import AttentionBackends, AttentionMetadata
+from jackfield.contracts.attention import AttentionBackends, AttentionMetadata, StepContext
 from jackfield.models.attention import StepContextBuilder
 
 TORCH_REF = AttentionBackends(prefill=TorchRefBackend, decode=TorchRefBackend)
@@ -41,24 +41,22 @@ class PagedRun:
         self.lens.append(0)
         return len(self.tables) - 1
 
-    def step(self, chunks: list[tuple[int, list[int]]], num_decodes: int = 0) -> torch.Tensor:
-        """chunks: (request, new token ids), decodes first. Returns the hidden states [T, D]."""
-        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
-        for req, tokens in chunks:
-            start, end = self.lens[req], self.lens[req] + len(tokens)
+    def context(self, spans: list[tuple[int, int, int]], num_decodes: int = 0) -> StepContext:
+        """The step context of rows (request, first position, count) per request, decodes first:
+        blocks are allocated as needed; lengths are not advanced (`step` does that)."""
+        positions, slots, qsl, seq_lens = [], [], [0], []
+        for req, start, count in spans:
+            end = start + count
             while len(self.tables[req]) * self.block_size < end:
                 self.tables[req].append(self.free.pop())
             table = self.tables[req]
-            ids += tokens
             positions += range(start, end)
-            slots += [
-                table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)
-            ]
-            qsl.append(qsl[-1] + len(tokens))
+            bs = self.block_size
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            qsl.append(qsl[-1] + count)
             seq_lens.append(end)
-            self.lens[req] = end
-        width = max(len(self.tables[r]) for r, _ in chunks)
-        tables = [self.tables[r] + [0] * (width - len(self.tables[r])) for r, _ in chunks]
+        width = max(len(self.tables[r]) for r, _, _ in spans)
+        tables = [self.tables[r] + [0] * (width - len(self.tables[r])) for r, _, _ in spans]
         qsl_t, lens_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
         metadata = AttentionMetadata(
             query_start_loc=qsl_t.clone(),
@@ -67,13 +65,22 @@ class PagedRun:
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_start_loc_cpu=qsl_t,
             seq_lens_cpu=lens_t,
-            max_query_len=max(len(t) for _, t in chunks),
+            max_query_len=max(count for _, _, count in spans),
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
+            num_decode_tokens=sum(count for _, _, count in spans[:num_decodes]),
             causal=self.causal,
         )
-        step = self.contexts.build(self.caches, [metadata])
+        return self.contexts.build(self.caches, [metadata])
+
+    def step(self, chunks: list[tuple[int, list[int]]], num_decodes: int = 0) -> torch.Tensor:
+        """chunks: (request, new token ids), decodes first. Returns the hidden states [T, D]."""
+        spans = [(req, self.lens[req], len(tokens)) for req, tokens in chunks]
+        step = self.context(spans, num_decodes)
+        positions = [p for _, start, count in spans for p in range(start, start + count)]
+        for req, start, count in spans:
+            self.lens[req] = start + count
+        ids = [t for _, tokens in chunks for t in tokens]
         with torch.inference_mode():
             return self.model(torch.tensor(ids), torch.tensor(positions), step)
 

@@ -15,5 +15,11 @@ def register_drafters() -> list[DrafterSpec]:
             name="ngram",
             factory="jackfield_spec_decode.ngram:NgramDrafter",
             description="prompt lookup: what followed the longest earlier match of the last n tokens",
-        )
+        ),
+        DrafterSpec(
+            name="mtp",
+            factory="jackfield_spec_decode.mtp:MTPDrafter",
+            description="DeepSeek multi-token prediction: the target checkpoint's MTP layers",
+            mtp_layers=True,
+        ),
     ]

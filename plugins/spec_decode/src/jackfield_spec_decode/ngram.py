@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
-from jackfield.contracts.drafter import Drafter, DrafterOptions, DraftProposal
+from jackfield.contracts.drafter import DrafterOptions, DraftProposal, TokenDrafter
 
 
 def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -28,7 +27,7 @@ def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> l
     return []
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(TokenDrafter):
     name = "ngram"
 
     def __init__(self, options: DrafterOptions) -> None:
@@ -43,8 +42,7 @@ class NgramDrafter(Drafter):
         reserves like any query row."""
         return 0
 
-    def propose(self, token_ids: Sequence[Sequence[int]], hidden_states: torch.Tensor | None = None,
-                ) -> DraftProposal:
+    def propose(self, token_ids: Sequence[Sequence[int]]) -> DraftProposal:
         o = self.options
         k = self.num_speculative_tokens
         return DraftProposal([propose_ngram(t, o.prompt_lookup_min, o.prompt_lookup_max, k)

@@ -1,0 +1,186 @@
+"""A model drafter's view of one step (`DraftContext`), as the model runner gives it.
+
+After the target's forward and the verification of the step's drafts, before the engine appends
+the new tokens, the drafter gets:
+- `verified`: every position the target computed this step whose next token is now known, with
+  that token and the target's final hidden state there (a prompt chunk: all its rows, or all but
+  the last of an embedding request's; a decode: its known row and its accepted drafts; rejected
+  drafts' rows are left out). Its attention writes the drafter's KV at those positions, so the
+  drafter's caches hold every verified position (a rejected draft's KV is overwritten later).
+- the requests that draft next: every sampling request the step leaves room for, each with the
+  row that drafts its first token and how many it may draft.
+Draft token j (0-based) of a request with N tokens after this step sits at position N + j; the
+row that drafts token j >= 1 sits at position N + j - 2 (it pairs token j - 1 with the hidden
+state that drafted it) and writes its KV there, inside the slots the scheduler reserved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from jackfield.contracts.attention import StepContext
+from jackfield.contracts.drafter import DraftContext, DraftRows, ModelDrafter
+from jackfield.contracts.model import ModelFamily
+from jackfield.contracts.sampler import Sampler, SamplingMetadata
+from jackfield.engine.scheduler import ScheduledChunk
+from jackfield.engine.sequence import Sequence as Request
+from jackfield.sampling.speculative import target_probabilities
+
+
+@dataclass(frozen=True)
+class Span:
+    """Rows of one request in a forward: positions start .. start + count - 1."""
+
+    seq: Request
+    start: int
+    count: int
+
+
+# (spans, how many of them are decodes (first)) -> (the step context, positions [T] on the device)
+AttentionFor = Callable[[list[Span], int], tuple[StepContext, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """What bounds a request's drafts: its k, max_tokens and max_model_len, its KV slots."""
+
+    num_speculative_tokens: int
+    max_model_len: int
+    block_size: int
+
+    def max_drafts(self, seq: Request, new_tokens: int) -> int:
+        """Drafts `seq` may make after `new_tokens` more tokens: the verify step emits up to
+        drafts + 1 tokens, and the row of draft j >= 1 writes KV at position N + j - 2."""
+        num_tokens = seq.num_tokens + new_tokens
+        left = seq.params.max_tokens - len(seq.output_ids) - new_tokens
+        room = min(left, self.max_model_len - num_tokens) - 1
+        slots = len(seq.block_tables[0]) * self.block_size - num_tokens + 2
+        return max(0, min(self.num_speculative_tokens, room, slots))
+
+
+@dataclass(frozen=True)
+class VerifiedRows:
+    """The step's verified rows (see the module docstring) and the requests that draft next."""
+
+    spans: list[Span]  # decodes first
+    num_decode_spans: int
+    input_ids: list[int]  # per row: the token after its position
+    rows: list[int]  # per row: its row in the step's flat batch
+    drafting: list[tuple[Request, int]]  # (request, its tokens after this step)
+    last_rows: list[int]  # per drafting request: its newest verified row (an index into `rows`)
+    max_drafts: list[int]  # per drafting request, >= 1
+
+
+def verified_rows(chunks: list[ScheduledChunk], emitted: list[list[int]],
+                  limits: DraftLimits) -> VerifiedRows:
+    """`chunks`: the step's chunks (decodes first); `emitted`: the new tokens of each sampling,
+    non-pooling chunk, in order."""
+    spans: list[Span] = []
+    decode_spans = 0
+    ids: list[int] = []
+    rows: list[int] = []
+    drafting: list[tuple[Request, int]] = []
+    last_rows: list[int] = []
+    max_drafts: list[int] = []
+    new_tokens = iter(emitted)
+    start = 0
+    for chunk in chunks:
+        seq = chunk.seq
+        tokens = seq.token_ids
+        known = chunk.num_tokens - chunk.num_drafts
+        if chunk.samples and seq.pooling is None:
+            new = next(new_tokens)
+            tokens = tokens + new  # the accepted drafts, then the target's token
+            verified = known + len(new) - 1
+            limit = limits.max_drafts(seq, len(new))
+            if limit:
+                drafting.append((seq, len(tokens)))
+                last_rows.append(len(rows) + verified - 1)
+                max_drafts.append(limit)
+        else:  # a prompt chunk: the token after its last row is known unless the prompt ends there
+            verified = known - (seq.num_computed + known == seq.num_tokens)
+        if verified:
+            spans.append(Span(seq, seq.num_computed, verified))
+            decode_spans += chunk.is_decode
+            ids += tokens[seq.num_computed + 1 : seq.num_computed + 1 + verified]
+            rows += range(start, start + verified)
+        start += chunk.num_tokens
+    return VerifiedRows(spans, decode_spans, ids, rows, drafting, last_rows, max_drafts)
+
+
+class RunnerDraftContext(DraftContext):
+    """`hidden`: the target's final hidden states of every row of the step."""
+
+    def __init__(self, model: ModelFamily, sampler: Sampler, attention: AttentionFor, found: VerifiedRows,
+                 hidden: torch.Tensor) -> None:
+        self.model, self.sampler, self.attention = model, sampler, attention
+        self.drafting, self.max_drafts = found.drafting, found.max_drafts
+        device = hidden.device
+        step, positions = attention(found.spans, found.num_decode_spans)
+        index = torch.tensor(found.rows, dtype=torch.int64, device=device)
+        self.verified = DraftRows(torch.tensor(found.input_ids, dtype=torch.int64, device=device), positions,
+                                  hidden[index], step)
+        self.last_rows = torch.tensor(found.last_rows, dtype=torch.int64, device=device)
+
+    def draft_rows(self, requests: Sequence[int], draft: int, input_ids: torch.Tensor,
+                   hidden: torch.Tensor) -> DraftRows:
+        if draft < 1 or any(draft >= self.max_drafts[r] for r in requests):
+            raise ValueError(f"draft {draft} is beyond what requests {list(requests)} may draft")
+        spans = [Span(self.drafting[r][0], self.drafting[r][1] + draft - 2, 1) for r in requests]
+        step, positions = self.attention(spans, len(spans))
+        return DraftRows(input_ids, positions, hidden, step)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[int], draft: int,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        seqs = [self.drafting[r][0] for r in requests]
+
+        def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=logits.device)
+
+        temperature = on_device([s.params.temperature for s in seqs], torch.float32)
+        if all(s.params.temperature == 0 for s in seqs):  # argmax of the finite logits, no noise
+            finite = torch.nan_to_num(logits, nan=-torch.inf, posinf=-torch.inf)
+            best, tokens = finite.max(dim=1)
+            return torch.where(best == -torch.inf, -1, tokens), None
+        rows = len(seqs)
+        metadata = SamplingMetadata(
+            temperature=temperature,
+            top_k=on_device([0] * rows, torch.int64),
+            top_p=on_device([1.0] * rows, torch.float32),
+            min_p=on_device([0.0] * rows, torch.float32),
+            seeds=on_device([s.seed for s in seqs], torch.int64),
+            positions=on_device([self.drafting[r][1] + draft for r in requests], torch.int64),
+            drafting=True,
+        )
+        out = self.sampler.sample(logits, metadata)
+        tokens = out.token_ids
+        if out.invalid_rows is not None:
+            tokens = torch.where(out.invalid_rows, -1, tokens)
+        return tokens, target_probabilities(logits, temperature)
+
+
+def draft_in_step(drafter: ModelDrafter, model: ModelFamily, sampler: Sampler, attention: AttentionFor,
+                  limits: DraftLimits, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+                  emitted: list[list[int]]) -> list[tuple[list[int], torch.Tensor | None]]:
+    """The drafter's layers over the step's verified rows, then per sampling, non-pooling chunk
+    (in order) its drafts and their probabilities (None: greedy, or certain drafts)."""
+    found = verified_rows(chunks, emitted, limits)
+    proposal = None
+    if found.spans:
+        proposal = drafter.propose(RunnerDraftContext(model, sampler, attention, found, hidden))
+    index = {seq: i for i, (seq, _) in enumerate(found.drafting)}
+    drafts: list[tuple[list[int], torch.Tensor | None]] = []
+    for chunk in chunks:
+        if not chunk.samples or chunk.seq.pooling is not None:
+            continue
+        i = index.get(chunk.seq)
+        if proposal is None or i is None:
+            drafts.append(([], None))
+            continue
+        tokens = proposal.token_ids[i][: found.max_drafts[i]]
+        probs = proposal.probabilities[i] if proposal.probabilities is not None else None
+        drafts.append((tokens, None if probs is None else probs[: len(tokens)]))
+    return drafts
