@@ -27,6 +27,7 @@ from jackfield.contracts.kv_connector import (
 
 BLOCK, NUM_BLOCKS, WINDOW = 4, 16, 6
 PROMPT = 23  # tokens: 5 whole blocks; the consumer resumes at token 20
+REQUEST = "7"  # the request's id, the same on both engines
 MLA = AttentionLayerSpec(num_heads=4, head_size=40, scale=0.1, kv_lora_rank=32, qk_rope_head_dim=8,
                          qk_nope_head_dim=16, v_head_dim=16)
 MHA = AttentionLayerSpec(num_heads=4, head_size=8, scale=0.1, num_kv_heads=2)
@@ -87,7 +88,7 @@ def produce(kind: str, address: str, seed: int, die_after: int | None) -> None:
         channel.Sender._send = send_then_die  # type: ignore[method-assign]
     ctx = context(kind, "producer", address, seed)
     scheduler, worker = make_pd(ctx)
-    request = ConnectorRequest("r0", hashes(seed)[: PROMPT // BLOCK], PROMPT)
+    request = ConnectorRequest(REQUEST, hashes(seed)[: PROMPT // BLOCK], PROMPT)
     tables = producer_tables(len(ctx.coverage))
     scheduler.update_state_after_alloc(request, tables, 0, 0)
     metadata = scheduler.build_connector_meta([ScheduledRequest(request, tables, PROMPT)])
@@ -96,7 +97,7 @@ def produce(kind: str, address: str, seed: int, die_after: int | None) -> None:
         worker.save_kv_layer(layer, ctx.kv_caches[layer], metadata)
     worker.wait_for_save()
     deadline = time.monotonic() + 30
-    while "r0" not in worker.get_finished().saved:
+    while REQUEST not in worker.get_finished().saved:
         if time.monotonic() > deadline:
             sys.exit("the consumer never took the transfer")
         time.sleep(0.01)

@@ -79,10 +79,10 @@ def test_a_prompts_blocks_arrive_byte_exact(kind: str) -> None:
         scheduler, worker = make_pd(ctx)
         sent = side.context(kind, "producer", address, seed)  # the producer's bytes (no connection)
         before = [t.clone() for t in ctx.kv_caches[:2]]
-        request = first_token_request("c0", seed)
+        request = first_token_request(side.REQUEST, seed)
         tables = consumer_tables(len(ctx.coverage), seed)
         result, _ = load(scheduler, worker, ctx, request, tables, timeout_s=30)
-        assert result.loaded == {"c0"} and not result.failed_loads
+        assert result.loaded == {side.REQUEST} and not result.failed_loads
         written = set()
         for layer, group in enumerate(ctx.layer_group):
             blocks = needed_blocks(ctx.coverage[group].sliding_window)
@@ -112,16 +112,16 @@ def test_a_producer_killed_mid_transfer_fails_the_load_in_time_and_writes_nothin
         ctx = side.context("mha", "consumer", address, seed + 100, timeout_s=timeout_s)
         scheduler, worker = make_pd(ctx)
         before = [t.clone() for t in ctx.kv_caches[:2]]
-        request = first_token_request("c0", seed)
+        request = first_token_request(side.REQUEST, seed)
         result, waited = load(scheduler, worker, ctx, request, consumer_tables(2, seed), timeout_s=30)
-        assert result.failed_loads == {"c0"} and not result.loaded
+        assert result.failed_loads == {side.REQUEST} and not result.loaded
         assert waited < 3 * timeout_s  # the stream's timeout or the load's deadline, whichever first
         assert all(torch.equal(t.view(torch.uint8), old.view(torch.uint8))  # bytes: random floats hold NaNs
                    for t, old in zip(ctx.kv_caches[:2], before, strict=True))
         stats = scheduler.stats()
         assert stats["cpu_chunks_held"] == 0 and stats["aborted_transfers"] == 1
         # the stream is gone: a later request expects nothing and loads nothing
-        later = ConnectorRequest("c1", request.block_hashes, request.num_tokens)
+        later = ConnectorRequest("8", request.block_hashes, request.num_tokens)
         assert scheduler.get_num_new_matched_tokens(later, 0) == 0
     finally:
         assert producer.wait(timeout=60) == 3
@@ -144,7 +144,7 @@ def test_the_producer_exports_each_reachable_block_once_over_a_chunked_prefill()
     coverage = (KVCoverageSpec(side.BLOCK), KVCoverageSpec(side.BLOCK, window))
     scheduler = PDProducerScheduler(group_chunkings(coverage, [1, 1], lookahead))
     hashes = side.hashes(5)[:5]
-    request = ConnectorRequest("p", hashes, side.PROMPT)
+    request = ConnectorRequest("3", hashes, side.PROMPT)
     tables = side.producer_tables(2)
     scheduler.update_state_after_alloc(request, tables, 0, 0)
     exported: list[tuple[int, int]] = []  # (group, block id)

@@ -64,7 +64,9 @@ NGRAM = {"speculative.method": "ngram", "speculative.num_speculative_tokens": 3,
                                                  ("deepseek", NGRAM), ("granite_swa", NGRAM)])
 def test_outputs_identical_to_one_engine_and_block_counts_agree(model_dirs: dict[str, Path], family: str,
                                                                 drafter: dict[str, object]) -> None:
-    """With a drafter the decode engine drafts and verifies, and windows keep its lookahead too."""
+    """With a drafter the decode engine drafts and verifies, and windows keep its lookahead too.
+    Sampled tokens then depend on which positions had a draft (a verified draft and a plain draw
+    use one seed differently), which the engines' steps decide: there only greedy tokens match."""
     prompts, params = workload(family, seed=21)
     config = {**BASE, **drafter}
     single = LLM(model_dirs[family], **config)
@@ -75,11 +77,13 @@ def test_outputs_identical_to_one_engine_and_block_counts_agree(model_dirs: dict
     with PDLLM(model_dirs[family], **config, **{"kv_connector.options": {"timeout_s": 10.0}}) as llm:
         got = llm.generate(prompts, params, use_tqdm=False)
         decode, prefill = llm.engine.kv_connector_stats(), llm.producer_stats()
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    exact = [sp.temperature == 0 or not drafter for sp in params]
+    assert [o.token_ids for o, e in zip(got, exact, strict=True) if e] == [
+        o.token_ids for o, e in zip(expected, exact, strict=True) if e]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
     assert [o.seed for o in got] == [o.seed for o in expected]
-    for mine, theirs in zip(got, expected, strict=True):
-        if theirs.logprobs is not None:
+    for mine, theirs, same in zip(got, expected, exact, strict=True):
+        if theirs.logprobs is not None and same:
             assert mine.logprobs is not None and len(mine.logprobs) == len(theirs.logprobs)
             for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
                 assert a.keys() == b.keys()

@@ -3,8 +3,8 @@ engine here decodes, while a second engine in a child process prefills.
 
 Each request goes to the prefill engine with max_tokens 1. It computes the prompt, samples the
 first token and, through the `pd` KV connector (plugins/kv_offload), sends the prompt's KV blocks
-to this process while its forward runs. The child then hands the first token (its seed, logprobs
-and timing) over a pipe; unless that token ended the request, the request continues here as prompt
+to this process while its forward runs. The child then hands the first token (its logprobs and
+timing) over a pipe; unless that token ended the request, the request continues here as prompt
 + first token with the KV connector loading the blocks, and decodes to the end: the same tokens as
 one engine, since every draw is a pure function of (seed, position).
 
@@ -52,7 +52,6 @@ class Handoff:
     """A prefill's outcome: the first token and what the request's output needs from it."""
 
     request_id: int
-    seed: int
     token: int
     logprobs: dict[int, float] | None
     finish_reason: str  # the prefill engine's: "stop" ends the request, "length" may not
@@ -176,7 +175,11 @@ class PDLLM(LLM):
             self.engine.check_request(token_ids, params)
         seqs = []
         for token_ids, params in requests:
-            seq = Sequence(self._next_id, len(token_ids), list(token_ids), params, seed=-1)
+            # The seed one engine would draw (its generator, in submission order); both engines
+            # then know the request by this id (the pd connector keys its blocks with it).
+            seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
+            params = dataclasses.replace(params, seed=seed)
+            seq = Sequence(self._next_id, len(token_ids), list(token_ids), params, seed)
             self._next_id += 1
             seqs.append(seq)
             self._at_producer[seq.request_id] = seq
@@ -245,7 +248,6 @@ class PDLLM(LLM):
 
     def _continue(self, seq: Sequence, handoff: Handoff) -> bool:
         """Give `seq` its first token; True when it continues here, False when that finished it."""
-        seq.seed = handoff.seed
         seq.token_ids.append(handoff.token)
         if handoff.logprobs is not None:
             seq.logprobs.append(handoff.logprobs)
@@ -258,14 +260,11 @@ class PDLLM(LLM):
             seq.status, seq.finish_reason = Status.FINISHED, handoff.finish_reason
             seq.finish_time = time.perf_counter()
             return False
-        # the prompt's logprobs came with the handoff; the seed the prefill engine drew stays
-        seq.params = dataclasses.replace(seq.params, seed=handoff.seed, prompt_logprobs=None)
+        seq.params = dataclasses.replace(seq.params, prompt_logprobs=None)  # they came with the handoff
         return True
 
     def _run_here(self, seq: Sequence) -> None:
-        """A request the prefill engine never handed back, computed here whole (an unseeded one
-        draws its seed here)."""
-        seq.seed = seq.params.seed if seq.params.seed is not None else self._seeds.randrange(2**63)
+        """A request the prefill engine never handed back, computed here whole."""
         self.engine.scheduler.add(seq)
 
 
@@ -279,7 +278,6 @@ def run_prefill_engine(config: JackfieldConfig, pipe: Connection) -> None:
         if config.engine.device.startswith("cuda:") and torch.cuda.is_available():
             torch.cuda.set_device(torch.device(config.engine.device))
         engine = LLM(config=config).engine
-        ids: dict[Sequence, int] = {}  # its requests -> the parent's ids
         while True:
             while pipe.poll(0 if engine.scheduler.has_work() else 0.05):
                 message = pipe.recv()
@@ -287,14 +285,18 @@ def run_prefill_engine(config: JackfieldConfig, pipe: Connection) -> None:
                     return
                 if message == "stats":
                     pipe.send(engine.kv_connector_stats() or {})
-                elif isinstance(message, Prefill):
+                elif isinstance(message, Prefill):  # the parent's id and seed (it checked the request)
                     params = dataclasses.replace(message.params, max_tokens=1)
-                    ids[engine.add_request(message.token_ids, params)] = message.request_id
+                    seq = Sequence(message.request_id, len(message.token_ids), message.token_ids, params,
+                                   message.params.seed)
+                    if params.prompt_logprobs is not None:
+                        seq.prompt_logprobs = [None] * len(message.token_ids)
+                    engine.scheduler.add(seq)
             if not engine.scheduler.has_work():
                 continue
             for seq in engine.step():
                 assert seq.first_token_time is not None and seq.finish_reason is not None
-                pipe.send(Handoff(ids.pop(seq), seq.seed, seq.output_ids[0],
+                pipe.send(Handoff(seq.request_id, seq.output_ids[0],
                                   seq.logprobs[0] if seq.logprobs else None, seq.finish_reason, seq.text_end,
                                   seq.first_token_time, seq.prompt_logprobs, seq.num_cached_prefix))
     except (EOFError, OSError, KeyboardInterrupt):

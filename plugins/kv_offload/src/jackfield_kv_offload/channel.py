@@ -33,7 +33,7 @@ HEADER = 4  # kind, transfer id, count, layer
 class Kind(enum.IntEnum):
     HELLO = 1  # producer -> consumer: its cache layout (count int64s follow)
     ACK = 2  # consumer -> producer: count = 1 when the layouts match, else 0
-    BEGIN = 3  # a transfer's chunks: int64[count, 3] follows: (group, chained hash, its request's index)
+    BEGIN = 3  # a transfer's chunks: int64[count, 3] follows: (group, chained hash, request id)
     LAYER = 4  # one KV cache layer's rows for the transfer's chunks of its group: one tensor per plane
     END = 5  # the transfer is whole: its chunks may be read
     HEARTBEAT = 6

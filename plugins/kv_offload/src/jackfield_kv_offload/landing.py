@@ -72,15 +72,15 @@ class Landing:
         """Lost after arriving or never stored, and not back since (call with `lock` held)."""
         return key in self.gone and self.manager.lookup([key]) == 0
 
-    def begin(self, keys: list[ChunkKey], owners: list[int]) -> Arrival:
-        """Reserve slots for a transfer's chunks, all or none of each request's (`owners`: per
-        key, its request within the transfer): one request with no room drops only its own."""
+    def begin(self, keys: list[ChunkKey]) -> Arrival:
+        """Reserve slots for a transfer's chunks, all or none of each request's: one request with
+        no room drops only its own."""
         rows = [sum(1 for k in keys if k.group == g) for g in range(self.num_groups)]
         slot_of: dict[ChunkKey, int] = {}
         with self.lock:
             self.release_expired()
-            for owner in dict.fromkeys(owners):
-                mine = [key for key, o in zip(keys, owners, strict=True) if o == owner]
+            for request in dict.fromkeys(key.request for key in keys):
+                mine = [key for key in keys if key.request == request]
                 plan = self.manager.prepare_store(mine)
                 if plan is None:  # every held chunk is being read: receive these and drop them
                     self.counts["dropped_chunks"] += len(mine)
@@ -94,7 +94,7 @@ class Landing:
         for group in range(self.num_groups):
             index, host_rows = [], []
             for i, key in enumerate(k for k in keys if k.group == group):
-                if key in slot_of:  # a key twice in one transfer (two requests, one prefix): kept once
+                if key in slot_of:  # reserved now (one held already is not written again)
                     index.append(i)
                     host_rows.append(slot_of.pop(key))
             kept.append((torch.tensor(index), torch.tensor(host_rows)) if index else None)
@@ -175,8 +175,7 @@ class Receiver:
                     if arrival is not None:  # the producer's step broke off before its END
                         self.landing.end(arrival, whole=False)
                     listed = keys.tolist()
-                    arrival = self.landing.begin([ChunkKey(g, h) for g, h, _ in listed],
-                                                 [owner for _, _, owner in listed])
+                    arrival = self.landing.begin([ChunkKey(g, h, r) for g, h, r in listed])
                 elif kind == Kind.LAYER and arrival is not None:
                     group = self.landing.layer_group[layer]
                     if count != arrival.rows[group]:

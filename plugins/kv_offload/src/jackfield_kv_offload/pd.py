@@ -2,9 +2,10 @@
 the producer (prefill) computes prompts and exports their KV, the consumer (decode) loads it and
 continues (`jackfield run --pd` starts both; docs/pd.md).
 
-What moves is whole KV blocks of verified tokens, named by the chunk keys of the CPU tier
-(KV cache group + the engine's chained block hash; both engines need one
-`engine.prefix_hash_seed`). A request with n prompt tokens resumes on the consumer after
+What moves is whole KV blocks of verified tokens, named by the chunk keys of the CPU tier (KV
+cache group + the engine's chained block hash: both engines need one `engine.prefix_hash_seed`)
+and the request's id, which both engines must give it (`jackfield run --pd` does): a landed block
+serves only the request that sent it. A request with n prompt tokens resumes on the consumer after
 floor(n / block_size) blocks (a load never covers the last token): full-attention groups move
 all of them, window groups only the blocks the window reaches from there (`GroupChunking`). The
 consumer computes the rest, at most one block.

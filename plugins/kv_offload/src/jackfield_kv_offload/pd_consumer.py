@@ -8,6 +8,7 @@ what the landing zone still holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +50,14 @@ class PDConsumerScheduler(CpuOffloadScheduler):
         self.seen: set[str] = set()  # admitted before: only its first admission expects the producer
         self.waiting: dict[str, WaitingLoad] = {}
         self.counts.update(waited_loads=0, timed_out_loads=0)
+
+    def _keys(self, request: ConnectorRequest, num_tokens: int) -> list[list[ChunkKey]]:
+        """The CPU tier's keys, scoped to the request: a landed block serves only the request that
+        sent it (a drafter's KV at its last position saw that request's next token, which its hash
+        does not cover). Both engines give a request the same (integer) id."""
+        owner = int(request.request_id)
+        return [[dataclasses.replace(key, request=owner) for key in group]
+                for group in super()._keys(request, num_tokens)]
 
     def _needed_keys(self, request: ConnectorRequest, resume_tokens: int,
                      num_computed: int) -> list[ChunkKey]:

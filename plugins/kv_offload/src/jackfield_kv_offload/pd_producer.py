@@ -27,11 +27,10 @@ from jackfield_kv_offload.transfer import CachePlanes
 
 @dataclass(frozen=True)
 class Export:
-    """One step's transfer: its chunks (one block each) grouped by KV cache group, per chunk its
-    request (an index into `requests`), and each group's device blocks in chunk order."""
+    """One step's transfer: its chunks (one block each, keyed with their request) grouped by KV
+    cache group, each group's device blocks in the same order, and the requests they belong to."""
 
     keys: tuple[ChunkKey, ...]
-    owners: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...]
     requests: tuple[str, ...]
 
@@ -53,7 +52,7 @@ class PDProducerScheduler(KVConnectorScheduler):
             self.next_chunk[request.request_id] = [0] * len(self.chunkings)
 
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
-        keys: list[list[tuple[ChunkKey, int]]] = [[] for _ in self.chunkings]  # (key, its request)
+        keys: list[list[ChunkKey]] = [[] for _ in self.chunkings]
         blocks: list[list[int]] = [[] for _ in self.chunkings]
         requests: list[str] = []
         for item in scheduled:
@@ -66,17 +65,14 @@ class PDProducerScheduler(KVConnectorScheduler):
                 reached = chunking.needed_chunks(resume)
                 end = min(complete, reached.stop)
                 for chunk in range(max(start[group], reached.start), end):
-                    keys[group].append((ChunkKey(group, request.block_hashes[chunk]), len(requests)))
+                    keys[group].append(ChunkKey(group, request.block_hashes[chunk], int(request.request_id)))
                     blocks[group].append(item.block_ids[group][chunk])
                 start[group] = max(start[group], end)
             if sum(map(len, keys)) > before:
                 requests.append(request.request_id)
-        flat = [entry for group_keys in keys for entry in group_keys]
+        flat = tuple(key for group_keys in keys for key in group_keys)
         self.counts["exported_blocks"] += len(flat)
-        export = None
-        if flat:
-            export = Export(tuple(key for key, _ in flat), tuple(owner for _, owner in flat),
-                            tuple(map(tuple, blocks)), tuple(requests))
+        export = Export(flat, tuple(map(tuple, blocks)), tuple(requests)) if flat else None
         return ConnectorMetadata({"export": export})
 
     def update_connector_output(self, result: TransferResult) -> None:
@@ -110,9 +106,7 @@ class PDProducerWorker(KVConnectorWorker):
         self.transfer += 1
         self.current = [async_tensor_h2d(list(b), torch.int64, self.device, pin_memory=True) if b else None
                         for b in export.blocks]
-        keys = torch.tensor([[k.group, k.block_hash, owner] for k, owner in zip(export.keys, export.owners,
-                                                                                strict=True)],
-                            dtype=torch.int64)
+        keys = torch.tensor([[k.group, k.block_hash, k.request] for k in export.keys], dtype=torch.int64)
         self.sender.put(Outgoing(Kind.BEGIN, self.transfer, len(export.keys), tensors=(keys,)))
         self.in_flight[self.transfer] = export.requests
 
