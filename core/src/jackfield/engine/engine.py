@@ -93,7 +93,7 @@ class Engine:
         self.max_model_len = engine.max_model_len or self.capabilities.max_model_len
         model_drafter = self.drafter if isinstance(self.drafter, ModelDrafter) else None
         self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say,
-                                  model_drafter)
+                                  model_drafter, self.capabilities.num_mtp_layers if runs_mtp_layers else 0)
         kv = self.runner.kv
         # A bidirectional model's KV depends on later tokens: no prefix of it can be reused.
         prefix_caching = engine.enable_prefix_caching and self.capabilities.causal

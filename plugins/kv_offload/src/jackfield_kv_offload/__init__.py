@@ -33,5 +33,6 @@ def register_kv_connectors() -> list[KVConnectorSpec]:
             check_options=check_pd_options,
             description="prefill/decode disaggregation: a prefill engine hands each prompt's KV to a "
                         "decode engine in another process (gloo)",
+            model_drafters=True,  # a landed block serves only the request that sent it
         ),
     ]
