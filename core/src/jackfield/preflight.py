@@ -160,9 +160,11 @@ def _mtp_layer_problems(config: JackfieldConfig, registry: Registry,
     if backend is not None:
         return [f"attention.drafter_backend {backend!r}: {needs}, on the target's attention backends "
                 "(they share its KV cache groups); leave it out"]
-    if config.kv_connector.name is not None:  # its layer hooks save each cache during the forward
+    connector = registry.entries.get("kv_connector", {}).get(config.kv_connector.name or "")
+    if connector is not None and not connector.spec.model_drafters:  # KVConnectorSpec.model_drafters
         return [f"kv_connector.name {config.kv_connector.name!r} with speculative.method {method!r} is not "
-                "run yet: the multi-token-prediction layers' KV is written after the connector saves"]
+                "run yet: the connector does not declare model_drafters (its keys name a prefix, not "
+                "the token after it, which the multi-token-prediction layers' KV depends on)"]
     if config.attention.kv_cache_dtype == "fp8_e4m3":  # the scale plan covers the target's layers
         return [f"attention.kv_cache_dtype 'fp8_e4m3' with speculative.method {method!r} is not run yet: "
                 "the multi-token-prediction layers' KV caches have no fp8 scales"]

@@ -109,6 +109,10 @@ class KVConnectorSpec(_CheckedSpec):
     check_options: Callable[[Mapping[str, object]], list[str]] | None = None
     replaces: str | None = None
     description: str = ""
+    # Moves a model drafter's KV too (saved once the drafter wrote it) and never serves a block
+    # whose drafter KV saw another request's next token: start-up refuses it beside such a
+    # drafter otherwise (the block hashes it could key by cover a prefix, not the token after it).
+    model_drafters: bool = False
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="SamplingParams.stop: text that ends the output (repeatable)")
     add_config_flags(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--pd", action="store_true",
+                        help="prefill/decode disaggregation: prefill in a second process, its KV handed "
+                             "to this one through the pd KV connector (jackfield-kv-offload)")
     parser.set_defaults(handler=main)
 
 
@@ -108,6 +111,7 @@ def _stage_bar() -> tuple[Callable[[str], None], Callable[[], None]]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from jackfield.commands.pd import PDLLM
     from jackfield.contracts.sampler import SamplingParams
     from jackfield.engine.llm import LLM
     from jackfield.engine.sequence import SpeculativeStats
@@ -118,8 +122,8 @@ def main(args: argparse.Namespace) -> int:
     overrides = config_overrides(args)
     token_prompts = _token_id_prompts(args.prompt_token_ids)
     say, close = _stage_bar()
-    try:
-        llm = LLM(args.model, args.config, progress=say, **overrides)
+    try:  # --pd: the prefill process is stopped at exit
+        llm = (PDLLM if args.pd else LLM)(args.model, args.config, progress=say, **overrides)
     finally:
         close()
     prompts: list[str | list[int]] = [*(args.prompt or []), *token_prompts] or list(DEFAULT_PROMPTS)
@@ -154,6 +158,8 @@ def main(args: argparse.Namespace) -> int:
     connector_stats = engine.kv_connector_stats()
     if connector_stats is not None:  # e.g. prefix hits served from the CPU tier (hit_tokens)
         summary["kv_connector"] = connector_stats
+    if isinstance(llm, PDLLM):  # the prefill engine's side of the handoff
+        summary["pd_prefill"] = {"kv_connector": llm.producer_stats(), "error": llm.producer_error}
     if args.json:
         results = [  # one entry per sample (index: which of the prompt's n)
             {"prompt": p if isinstance(p, str) else None, "index": c.index, "text": c.text,
@@ -190,6 +196,11 @@ def main(args: argparse.Namespace) -> int:
               f"mean acceptance length {spec['mean_acceptance_length']}")
     if "kv_connector" in summary:
         print("kv connector: " + ", ".join(f"{k} {v}" for k, v in summary["kv_connector"].items()))
+    if "pd_prefill" in summary:
+        prefill = summary["pd_prefill"]
+        stats = prefill["kv_connector"] or {}
+        print("prefill engine: " + (", ".join(f"{k} {v}" for k, v in stats.items()) or "no report")
+              + (f" (stopped: {prefill['error']})" if prefill["error"] else ""))
     return 0
 
 

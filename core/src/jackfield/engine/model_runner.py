@@ -3,8 +3,8 @@
 The runner owns what the device holds for the model: the KV cache (sized from the budget) and the
 CUDA graphs of decode steps and of prefill pieces, recorded at start-up where they apply, and the
 KV connector's worker side: the step's loads start before the forward, each layer waits for its
-loads before `attend` and hands its KV to the connector's save after, and the saves are waited
-for after the forward. Logits
+loads before `attend` and hands its KV to the connector's save after, a model drafter's caches
+are handed over once it ran, and the saves are waited for at the step's end. Logits
 are computed only for rows that sample (the last row of each chunk that reaches the end of its
 request's known tokens); an embedding request's rows are pooled instead.
 """
@@ -69,12 +69,13 @@ def greedy(logits: torch.Tensor) -> SamplerOutput:
 
 class ConnectorLayers(LayerHooks):
     """The KV connector's per-layer calls for one step: decoder layer i reads and writes the KV
-    caches j with j % num_layers == i (contracts/model.py)."""
+    caches j < num_forward_caches with j % num_layers == i (contracts/model.py); the caches after
+    those are a model drafter's, written after the forward (`ModelRunner.step` saves them then)."""
 
     def __init__(self, worker: KVConnectorWorker, metadata: ConnectorMetadata, kv_caches: list[torch.Tensor],
-                 num_layers: int) -> None:
+                 num_layers: int, num_forward_caches: int) -> None:
         self.worker, self.metadata, self.kv_caches = worker, metadata, kv_caches
-        self.caches = [range(i, len(kv_caches), num_layers) for i in range(num_layers)]
+        self.caches = [range(i, num_forward_caches, num_layers) for i in range(num_layers)]
 
     def before_attend(self, layer: int) -> None:
         for cache in self.caches[layer]:
@@ -89,8 +90,9 @@ class ModelRunner:
     def __init__(self, model: ModelFamily, backends: AttentionBackends, sampler: Sampler,
                  engine: EngineConfig, max_model_len: int, device: torch.device,
                  say: Callable[[str], None], drafter: ModelDrafter | None = None,
-                 kv_scales: KVScalePlan | None = None) -> None:
-        """`drafter`: a model drafter, run inside each step (a token drafter is the engine's).
+                 num_drafter_caches: int = 0, kv_scales: KVScalePlan | None = None) -> None:
+        """`drafter`: a model drafter, run inside each step (a token drafter is the engine's);
+        `num_drafter_caches`: the KV caches it writes, the last of the model's (its MTP layers').
         `kv_scales`: the fp8 caches' scales (preflight's plan; None: no fp8 cache)."""
         self.model, self.backends, self.sampler, self.device = model, backends, sampler, device
         self.drafter = drafter
@@ -105,6 +107,7 @@ class ModelRunner:
         # them by address); the Engine arms calibration once start-up's own steps are done.
         self.kv_scales = fp8_kv_scales(model.kv_cache_layers, kv_scales, self.capabilities.num_layers, device)
         self.calibrate_at_next_step = False
+        self.drafter_caches = range(len(self.kv_caches) - num_drafter_caches, len(self.kv_caches))
         self.contexts = StepContextBuilder(backends, model.kv_cache_layers, self.groups.layer_group)
         self.decode_graphs_off = self._decode_graphs_off_reason(engine)
         self.prefill_graphs_off = self._prefill_graphs_off_reason(engine)
@@ -127,7 +130,8 @@ class ModelRunner:
         if self.connector is None or metadata is None:
             return None
         self.connector.start_load_kv(metadata, self.kv_caches)
-        return ConnectorLayers(self.connector, metadata, self.kv_caches, self.capabilities.num_layers)
+        return ConnectorLayers(self.connector, metadata, self.kv_caches, self.capabilities.num_layers,
+                               self.drafter_caches.start)
 
     def _graphs_off_reason(self, engine: EngineConfig) -> str | None:
         """What rules out every CUDA graph of the model's forward."""
@@ -316,12 +320,12 @@ class ModelRunner:
             every_row = self.forward(chunks, rows if some else None, hooks)
             hidden = every_row if len(rows) == every_row.shape[0] else every_row[rows]
             hidden, embeddings, scored = self._split_rows(chunks, hidden)
-        if self.connector is not None:
-            self.connector.wait_for_save()
         prompt_logprobs = [(c.seq, c.prompt_logprob_positions.start, self._prompt_logprobs(c, h))
                            for c, h in scored]
         if not sampling:
-            return StepResult([], [], embeddings, prompt_logprobs, self._draft(chunks, every_row, []))
+            drafts = self._draft(chunks, every_row, [])
+            self._end_saves(connector_metadata)
+            return StepResult([], [], embeddings, prompt_logprobs, drafts)
         logits = self.model.compute_logits(hidden)  # one row per sampled position
         metadata = None
         if all(_plain_greedy(c.seq.params) for c in sampling):
@@ -361,7 +365,18 @@ class ModelRunner:
                                for r, token in zip(range(first_row[i], first_row[i] + len(emitted[i])),
                                                    emitted[i], strict=True)]
         drafts = self._draft(chunks, every_row, emitted)
+        self._end_saves(connector_metadata)
         return StepResult(emitted, logprobs, embeddings, prompt_logprobs, drafts)
+
+    def _end_saves(self, metadata: ConnectorMetadata | None) -> None:
+        """The model drafter's caches go to the connector's save once the drafter wrote them; then
+        the step's saves are waited for."""
+        if self.connector is None:
+            return
+        if metadata is not None:
+            for cache in self.drafter_caches:
+                self.connector.save_kv_layer(cache, self.kv_caches[cache], metadata)
+        self.connector.wait_for_save()
 
     def _draft(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
                emitted: list[list[int]]) -> list[tuple[list[int], torch.Tensor | None]] | None:

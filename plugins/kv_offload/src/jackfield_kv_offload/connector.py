@@ -97,8 +97,14 @@ class CpuOffloadScheduler(KVConnectorScheduler):
         while len(self.lookups) > 4 * self.manager.num_slots + 1024:
             self.lookups.popitem(last=False)
         self.next_store[rid] = [0] * len(self.chunkings)
-        if not num_external:
-            return
+        if num_external:
+            self._start_load(request, block_ids, num_computed, num_external)
+
+    def _start_load(self, request: ConnectorRequest, block_ids: Sequence[Sequence[int]], num_computed: int,
+                    num_external: int) -> None:
+        """Reference the chunks a request resuming at `num_computed + num_external` reads past its
+        device hit (all held and ready) and queue their load for the next step's metadata."""
+        keys = self._keys(request, request.num_tokens - 1)
         segments = (num_computed + num_external) // self.chunkings[0].aligned_tokens
         needed = self._needed(keys, segments, num_computed)
         referenced: list[ChunkKey] = []
@@ -112,8 +118,8 @@ class CpuOffloadScheduler(KVConnectorScheduler):
             pairs.append(tuple((slot * bpc + j, block_ids[group][c * bpc + j])
                                for c, slot in zip(chunks, slots, strict=True) for j in range(bpc)
                                if c * bpc + j >= first_block))
-        self.loading[rid] = referenced
-        self.loads.append(TransferJob(rid, tuple(pairs)))
+        self.loading[request.request_id] = referenced
+        self.loads.append(TransferJob(request.request_id, tuple(pairs)))
         self.counts["hit_tokens"] += num_external
         self.counts["loaded_chunks"] += len(referenced)
 

@@ -24,6 +24,9 @@ from jackfield.contracts.kv_connector import KVCoverageSpec
 class ChunkKey:
     group: int  # KV cache group index
     block_hash: int  # chained hash of the chunk's last block (names the whole prefix)
+    # pd: the request whose transfer brought the chunk (its id on both engines), which alone reads
+    # it; None in the CPU tier, where any request with the prefix may
+    request: int | None = None
 
 
 def cdiv(a: int, b: int) -> int:

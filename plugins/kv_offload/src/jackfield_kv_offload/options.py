@@ -1,4 +1,4 @@
-"""`[kv_connector] options` of cpu_offload, checked once with every problem named by its key."""
+"""`[kv_connector] options` of cpu_offload and pd, checked once with every problem named by its key."""
 
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ def _integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_options(options: Mapping[str, object]) -> list[str]:
-    """Every problem of `options` that shows without the model (the CPU budget against one
-    chunk's size is checked when the connector is built)."""
-    known = {"cpu_bytes", "cpu_gib", "blocks_per_chunk", "eviction_policy", "store_threshold"}
-    problems = [f"{PREFIX}.{key}: unknown option (valid: {', '.join(sorted(known))})"
-                for key in options if key not in known]
+def _unknown(options: Mapping[str, object], known: set[str]) -> list[str]:
+    return [f"{PREFIX}.{key}: unknown option (valid: {', '.join(sorted(known))})"
+            for key in options if key not in known]
+
+
+def _budget_problems(options: Mapping[str, object]) -> list[str]:
+    problems = []
     if "cpu_bytes" in options and "cpu_gib" in options:
         problems.append(f"{PREFIX}: give cpu_bytes or cpu_gib, not both")
     cpu_bytes, cpu_gib = options.get("cpu_bytes"), options.get("cpu_gib")
@@ -35,6 +36,21 @@ def check_options(options: Mapping[str, object]) -> list[str]:
     if cpu_gib is not None and not (isinstance(cpu_gib, int | float) and not isinstance(cpu_gib, bool)
                                     and 0 < cpu_gib <= 2**33):
         problems.append(f"{PREFIX}.cpu_gib must be a number in (0, 2**33], got {cpu_gib!r}")
+    return problems
+
+
+def _budget_bytes(options: Mapping[str, object]) -> int:
+    """The CPU budget in bytes (default 4 GiB); the options passed `_budget_problems`."""
+    if "cpu_bytes" in options:
+        return int(options["cpu_bytes"])  # type: ignore[call-overload]
+    return int(float(options.get("cpu_gib", 4.0)) * 2**30)  # type: ignore[arg-type]
+
+
+def check_options(options: Mapping[str, object]) -> list[str]:
+    """Every problem of `options` that shows without the model (the CPU budget against one
+    chunk's size is checked when the connector is built)."""
+    known = {"cpu_bytes", "cpu_gib", "blocks_per_chunk", "eviction_policy", "store_threshold"}
+    problems = _unknown(options, known) + _budget_problems(options)
     blocks = options.get("blocks_per_chunk", 4)
     if not (_integer(blocks) and blocks >= 1):  # type: ignore[operator]
         problems.append(f"{PREFIX}.blocks_per_chunk must be an integer >= 1, got {blocks!r}")
@@ -53,10 +69,50 @@ def parse_options(options: Mapping[str, object]) -> OffloadOptions:
     problems = check_options(options)
     if problems:
         raise ValueError("\n".join(problems))
-    if "cpu_bytes" in options:
-        cpu_bytes = int(options["cpu_bytes"])  # type: ignore[call-overload]
-    else:
-        cpu_bytes = int(float(options.get("cpu_gib", 4.0)) * 2**30)  # type: ignore[arg-type]
-    return OffloadOptions(cpu_bytes, int(options.get("blocks_per_chunk", 4)),  # type: ignore[call-overload]
+    return OffloadOptions(_budget_bytes(options), int(options.get("blocks_per_chunk", 4)),  # type: ignore[call-overload]
                           str(options.get("eviction_policy", "lru")),
                           int(options.get("store_threshold", 1)))  # type: ignore[call-overload]
+
+
+PD_ROLES = ("producer", "consumer")
+
+
+@dataclass(frozen=True)
+class PDOptions:
+    role: str  # "producer": the prefill engine, exports KV; "consumer": the decode engine, loads it
+    address: str  # host:port of the rendezvous, served by the consumer
+    cpu_bytes: int  # consumer: host memory for chunks that arrived and wait for their request
+    timeout_s: float = 30.0  # a load waiting longer for its chunks fails (the consumer recomputes)
+    connect_timeout_s: float = 600.0  # for the other engine to start and join (it may be loading)
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def check_pd_options(options: Mapping[str, object]) -> list[str]:
+    """Every problem of pd's `options` (the CPU budget against one block is checked at start-up)."""
+    known = {"role", "address", "timeout_s", "connect_timeout_s", "cpu_bytes", "cpu_gib"}
+    problems = _unknown(options, known) + _budget_problems(options)
+    role = options.get("role")
+    if role not in PD_ROLES:
+        problems.append(f"{PREFIX}.role must be one of {', '.join(map(repr, PD_ROLES))}, got {role!r}")
+    address = options.get("address")
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        problems.append(f"{PREFIX}.address must be \"host:port\" (the consumer listens there), "
+                        f"got {address!r}")
+    for key, default in (("timeout_s", 30.0), ("connect_timeout_s", 600.0)):
+        if not _positive_number(options.get(key, default)):
+            problems.append(f"{PREFIX}.{key} must be a number of seconds > 0, got {options[key]!r}")
+    return problems
+
+
+def parse_pd_options(options: Mapping[str, object]) -> PDOptions:
+    """pd's options as a record; ValueError listing every problem."""
+    problems = check_pd_options(options)
+    if problems:
+        raise ValueError("\n".join(problems))
+    return PDOptions(str(options["role"]), str(options["address"]), _budget_bytes(options),
+                     float(options.get("timeout_s", 30.0)),  # type: ignore[arg-type]
+                     float(options.get("connect_timeout_s", 600.0)))  # type: ignore[arg-type]

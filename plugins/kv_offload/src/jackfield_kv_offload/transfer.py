@@ -60,23 +60,37 @@ class StagedPairs:
     runs: tuple[tuple[int, int, int], ...]
 
 
-class HostPool:
-    def __init__(self, context: KVConnectorContext, blocks_per_chunk: int, num_slots: int) -> None:
-        self.device = context.device
-        self.blocks_per_chunk, self.num_slots = blocks_per_chunk, num_slots
+class CachePlanes:
+    """The KV caches as block planes: per distinct cache tensor its planes (`block_planes`), and
+    which tensor each KV cache layer uses (layers of different groups may share one)."""
+
+    def __init__(self, context: KVConnectorContext) -> None:
         tensor_of: dict[int, int] = {}  # id of a distinct cache tensor -> its index here
         self.planes: list[list[torch.Tensor]] = []
-        self.host: list[torch.Tensor] = []  # per distinct tensor: [planes, rows, row]
         self.layer_tensor: list[int] = []
         for layer, cache in zip(context.layers, context.kv_caches, strict=True):
             key = id(cache)
             if key not in tensor_of:
                 tensor_of[key] = len(self.planes)
-                planes = block_planes(cache, is_mla(layer))
-                self.planes.append(planes)
-                self.host.append(host_empty((len(planes), num_slots * blocks_per_chunk, planes[0].shape[1]),
-                                            planes[0].dtype))
+                self.planes.append(block_planes(cache, is_mla(layer)))
             self.layer_tensor.append(tensor_of[key])
+
+    def of_layer(self, layer: int) -> list[torch.Tensor]:
+        return self.planes[self.layer_tensor[layer]]
+
+    def gather(self, layer: int, device_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Per plane of `layer`'s tensor, its blocks `device_ids` as new contiguous rows."""
+        return [plane.index_select(0, device_ids) for plane in self.of_layer(layer)]
+
+
+class HostPool:
+    def __init__(self, context: KVConnectorContext, blocks_per_chunk: int, num_slots: int) -> None:
+        self.device = context.device
+        self.blocks_per_chunk, self.num_slots = blocks_per_chunk, num_slots
+        self.cache = CachePlanes(context)
+        rows = num_slots * blocks_per_chunk
+        self.host = [host_empty((len(planes), rows, planes[0].shape[1]), planes[0].dtype)
+                     for planes in self.cache.planes]  # per distinct tensor: [planes, rows, row]
         cuda = self.device.type == "cuda"
         self.load_stream = torch.cuda.Stream(self.device) if cuda else None
         self.store_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -110,22 +124,28 @@ class HostPool:
 
     def store_layer(self, layer: int, pairs: Pairs) -> None:
         """Device blocks -> host rows for one layer (queued on the store stream on CUDA)."""
-        tensor, staged = self.layer_tensor[layer], self.stage(pairs)
+        tensor, staged = self.cache.layer_tensor[layer], self.stage(pairs)
         with self._on(self.store_stream):
-            for plane, host in zip(self.planes[tensor], self.host[tensor], strict=True):
-                gathered = plane.index_select(0, staged.device_ids)
+            gathered_planes = self.cache.gather(layer, staged.device_ids)
+            for gathered, host in zip(gathered_planes, self.host[tensor], strict=True):
                 for start, end, first in staged.runs:
                     host[start:end].copy_(gathered[first : first + end - start], non_blocking=True)
 
     def load_layer(self, layer: int, pairs: Pairs) -> None:
         """Host rows -> device blocks for one layer (queued on the load stream on CUDA)."""
-        tensor, staged = self.layer_tensor[layer], self.stage(pairs)
+        tensor, staged = self.cache.layer_tensor[layer], self.stage(pairs)
         with self._on(self.load_stream):
-            for plane, host in zip(self.planes[tensor], self.host[tensor], strict=True):
+            for plane, host in zip(self.cache.planes[tensor], self.host[tensor], strict=True):
                 arrived = torch.empty((len(pairs), plane.shape[1]), dtype=plane.dtype, device=self.device)
                 for start, end, first in staged.runs:
                     arrived[first : first + end - start].copy_(host[start:end], non_blocking=True)
                 plane.index_copy_(0, staged.device_ids, arrived)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, data: Sequence[torch.Tensor]) -> None:
+        """Host rows `rows` (int64) of `layer`'s tensor <- `data`, per plane a host tensor of
+        len(rows) rows: chunks that arrived from another engine (the pd connector)."""
+        for host, arrived in zip(self.host[self.cache.layer_tensor[layer]], data, strict=True):
+            host.index_copy_(0, rows, arrived)
 
     def _on(self, stream: torch.cuda.Stream | None) -> torch.cuda.StreamContext | nullcontext[None]:
         """Run on `stream`, after everything already queued on the compute stream (a block being
