@@ -55,11 +55,12 @@ def check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.
         "fp8 (float8_e4m3fn) kv_cache needs kv_scale (per-tensor scales); none was given",
     )
     assert kv_scale is not None
-    size = 2 if kv_cache.dim() == 5 else 1
+    mha = kv_cache.dim() == 5
     require(
-        kv_scale.numel() == size and kv_scale.is_contiguous(),
-        lambda: f"kv_scale must hold {size} contiguous per-tensor value(s) "
-                f"({'key, value' if size == 2 else 'the record'}), got shape {tuple(kv_scale.shape)}",
+        kv_scale.numel() == (2 if mha else 1) and kv_scale.is_contiguous(),
+        lambda: ("kv_scale must hold two per-tensor values (key, value) of an MHA cache" if mha
+                 else "kv_scale must hold one per-tensor value (an MLA cache's record)")
+        + f", contiguous; got shape {tuple(kv_scale.shape)}",
     )
     require(kv_scale.dtype == torch.float32, lambda: f"kv_scale dtype {kv_scale.dtype} must be float32")
     check_device("kv_scale", kv_scale, kv_cache.device)
