@@ -240,7 +240,7 @@ class PDLLM(LLM):
                         self.engine.scheduler.add(seq)
                     else:
                         finished.append(seq)
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # a closed pipe: the exit check below names why it went
             pass
         if self._at_producer and not self._child.is_alive():
             self._lost(f"its process exited with code {self._child.exitcode}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 import torch
@@ -153,3 +153,24 @@ def shared_storage(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor])
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def greedy_runs_agree(want: Sequence[object], got: Sequence[object], tolerance: float = 0.05) -> int:
+    """Two greedy runs of the same requests (RequestOutputs with top-k `logprobs`) that should
+    differ only by rounding: while the tokens agree, at least 4 of each step's top tokens are
+    shared and their logprobs agree within `tolerance`; where the tokens part it is at a near-tie
+    of `want`'s step (the texts after that are different and not compared). Returns the number of
+    steps compared."""
+    compared = 0
+    for w, g in zip(want, got, strict=True):
+        for step, (w_tok, g_tok, w_lp, g_lp) in enumerate(
+            zip(w.token_ids, g.token_ids, w.logprobs, g.logprobs, strict=True)  # type: ignore[attr-defined]
+        ):
+            if w_tok != g_tok:
+                assert g_tok in w_lp and w_lp[w_tok] - w_lp[g_tok] < tolerance, (step, w_lp, g_lp)
+                break
+            common = set(w_lp) & set(g_lp)
+            assert len(common) >= 4, (step, w_lp, g_lp)
+            assert max(abs(w_lp[t] - g_lp[t]) for t in common) < tolerance, (step, w_lp, g_lp)
+            compared += 1
+    return compared
