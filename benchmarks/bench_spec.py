@@ -132,7 +132,8 @@ def main() -> None:
              "plain step: weights / copy |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['answer_tokens']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+        lines.append(f"| {r['batch']} | {r['answer_tokens']} | {r['plain_tok_s']:.1f} | "
+                     f"{r['spec_tok_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | "
                      f"{r['verify_step_ms']:.2f} | {r['plain_step_ms']:.2f} | "
                      f"{r['verify_over_plain']:.2f}x | {r['plain_copy_ratio']:.2f} |")

@@ -176,7 +176,8 @@ def test_verify_buffers_pad_each_request_to_the_recorded_rows(tmp_path, rng_seed
     g = torch.Generator().manual_seed(rng_seed)
     # a small alphabet: the last token recurs in the prompt, so n-gram lookup drafts
     prompts = [torch.randint(0, 6, (n,), generator=g).tolist() for n in (3, 9, 14)]
-    engine.add_requests([(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for p in prompts])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_requests([(p, params) for p in prompts])
     graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, num_groups,
                           runner.kv.num_blocks, runner.block_size, engine.max_model_len, 8, engine.device,
                           query_lens=(1, 1 + k))
@@ -217,7 +218,7 @@ def check_verify_fill(graphs, runner, chunks, q: int) -> int:  # type: ignore[no
         slots = graphs.slot_mapping[group].gpu
         assert torch.equal(slots[real], eager.slot_mapping)
         assert (slots[padding] == -1).all()
-    for i, c in enumerate(chunks):  # padding rows follow their request's last real row
+    for i in range(len(chunks)):  # padding rows follow their request's last real row
         rows = graphs.positions.gpu[i * q : (i + 1) * q].tolist()
         assert rows == list(range(starts[i], starts[i] + q))
     return len(chunks)

@@ -55,7 +55,7 @@ def test_ngram_verify_graphs_give_the_tokens_of_the_run_without_drafts(
              "speculative.prompt_lookup_min": 1, "speculative.prompt_lookup_max": 3}
     replays.clear()
     spec = _generate(str(tmp_path), prompts, ngram)
-    assert replays.count(1 + K) > 0, f"no verify step replayed a graph (rows a request: {sorted(set(replays))})"
+    assert replays.count(1 + K) > 0, f"no verify step replayed (rows a request: {sorted(set(replays))})"
     eager = _generate(str(tmp_path), prompts, {**ngram, "engine.cuda_graphs": False})
     assert sum(o.speculative.drafts for o in spec if o.speculative is not None) > 0
     assert greedy_runs_agree(plain, spec) >= 40

@@ -77,7 +77,8 @@ class DecodeGraphs:
         for q in reversed(self.query_lens):
             for size in reversed(self.sizes):
                 if progress:
-                    progress(f"capturing CUDA graphs: batch {size}" + (f", {q} rows a request" if q > 1 else ""))
+                    rows = f", {q} rows a request" if q > 1 else ""
+                    progress(f"capturing CUDA graphs: batch {size}{rows}")
                 self._fill([], size, q)
                 context = self._context(size, q)
                 ids = self.input_ids.gpu[: size * q]
@@ -132,7 +133,8 @@ class DecodeGraphs:
         positions = [start + j for start in starts for j in range(q)]
         self.input_ids.cpu[: size * q] = torch.tensor(ids + [0] * (pad * q))
         self.positions.cpu[: size * q] = torch.tensor(positions + [0] * (pad * q))
-        self.seq_lens.cpu[:size] = torch.tensor([start + q for start in starts] + [0] * pad, dtype=torch.int32)
+        seq_lens = [start + q for start in starts] + [0] * pad
+        self.seq_lens.cpu[:size] = torch.tensor(seq_lens, dtype=torch.int32)
         for buffer, rows in ((self.input_ids, size * q), (self.positions, size * q), (self.seq_lens, size)):
             buffer.copy_to_device(rows)
         real_rows = [i * q + j for i, c in enumerate(chunks) for j in range(c.num_tokens)]
@@ -152,7 +154,7 @@ class DecodeGraphs:
                                  f"{self.capacity} slots")
             slot_mapping.cpu[: size * q] = torch.tensor(slots + [-1] * (pad * q))
             slot_mapping.copy_to_device(size * q)
-            if n:  # entries past a request's own blocks are read only by padding rows, whose output is dropped
+            if n:  # entries past a request's blocks are read only by padding rows (output dropped)
                 width = max(len(table) for table in tables)
                 padded = [table + [0] * (width - len(table)) for table in tables]
                 block_table[:n, :width].copy_(async_tensor_h2d(padded, torch.int32, block_table.device, True))

@@ -303,7 +303,9 @@ class ModelRunner:
         sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
         hooks = self._layer_hooks(connector_metadata)
         # a calibrating step runs eagerly: its layers set their scales before writing KV
-        recorded = None if self.graphs is None or self.calibrate_at_next_step else self.graphs.query_len(chunks)
+        recorded = None  # the rows a request of the graph that replays this step
+        if self.graphs is not None and not self.calibrate_at_next_step:
+            recorded = self.graphs.query_len(chunks)
         if recorded is not None:
             assert self.graphs is not None
             layers = range(self.capabilities.num_layers) if hooks is not None else range(0)
