@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from jackfield.config import ConfigError, ParallelConfig
+from jackfield.contracts.attention import AttentionRequirements
 from jackfield.plugins import Registry
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -129,4 +130,27 @@ def dcp_gate(parallel: ParallelConfig, backend_names: dict[str, str], registry: 
         if name != "auto" and name not in have:
             problems.append(f"{role} attention backend {name!r} does not declare dcp (decode context parallel "
                             f"needs each rank's LSE); installed backends that do: {', '.join(have) or 'none'}")
+    return problems
+
+
+def parallel_problems(parallel: ParallelConfig, requirements: AttentionRequirements,
+                      block_size: int | None) -> list[str]:
+    """The model features this engine does not run split over ranks (not verified), each with
+    the reason, and a DCP interleave the block size does not take."""
+    problems = []
+    if parallel.tensor_parallel_size > 1:
+        for feature, what in (("non_causal", "bidirectional (embedding) models"),
+                              ("sparse_topk", "sparse attention (DeepSeek-V3.2's indexer)")):
+            if getattr(requirements, feature):
+                problems.append(f"{what} under tensor parallelism are not verified: run them with "
+                                "parallel.tensor_parallel_size = 1")
+    if parallel.dcp_size > 1:
+        for feature, what in (("sliding_window", "sliding-window layers"),
+                              ("sinks", "attention sinks (they join one softmax, not each rank's)")):
+            if getattr(requirements, feature):
+                problems.append(f"{what} under decode context parallel are not verified: run with "
+                                "parallel.dcp_size = 1")
+        if block_size is not None and block_size % parallel.dcp_interleave:
+            problems.append(f"parallel.dcp_interleave {parallel.dcp_interleave} must divide the block size "
+                            f"{block_size}")
     return problems

@@ -1,0 +1,205 @@
+"""Decode context parallelism (DCP): each request's KV cache split between the ranks of a DCP
+group, every rank attending its own part for the whole group's query heads, the parts merged by
+their log-sum-exp.
+
+Placement (`DCPLayout`): with W ranks and interleave I, the token at position o goes to rank
+(o // I) % W, at local offset (o // (W * I)) * I + o % I of that rank's copy of the request's
+blocks. With I dividing the block size B, the request's block j covers positions
+[j * B * W, (j + 1) * B * W) on every rank at once, B of them on each: the block manager (the
+same on every rank) counts blocks of B * W tokens, and a rank's pool of B-token blocks holds
+1/W of every request.
+
+Every row of a step (prefill rows too) attends in the decode form: a row at position p sees the
+local keys at offsets < `local_len(p + 1)` (the positions <= p this rank holds, which are a prefix
+of its local offsets), so a step's metadata treats each row as a one-row request of that length
+(`dcp_metadata`). A rank that holds none of a row's keys gives (0, -inf) for it.
+
+A layer's attention (`attend_mla`, `attend_mha`): write the rows' KV this rank holds (other
+slots are -1), all-gather the queries over the DCP group's heads, attend the local KV returning
+(out, LSE), all-gather the LSEs, scale each rank's output by exp(lse_i - lse_total) (exactly 0
+where a rank held no key; NaN and +inf LSEs count as -inf, so 0 * NaN never appears), and
+reduce-scatter over heads: each rank gets the merged output of its own heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from jackfield.attention.mla import MLAImpl
+from jackfield.contracts.attention import AttentionImpl, AttentionMetadata
+from jackfield.distributed.cp_common import ParallelGroups
+
+
+@dataclass(frozen=True)
+class DCPLayout:
+    """Where each token's KV lives among the `size` ranks of a DCP group (module docstring)."""
+
+    rank: int
+    size: int
+    interleave: int = 1
+
+    def owner(self, positions: torch.Tensor) -> torch.Tensor:
+        return (positions // self.interleave) % self.size
+
+    def local_offset(self, positions: torch.Tensor) -> torch.Tensor:
+        """The offset of each position in its owner's copy of the request's blocks."""
+        i = self.interleave
+        return (positions // (self.size * i)) * i + positions % i
+
+    def local_len(self, lengths: torch.Tensor) -> torch.Tensor:
+        """How many of the positions [0, length) this rank holds."""
+        i, cycle = self.interleave, self.size * self.interleave
+        return (lengths // cycle) * i + (lengths % cycle - self.rank * i).clamp(0, i)
+
+
+DCP_ROWS = "dcp_rows"  # the key of a DCP step's `DCPRows` in its AttentionMetadata.extra
+
+
+@dataclass(frozen=True)
+class DCPRows:
+    """What a DCP step's attention needs beyond the metadata of the rows it attends: the local
+    slot of every row's KV (-1 where another rank holds it), and which rows see a key here (the
+    metadata describes only those: a row with no local key is no request to a backend)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    attending: torch.Tensor | None  # [n] int64 rows with local keys; None: every row
+    num_attending: int
+
+
+def dcp_metadata(layout: DCPLayout, block_size: int, tables: torch.Tensor, row_req: torch.Tensor,
+                 positions: torch.Tensor, causal: bool,
+                 h2d: Callable[[torch.Tensor, torch.dtype], torch.Tensor]) -> AttentionMetadata:
+    """The step's metadata on this rank, from host tensors: `tables` [requests, blocks] (block j
+    covering B * W positions), each row's request and position. Every row that sees a local key
+    is a one-row decode over the keys it sees; `extra[DCP_ROWS]` holds every row's slot (-1 where
+    another rank holds its KV) and which rows attend."""
+    if not causal:
+        raise ValueError("decode context parallel runs causal models only")
+    offsets = layout.local_offset(positions)
+    slots = tables[row_req, offsets // block_size] * block_size + offsets % block_size
+    slots = torch.where(layout.owner(positions) == layout.rank, slots, -1)
+    seq_lens = layout.local_len(positions + 1).to(torch.int32)
+    seen = seq_lens > 0
+    num_attending = int(seen.sum())
+    every_slot = h2d(slots, torch.int64)
+    attending, attending_slots = None, every_slot
+    if 0 < num_attending < seen.numel():
+        rows = seen.nonzero().squeeze(1)
+        attending, attending_slots = h2d(rows, torch.int64), h2d(slots[rows], torch.int64)
+        row_req, seq_lens = row_req[rows], seq_lens[rows]
+    rows_info = DCPRows(every_slot, attending, num_attending)
+    n = seq_lens.numel()
+    query_start = torch.arange(n + 1, dtype=torch.int32)
+    return AttentionMetadata(
+        query_start_loc=h2d(query_start, torch.int32), seq_lens=h2d(seq_lens, torch.int32),
+        block_table=h2d(tables[row_req], torch.int32), slot_mapping=attending_slots,
+        query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens, max_query_len=1,
+        max_seq_len=int(seq_lens.max()), num_decodes=n, num_decode_tokens=n, causal=True,
+        extra={DCP_ROWS: rows_info})
+
+
+def _attend_local(impl: AttentionImpl, query: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata,
+                  kv_scale: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [T, H, width], LSE [T, H]) of every row over this rank's keys: (0, -inf) for rows that
+    see none here."""
+    rows: DCPRows = metadata.extra[DCP_ROWS]  # type: ignore[assignment]
+    if rows.attending is None and rows.num_attending:
+        part = impl.attend(query, cache, metadata, kv_scale=kv_scale, return_lse=True)
+        return part.out, part.lse
+    out = query.new_zeros(*query.shape[:2], width)
+    lse = torch.full(query.shape[:2], float("-inf"), device=query.device)
+    if rows.num_attending:
+        part = impl.attend(query[rows.attending], cache, metadata, kv_scale=kv_scale, return_lse=True)
+        if part.lse is None:
+            raise ValueError("decode context parallel needs the attention backend's LSE (return_lse)")
+        out[rows.attending], lse[rows.attending] = part.out, part.lse
+    return out, lse
+
+
+def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
+    """NaN and +inf LSEs (a kernel's empty or broken row) as -inf: such a partial counts as empty."""
+    return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
+
+
+def neutralize_empty_sparse_rows(out: torch.Tensor, lse: torch.Tensor,
+                                 topk_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose top-k is all -1 (nothing selected) as (0, -inf), whatever the kernel returned."""
+    empty = (topk_indices < 0).all(dim=-1)[:, None]
+    return out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
+
+
+def partial_weights(own: torch.Tensor, every: torch.Tensor) -> torch.Tensor:
+    """exp(own - lse_total) [T, H] float32, the weight of one rank's partial output, from its LSE
+    `own` [T, H] and every rank's `every` [W, T, H] (all sanitized): exactly 0 where own is -inf,
+    and 0 where no rank saw a key."""
+    top = every.amax(dim=0)
+    top = torch.where(top == float("-inf"), 0.0, top)  # no -inf - -inf
+    total = torch.log(torch.exp(every - top).sum(dim=0)) + top  # -inf where every rank is empty
+    return torch.where(own == float("-inf"), 0.0, torch.exp(own - total))
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """The merged output [T, H, D] float32 of partials over disjoint key sets, outs [W, T, H, D]
+    and lses [W, T, H], as the ranks compute it together (each scales its own, the sum is the
+    reduce-scatter's): one process's form of `merge_over_ranks`, for tests and checks."""
+    every = sanitize_lse(lses.float())
+    scaled = [torch.where(w[..., None] == 0, 0.0, out.float() * w[..., None])
+              for out, w in ((outs[i], partial_weights(every[i], every)) for i in range(outs.shape[0]))]
+    return torch.stack(scaled).sum(dim=0)
+
+
+def gather_heads(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """[T, h, D] on each rank of the DCP group -> [T, W * h, D]: rank i's heads i-th."""
+    w, t = groups.dcp_size, x.shape[0]
+    gathered = x.new_empty((w * t, *x.shape[1:]))
+    dist.all_gather_into_tensor(gathered, x.contiguous(), group=groups.dcp_group)
+    return gathered.view(w, *x.shape).transpose(0, 1).flatten(1, 2)
+
+
+def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor | None, groups: ParallelGroups) -> torch.Tensor:
+    """This rank's partial attention out [T, W * h, D] and LSE [T, W * h] over its keys -> the
+    merged output of its own h heads [T, h, D], in out's dtype."""
+    if lse is None:
+        raise ValueError("decode context parallel needs the attention backend's LSE (return_lse)")
+    w = groups.dcp_size
+    own = sanitize_lse(lse.float())
+    every = own.new_empty((w * own.shape[0], *own.shape[1:]))
+    dist.all_gather_into_tensor(every, own.contiguous(), group=groups.dcp_group)
+    every = every.view(w, *own.shape)
+    weight = partial_weights(own, every)
+    scaled = torch.where(weight[..., None] == 0, 0.0, out.float() * weight[..., None])
+    t, heads, d = scaled.shape
+    # rank i's heads i-th, flat over dim 0 as the collective takes them
+    by_rank = scaled.view(t, w, heads // w, d).transpose(0, 1).reshape(w * t, heads // w, d)
+    merged = scaled.new_empty(t, heads // w, d)
+    dist.reduce_scatter_tensor(merged, by_rank, group=groups.dcp_group)
+    return merged.to(out.dtype)
+
+
+def attend_mla(impl: MLAImpl, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
+               metadata: AttentionMetadata, kv_scale: torch.Tensor | None,
+               groups: ParallelGroups) -> torch.Tensor:
+    """MLA under DCP: q [T, h, N+R] (this rank's heads), kv_c and k_pe [T, ...] -> [T, h, V].
+    `impl` serves the DCP group's W * h heads (its W_UK / W_UV are theirs)."""
+    impl.write_kv(cache, metadata.extra[DCP_ROWS].slot_mapping, kv_c, k_pe, kv_scale)  # type: ignore[attr-defined]
+    every = impl.absorb_query(gather_heads(q, groups))
+    out, lse = _attend_local(impl, every, cache, metadata, kv_scale, impl.layer.kv_lora_rank)
+    latent = merge_over_ranks(out, lse, groups)  # [T, h, L]
+    assert impl.W_UV is not None, "MLA weights are loaded before the first step"
+    h = q.shape[1]
+    w_uv = impl.W_UV[groups.dcp_rank * h : (groups.dcp_rank + 1) * h]
+    return torch.bmm(latent.float().transpose(0, 1), w_uv).transpose(0, 1).to(q.dtype)
+
+
+def attend_mha(impl: AttentionImpl, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+               metadata: AttentionMetadata, kv_scale: torch.Tensor | None,
+               groups: ParallelGroups) -> torch.Tensor:
+    """MHA/GQA under DCP: q [T, h, D] (this rank's heads), k and v [T, H_kv, D] (its head
+    group's) -> [T, h, D]."""
+    impl.write_kv(cache, metadata.extra[DCP_ROWS].slot_mapping, k, v, kv_scale)  # type: ignore[attr-defined]
+    out, lse = _attend_local(impl, gather_heads(q, groups), cache, metadata, kv_scale, impl.layer.head_size)
+    return merge_over_ranks(out, lse, groups)
