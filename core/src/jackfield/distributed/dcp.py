@@ -147,9 +147,16 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     and lses [W, T, H], as the ranks compute it together (each scales its own, the sum is the
     reduce-scatter's): one process's form of `merge_over_ranks`, for tests and checks."""
     every = sanitize_lse(lses.float())
-    scaled = [torch.where(w[..., None] == 0, 0.0, out.float() * w[..., None])
-              for out, w in ((outs[i], partial_weights(every[i], every)) for i in range(outs.shape[0]))]
-    return torch.stack(scaled).sum(dim=0)
+    merged = weighted(outs[0], partial_weights(every[0], every))
+    for rank in range(1, outs.shape[0]):
+        merged += weighted(outs[rank], partial_weights(every[rank], every))
+    return merged
+
+
+def weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out [T, H, D] * weight [T, H] in float32, exactly 0 where the weight is (0 * NaN too)."""
+    scaled = out.float() * weight[..., None]
+    return scaled.masked_fill_(weight[..., None] == 0, 0.0)
 
 
 def gather_heads(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
@@ -170,8 +177,7 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor | None, groups: Parall
     every = own.new_empty((w * own.shape[0], *own.shape[1:]))
     dist.all_gather_into_tensor(every, own.contiguous(), group=groups.dcp_group)
     every = every.view(w, *own.shape)
-    weight = partial_weights(own, every)
-    scaled = torch.where(weight[..., None] == 0, 0.0, out.float() * weight[..., None])
+    scaled = weighted(out, partial_weights(own, every))
     t, heads, d = scaled.shape
     # rank i's heads i-th, flat over dim 0 as the collective takes them
     by_rank = scaled.view(t, w, heads // w, d).transpose(0, 1).reshape(w * t, heads // w, d)
