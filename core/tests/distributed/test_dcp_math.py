@@ -23,6 +23,7 @@ from jackfield.ops.merge import merge_attn_states
 from jackfield.plugins import Registered, load_registry
 from jackfield.preflight import preflight
 from jackfield.specs import AttentionBackendSpec
+from jackfield.testing.checkpoints import write_deepseek_v32, write_granite
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -182,3 +183,17 @@ def test_a_backend_without_dcp_is_refused_with_those_that_have_it() -> None:
     # with dcp_size 1 nothing is said about dcp
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dcp_size=1))
     assert not any("dcp" in p for p in preflight(config, registry).problems)
+
+
+def test_combinations_not_verified_are_refused_at_start_up(tmp_path: Path) -> None:
+    write_granite("granite_swa", tmp_path / "swa", seed=SEED)
+    write_deepseek_v32(tmp_path / "v32", index_topk=4, seed=SEED)
+    cases = {"swa": "sliding-window layers under decode context parallel are not verified",
+             "v32": "sparse attention (DeepSeek-V3.2's indexer) under tensor parallelism are not verified"}
+    for model, message in cases.items():
+        config = load_config(None, {"model.path": str(tmp_path / model), "parallel.tensor_parallel_size": 2,
+                                    "parallel.dcp_size": 2})
+        assert any(message in p for p in preflight(config).problems), preflight(config).problems
+    speculative = load_config(None, {"parallel.tensor_parallel_size": 2, "speculative.method": "ngram",
+                                     "speculative.num_speculative_tokens": 2})
+    assert any("speculative decoding under tensor parallelism" in p for p in preflight(speculative).problems)
