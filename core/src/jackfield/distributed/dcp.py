@@ -16,7 +16,7 @@ of its local offsets), so a step's metadata treats each row as a one-row request
 
 A layer's attention (`attend_mla`, `attend_mha`): write the rows' KV this rank holds (other
 slots are -1), all-gather the queries over the DCP group's heads, attend the local KV returning
-(out, LSE), all-gather the LSEs, scale each rank's output by exp(lse_i - lse_total) (exactly 0
+(out, LSE) (MLA: then W_UV, per head), all-gather the LSEs, scale each rank's output by exp(lse_i - lse_total) (exactly 0
 where a rank held no key; NaN and +inf LSEs count as -inf, so 0 * NaN never appears), and
 reduce-scatter over heads: each rank gets the merged output of its own heads.
 """
@@ -190,15 +190,15 @@ def attend_mla(impl: MLAImpl, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.T
                metadata: AttentionMetadata, kv_scale: torch.Tensor | None,
                groups: ParallelGroups) -> torch.Tensor:
     """MLA under DCP: q [T, h, N+R] (this rank's heads), kv_c and k_pe [T, ...] -> [T, h, V].
-    `impl` serves the DCP group's W * h heads (its W_UK / W_UV are theirs)."""
+    `impl` serves the DCP group's W * h heads (its W_UK / W_UV are theirs). W_UV is applied to
+    every gathered head before the merge (the merge is linear per head): the reduce-scatter then
+    moves V values a head, not the latent's L (128 against 512 for DeepSeek-V3)."""
     impl.write_kv(cache, metadata.extra[DCP_ROWS].slot_mapping, kv_c, k_pe, kv_scale)  # type: ignore[attr-defined]
     every = impl.absorb_query(gather_heads(q, groups))
-    out, lse = _attend_local(impl, every, cache, metadata, kv_scale, impl.layer.kv_lora_rank)
-    latent = merge_over_ranks(out, lse, groups)  # [T, h, L]
+    latent, lse = _attend_local(impl, every, cache, metadata, kv_scale, impl.layer.kv_lora_rank)
     assert impl.W_UV is not None, "MLA weights are loaded before the first step"
-    h = q.shape[1]
-    w_uv = impl.W_UV[groups.dcp_rank * h : (groups.dcp_rank + 1) * h]
-    return torch.bmm(latent.float().transpose(0, 1), w_uv).transpose(0, 1).to(q.dtype)
+    values = torch.bmm(latent.float().transpose(0, 1), impl.W_UV).transpose(0, 1)  # [T, W * h, V]
+    return merge_over_ranks(values, lse, groups).to(q.dtype)
 
 
 def attend_mha(impl: AttentionImpl, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
