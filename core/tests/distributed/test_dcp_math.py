@@ -197,3 +197,12 @@ def test_combinations_not_verified_are_refused_at_start_up(tmp_path: Path) -> No
     speculative = load_config(None, {"parallel.tensor_parallel_size": 2, "speculative.method": "ngram",
                                      "speculative.num_speculative_tokens": 2})
     assert any("speculative decoding under tensor parallelism" in p for p in preflight(speculative).problems)
+
+
+def test_serve_refuses_tensor_parallel_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from jackfield.cli import main
+
+    config = tmp_path / "tp.toml"
+    config.write_text("[parallel]\ntensor_parallel_size = 2\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "parallel.tensor_parallel_size > 1 is not served yet" in capsys.readouterr().err

@@ -1,7 +1,7 @@
-"""Four gloo ranks under torchrun (one spawn for the module): DeepSeek with tp 4 and dcp 2 (two
-DCP groups holding the same KV for different heads), Llama with tp 4 (its 2 KV heads replicated
-on two ranks each) and with dcp 4 (a one-token prompt leaves three ranks without keys): greedy
-tokens equal to one process's and to transformers'."""
+"""Four gloo ranks under torchrun (one spawn for the module): DeepSeek and Llama with tp 4 and
+dcp 2 (two DCP groups holding the same KV for different heads), Llama with tp 4 (its 2 KV heads
+replicated on two ranks each) and with dcp 4 (a one-token prompt leaves three ranks without
+keys): greedy tokens equal to one process's and to transformers'."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ PROMPTS = [[7], [5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 14]]
 COMMON = {"backend": "torch_ref", "block_size": 2, "max_num_batched_tokens": 8}
 JOBS = {"deepseek-tp4-dcp2": ("deepseek", {"tensor_parallel_size": 4, "dcp_size": 2}),
         "llama-tp4": ("llama", {"tensor_parallel_size": 4}),
+        "llama-tp4-dcp2": ("llama", {"tensor_parallel_size": 4, "dcp_size": 2}),
         "llama-tp4-dcp4": ("llama", {"tensor_parallel_size": 4, "dcp_size": 4})}
 
 
