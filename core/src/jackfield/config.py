@@ -331,8 +331,8 @@ def unsupported_features(config: JackfieldConfig) -> list[str]:
     problems = []
     if config.parallel.tensor_parallel_size > 1:
         if config.speculative.method is not None:
-            problems.append("speculative decoding under tensor parallelism (parallel.tensor_parallel_size > 1) "
-                            "is not verified: leave speculative.method out")
+            problems.append("speculative decoding under tensor parallelism (parallel.tensor_parallel_size "
+                            "> 1) is not verified: leave speculative.method out")
         if config.kv_connector.name is not None:
             problems.append("KV connectors under tensor parallelism (parallel.tensor_parallel_size > 1) are "
                             "not verified: leave kv_connector.name out")

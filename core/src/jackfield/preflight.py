@@ -12,8 +12,8 @@ import torch
 
 from jackfield.attention.kv_cache import cache_dtype
 from jackfield.config import JackfieldConfig, unsupported_features
-from jackfield.distributed.cp_common import dcp_gate, parallel_problems
 from jackfield.contracts.attention import AttentionRequirements
+from jackfield.distributed.cp_common import dcp_gate, parallel_problems
 from jackfield.gguf_files import checkpoint_dir
 from jackfield.model_files import TOKENIZER_FILES, ModelFileError, RemoteCodeError
 from jackfield.models.kv_scales import KVScalePlan, plan_kv_scales, read_checkpoint_kv_scales

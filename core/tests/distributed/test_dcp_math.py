@@ -44,7 +44,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     return (probs.reshape(t * h, -1) @ v).view(t, h, -1), lse
 
 
-@pytest.mark.parametrize(("shape", "ranks"), [(shape, 4) for shape in SHAPES] + [(shape, 2) for shape in SHAPES[:3]])
+@pytest.mark.parametrize(("shape", "ranks"), [(s, 4) for s in SHAPES] + [(s, 2) for s in SHAPES[:3]])
 def test_merge_of_rank_partials_is_float64_attention(shape: tuple[int, int, int], ranks: int) -> None:
     """Keys interleaved over the ranks; each rank's partial in float32 (one rank sees nothing
     for some rows); the merge equals attention over every key in float64."""
@@ -164,7 +164,8 @@ def test_a_rank_reads_only_its_shard(tmp_path: Path) -> None:
         assert torch.equal(params["w.col"], full["w.col"][4 * rank : 4 * rank + 4])
         assert torch.equal(params["w.row"], full["w.row"][:, 4 * rank : 4 * rank + 4])
         gate, up = full["w.fused"].chunk(2)
-        assert torch.equal(params["w.fused"], torch.cat((gate[2 * rank : 2 * rank + 2], up[2 * rank : 2 * rank + 2])))
+        mine = slice(2 * rank, 2 * rank + 2)
+        assert torch.equal(params["w.fused"], torch.cat((gate[mine], up[mine])))
         assert torch.equal(params["experts"], torch.stack([full[f"e.{2 * rank + i}"] for i in range(2)]))
 
 
@@ -199,7 +200,8 @@ def test_combinations_not_verified_are_refused_at_start_up(tmp_path: Path) -> No
     assert any("speculative decoding under tensor parallelism" in p for p in preflight(speculative).problems)
 
 
-def test_serve_refuses_tensor_parallel_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_refuses_tensor_parallel_before_loading(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     from jackfield.cli import main
 
     config = tmp_path / "tp.toml"

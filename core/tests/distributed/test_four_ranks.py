@@ -25,7 +25,9 @@ JOBS = {"deepseek-tp4-dcp2": ("deepseek", {"tensor_parallel_size": 4, "dcp_size"
 
 
 def write(model: str, path: Path):  # type: ignore[no-untyped-def]  # noqa: ANN201 (a transformers model)
-    return write_deepseek("v3", path, seed=SEED) if model == "deepseek" else write_granite(model, path, seed=SEED)
+    if model == "deepseek":
+        return write_deepseek("v3", path, seed=SEED)
+    return write_granite(model, path, seed=SEED)
 
 
 @pytest.fixture(scope="module")

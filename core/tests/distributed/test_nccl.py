@@ -33,7 +33,8 @@ def test_two_gpus_generate_what_one_gpu_does(tmp_path: Path) -> None:
     write_granite("llama", tmp_path / "llama", seed=SEED)
     parallel = {"tp2": {"tensor_parallel_size": 2}, "dcp2": {"tensor_parallel_size": 2, "dcp_size": 2}}
     jobs = [{"name": f"{model}-{name}", "model": str(tmp_path / model), "config": {**COMMON, **config},
-             "prompts": PROMPTS, "max_tokens": 4} for model in ("deepseek", "llama") for name, config in parallel.items()]
+             "prompts": PROMPTS, "max_tokens": 4}
+            for model in ("deepseek", "llama") for name, config in parallel.items()]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     torchrun(2, [str(HERE / "parallel_worker.py"), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")],
              timeout_s=600)

@@ -39,8 +39,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], dic
     models = {name: root / name for name in MODELS}
     for name, write in MODELS.items():
         write(models[name])
-    jobs = [{"name": f"{model}-{parallel}", "model": str(models[model]), "config": {**COMMON, **PARALLEL[parallel]},
-             "prompts": PROMPTS, "max_tokens": MAX_TOKENS} for model, parallel in JOBS]
+    jobs = [{"name": f"{model}-{parallel}", "model": str(models[model]),
+             "config": {**COMMON, **PARALLEL[parallel]}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+            for model, parallel in JOBS]
     (root / "jobs.json").write_text(json.dumps(jobs))
     torchrun(2, [str(WORKER), str(root / "jobs.json"), str(root / "out.json")], timeout_s=600)
     return models, json.loads((root / "out.json").read_text())
@@ -56,9 +57,11 @@ def test_two_ranks_generate_what_one_process_does(runs: tuple[dict[str, Path], d
     want = [o.token_ids for o in one.generate(PROMPTS, params)]
     assert result["tokens"] == want and result["tokens_again"] == want
     assert result["cached_tokens"] > 0  # the second run read the prefix cache
-    hf_model = {"deepseek": write_deepseek, "llama": write_granite, "granitemoe": write_granite}
-    reference = hf_model[model]("v3" if model == "deepseek" else model, models[model].with_name(f"hf-{model}"),
-                                seed=SEED)
+    reference_dir = models[model].with_name(f"hf-{model}")
+    if model == "deepseek":
+        reference = write_deepseek("v3", reference_dir, seed=SEED)
+    else:
+        reference = write_granite(model, reference_dir, seed=SEED)
     assert want == [greedy_reference(reference, prompt, MAX_TOKENS)[0] for prompt in PROMPTS]
 
 

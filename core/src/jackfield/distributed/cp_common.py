@@ -75,8 +75,8 @@ def init_parallel(parallel: ParallelConfig, device_type: str) -> ParallelGroups:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp == 1:
         if world > 1:
-            raise ConfigError([f"started by torchrun with {world} processes but parallel.tensor_parallel_size "
-                               "is 1: set it to the number of processes"])
+            raise ConfigError([f"started by torchrun with {world} processes but "
+                               "parallel.tensor_parallel_size is 1: set it to the number of processes"])
         _current = ParallelGroups()
         return _current
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
@@ -128,8 +128,9 @@ def dcp_gate(parallel: ParallelConfig, backend_names: dict[str, str], registry: 
     problems = []
     for role, name in backend_names.items():
         if name != "auto" and name not in have:
-            problems.append(f"{role} attention backend {name!r} does not declare dcp (decode context parallel "
-                            f"needs each rank's LSE); installed backends that do: {', '.join(have) or 'none'}")
+            problems.append(f"{role} attention backend {name!r} does not declare dcp (decode context "
+                            "parallel needs each rank's LSE); installed backends that do: "
+                            f"{', '.join(have) or 'none'}")
     return problems
 
 

@@ -16,9 +16,10 @@ of its local offsets), so a step's metadata treats each row as a one-row request
 
 A layer's attention (`attend_mla`, `attend_mha`): write the rows' KV this rank holds (other
 slots are -1), all-gather the queries over the DCP group's heads, attend the local KV returning
-(out, LSE) (MLA: then W_UV, per head), all-gather the LSEs, scale each rank's output by exp(lse_i - lse_total) (exactly 0
-where a rank held no key; NaN and +inf LSEs count as -inf, so 0 * NaN never appears), and
-reduce-scatter over heads: each rank gets the merged output of its own heads.
+(out, LSE) (MLA: then W_UV, per head), all-gather the LSEs, scale each rank's output by
+exp(lse_i - lse_total) (exactly 0 where a rank held no key; NaN and +inf LSEs count as -inf, so
+0 * NaN never appears), and reduce-scatter over heads: each rank gets the merged output of its
+own heads.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def head_split(num_heads: int, num_kv_heads: int) -> HeadSplit:
     groups = parallel_state()
     tp, head_groups = groups.tp_size, groups.num_head_groups
     if num_heads % tp:
-        raise ValueError(f"{num_heads} attention heads cannot be split over parallel.tensor_parallel_size {tp}")
+        raise ValueError(f"{num_heads} attention heads cannot be split over "
+                         f"parallel.tensor_parallel_size {tp}")
     if num_kv_heads >= head_groups:
         if num_kv_heads % head_groups:
             raise ValueError(f"{num_kv_heads} KV heads cannot be split over {head_groups} head groups "

@@ -90,8 +90,8 @@ class Engine:
             self.model.load_mtp_layers(self.model_dir)
         self.capabilities = self.model.capabilities
         if self.parallel.tp_size > 1 and not self.capabilities.tensor_parallel:
-            raise ConfigError([f"{type(self.model).__name__} does not split itself over tensor-parallel ranks: "
-                               "run it with parallel.tensor_parallel_size = 1"])
+            raise ConfigError([f"{type(self.model).__name__} does not split itself over tensor-parallel "
+                               "ranks: run it with parallel.tensor_parallel_size = 1"])
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(config_json, self.tokenizer)
         self.pooling = pooling_of(config_json)
@@ -111,7 +111,8 @@ class Engine:
         prefix_caching = engine.enable_prefix_caching and self.capabilities.causal
         # A block id covers block_size tokens on each DCP rank: dcp_size * block_size of a request.
         self.tokens_per_block = engine.block_size * self.parallel.dcp_size
-        self.block_manager = BlockManager(kv.num_blocks, self.tokens_per_block, prefix_caching, kv.groups.windows,
+        self.block_manager = BlockManager(kv.num_blocks, self.tokens_per_block, prefix_caching,
+                                          kv.groups.windows,
                                           engine.prefix_hash_seed,
                                           drop_last_hit_block=model_drafter is not None)
         drafters = [self.drafter] if self.drafter else []

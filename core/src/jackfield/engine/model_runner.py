@@ -244,8 +244,8 @@ class ModelRunner:
             width = max(len(table) for table in tables)
             padded = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64)
             if self.dcp is not None:  # every row a one-row decode over this rank's keys
-                per_group.append(dcp_metadata(self.dcp, bs, padded, row_req, positions, self.capabilities.causal,
-                                              self._h2d))
+                per_group.append(dcp_metadata(self.dcp, bs, padded, row_req, positions,
+                                              self.capabilities.causal, self._h2d))
                 continue
             slots = padded[row_req, positions // bs] * bs + positions % bs
             per_group.append(AttentionMetadata(block_table=self._h2d(padded, torch.int32),

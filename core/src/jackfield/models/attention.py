@@ -110,7 +110,8 @@ class RoleImpls(nn.Module):
         scale = self.kv_scale(step, layer_index, rows[1], rows[2])
         if self.dcp is not None:  # one part: every row in the decode form (jackfield.distributed.dcp)
             if layer_args:
-                raise ValueError(f"decode context parallel does not take {sorted(layer_args)} (refused at start-up)")
+                raise ValueError(f"decode context parallel does not take {sorted(layer_args)} "
+                                 "(refused at start-up)")
             (part,) = parts
             if isinstance(self.decode_impl, MLAImpl):
                 return attend_mla(self.decode_impl, *rows, cache, part.metadata, scale, self.dcp)  # type: ignore[misc]

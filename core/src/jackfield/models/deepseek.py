@@ -28,7 +28,14 @@ from transformers import PretrainedConfig
 from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
 from jackfield.contracts.model import ModelCapabilities
 from jackfield.distributed.cp_common import parallel_state
-from jackfield.distributed.tensor_parallel import all_reduce, embed, gather_logits, head_split, local_size, part
+from jackfield.distributed.tensor_parallel import (
+    all_reduce,
+    embed,
+    gather_logits,
+    head_split,
+    local_size,
+    part,
+)
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import DeepseekArch, deepseek_arch, rope_inv_freq
 from jackfield.models.layers import DecoderStack, GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
@@ -109,8 +116,8 @@ class MLAAttention(nn.Module):
             self.q_b_proj = Linear(arch.q_lora_rank, h * qk_head_dim, dtype)
         self.kv_a_proj_with_mqa = Linear(d, arch.kv_lora_rank + arch.qk_rope_head_dim, dtype)
         self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, 1e-6, dtype)
-        self.kv_b_proj: Linear | None = Linear(arch.kv_lora_rank,
-                                               spec.num_heads * (arch.qk_nope_head_dim + arch.v_head_dim), dtype)
+        kv_b_rows = spec.num_heads * (arch.qk_nope_head_dim + arch.v_head_dim)
+        self.kv_b_proj: Linear | None = Linear(arch.kv_lora_rank, kv_b_rows, dtype)
         self.o_proj = Linear(h * arch.v_head_dim, d, dtype)  # row-parallel: the layer all-reduces
         self.attn = RoleImpls(backends, spec)
 

@@ -22,7 +22,14 @@ from transformers import PretrainedConfig
 from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
 from jackfield.contracts.model import ModelCapabilities
 from jackfield.distributed.cp_common import parallel_state
-from jackfield.distributed.tensor_parallel import all_reduce, embed, gather_logits, head_split, local_size, part
+from jackfield.distributed.tensor_parallel import (
+    all_reduce,
+    embed,
+    gather_logits,
+    head_split,
+    local_size,
+    part,
+)
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
 from jackfield.models.layers import DecoderStack, GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
@@ -277,7 +284,8 @@ class GraniteForCausalLM(DecoderStack):
         return head_split(self.arch.num_heads, self.arch.num_kv_heads).num_heads, self.arch.head_dim
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return embed(input_ids, self.model.embed_tokens.weight, self.arch.vocab_size) * self.arch.embedding_multiplier
+        rows = embed(input_ids, self.model.embed_tokens.weight, self.arch.vocab_size)
+        return rows * self.arch.embedding_multiplier
 
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layer, rope = self.model.layers[i], self.rope_of_layer[i]
@@ -286,7 +294,8 @@ class GraniteForCausalLM(DecoderStack):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        return gather_logits(F.linear(hidden, weight).float(), self.arch.vocab_size) / self.arch.logits_scaling
+        logits = gather_logits(F.linear(hidden, weight).float(), self.arch.vocab_size)
+        return logits / self.arch.logits_scaling
 
 
 def _with_rope_theta(hf_config: PretrainedConfig, theta: float) -> PretrainedConfig:

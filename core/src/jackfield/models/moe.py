@@ -169,8 +169,8 @@ class DeepseekMoE(nn.Module):
             )
         tp = parallel_state()
         if num_experts % tp.tp_size:
-            raise ValueError(f"{num_experts} routed experts cannot be split over parallel.tensor_parallel_size "
-                             f"{tp.tp_size}")
+            raise ValueError(f"{num_experts} routed experts cannot be split over "
+                             f"parallel.tensor_parallel_size {tp.tp_size}")
         # Each rank holds a run of whole experts and a column/row part of the shared ones.
         local = num_experts // tp.tp_size
         self.experts = Experts(local, arch.hidden_size, arch.moe_intermediate_size, dtype,

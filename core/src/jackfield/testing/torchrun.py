@@ -29,5 +29,6 @@ def torchrun(nproc: int, target: Sequence[str], timeout_s: float,
             pytest.fail(f"torchrun {' '.join(target)} ran past {timeout_s} s (killed); its output:\n"
                         f"{stdout[-3000:]}\n{stderr[-6000:]}")
     if process.returncode != 0:
-        pytest.fail(f"torchrun {' '.join(target)} exited {process.returncode}:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+        pytest.fail(f"torchrun {' '.join(target)} exited {process.returncode}:\n"
+                    f"{stdout[-3000:]}\n{stderr[-6000:]}")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
