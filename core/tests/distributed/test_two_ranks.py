@@ -1,7 +1,7 @@
 """Two gloo ranks under torchrun (one spawn for the module): greedy tokens with tensor parallel
 alone, decode context parallel alone (dcp = tp) and both, equal to one process's and to
-transformers', for DeepSeek (MLA, MoE) and Llama / Granite MoE; prompts shorter than the DCP
-width (a rank with no key); KV blocks per rank = 1/dcp."""
+transformers', for DeepSeek (MLA, MoE), Llama and Granite MoE (with sliding windows: TP only);
+prompts shorter than the DCP width (a rank with no key); KV blocks per rank = 1/dcp."""
 
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ PROMPTS = [[7], [5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 14], [90, 1, 56, 23, 8, 47,
 COMMON = {"backend": "torch_ref", "block_size": 2, "max_num_batched_tokens": 8, "cpu_kv_cache_gib": 1e-4}
 MODELS = {"deepseek": lambda path: write_deepseek("v3", path, seed=SEED),
           "llama": lambda path: write_granite("llama", path, seed=SEED),
-          "granitemoe": lambda path: write_granite("granitemoe", path, seed=SEED)}
+          "granitemoe": lambda path: write_granite("granitemoe", path, seed=SEED),
+          "granitemoe_swa": lambda path: write_granite("granitemoe_swa", path, seed=SEED)}
 PARALLEL = {"tp2": {"tensor_parallel_size": 2},
             "dcp2": {"tensor_parallel_size": 2, "dcp_size": 2},
             "dcp2_interleave2": {"tensor_parallel_size": 2, "dcp_size": 2, "dcp_interleave": 2}}
 JOBS = [("deepseek", "tp2"), ("deepseek", "dcp2"), ("deepseek", "dcp2_interleave2"),
-        ("llama", "tp2"), ("llama", "dcp2"), ("granitemoe", "tp2")]
+        ("llama", "tp2"), ("llama", "dcp2"), ("granitemoe", "tp2"),
+        ("granitemoe_swa", "tp2")]  # sliding windows, a NoPE layer, gate ‖ up stored as one tensor
 
 
 @pytest.fixture(scope="module")
