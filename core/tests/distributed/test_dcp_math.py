@@ -190,7 +190,7 @@ def test_combinations_not_verified_are_refused_at_start_up(tmp_path: Path) -> No
     write_granite("granite_swa", tmp_path / "swa", seed=SEED)
     write_deepseek_v32(tmp_path / "v32", index_topk=4, seed=SEED)
     cases = {"swa": "sliding-window layers under decode context parallel are not verified",
-             "v32": "sparse attention (DeepSeek-V3.2's indexer) under tensor parallelism are not verified"}
+             "v32": "sparse attention (DeepSeek-V3.2's indexer reads every key) under decode context"}
     for model, message in cases.items():
         config = load_config(None, {"model.path": str(tmp_path / model), "parallel.tensor_parallel_size": 2,
                                     "parallel.dcp_size": 2})

@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from jackfield import LLM, SamplingParams
-from jackfield.testing.checkpoints import greedy_reference, write_deepseek, write_granite
+from jackfield.testing.checkpoints import greedy_reference, write_deepseek, write_deepseek_v32, write_granite
 from jackfield.testing.torchrun import torchrun
 
 SEED = 4242
@@ -24,58 +25,56 @@ COMMON = {"backend": "torch_ref", "block_size": 2, "max_num_batched_tokens": 8, 
 MODELS = {"deepseek": lambda path: write_deepseek("v3", path, seed=SEED),
           "llama": lambda path: write_granite("llama", path, seed=SEED),
           "granitemoe": lambda path: write_granite("granitemoe", path, seed=SEED),
-          "granitemoe_swa": lambda path: write_granite("granitemoe_swa", path, seed=SEED)}
+          "granitemoe_swa": lambda path: write_granite("granitemoe_swa", path, seed=SEED),
+          "v32": lambda path: write_deepseek_v32(path, index_topk=4, seed=SEED)}
 PARALLEL = {"tp2": {"tensor_parallel_size": 2},
             "dcp2": {"tensor_parallel_size": 2, "dcp_size": 2},
             "dcp2_interleave2": {"tensor_parallel_size": 2, "dcp_size": 2, "dcp_interleave": 2}}
 JOBS = [("deepseek", "tp2"), ("deepseek", "dcp2"), ("deepseek", "dcp2_interleave2"),
         ("llama", "tp2"), ("llama", "dcp2"), ("granitemoe", "tp2"),
-        ("granitemoe_swa", "tp2")]  # sliding windows, a NoPE layer, gate ‖ up stored as one tensor
+        ("granitemoe_swa", "tp2"),  # sliding windows, a NoPE layer, gate ‖ up stored as one tensor
+        ("v32", "tp2")]  # the indexer replicated, MLA's sparse path on each rank's heads
+
+
+Runs = tuple[dict[str, Path], dict[str, torch.nn.Module], dict[str, dict[str, object]]]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], dict[str, dict[str, object]]]:
-    """The checkpoints, and what the two ranks generated for every job."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """The checkpoints, the transformers models written there, and what the two ranks generated
+    for every job."""
     print(f"seed {SEED}")
     root = tmp_path_factory.mktemp("two_ranks")
     models = {name: root / name for name in MODELS}
-    for name, write in MODELS.items():
-        write(models[name])
+    references = {name: write(models[name]) for name, write in MODELS.items()}
     jobs = [{"name": f"{model}-{parallel}", "model": str(models[model]),
              "config": {**COMMON, **PARALLEL[parallel]}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
             for model, parallel in JOBS]
     (root / "jobs.json").write_text(json.dumps(jobs))
     torchrun(2, [str(WORKER), str(root / "jobs.json"), str(root / "out.json")], timeout_s=600)
-    return models, json.loads((root / "out.json").read_text())
+    return models, references, json.loads((root / "out.json").read_text())
 
 
 @pytest.mark.parametrize(("model", "parallel"), JOBS)
-def test_two_ranks_generate_what_one_process_does(runs: tuple[dict[str, Path], dict[str, dict[str, object]]],
-                                                   model: str, parallel: str) -> None:
-    models, results = runs
+def test_two_ranks_generate_what_one_process_does(runs: Runs, model: str, parallel: str) -> None:
+    models, references, results = runs
     result = results[f"{model}-{parallel}"]
     one = LLM(models[model], **COMMON)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = [o.token_ids for o in one.generate(PROMPTS, params)]
     assert result["tokens"] == want and result["tokens_again"] == want
     assert result["cached_tokens"] > 0  # the second run read the prefix cache
-    reference_dir = models[model].with_name(f"hf-{model}")
-    if model == "deepseek":
-        reference = write_deepseek("v3", reference_dir, seed=SEED)
-    else:
-        reference = write_granite(model, reference_dir, seed=SEED)
-    assert want == [greedy_reference(reference, prompt, MAX_TOKENS)[0] for prompt in PROMPTS]
+    assert want == [greedy_reference(references[model], prompt, MAX_TOKENS)[0] for prompt in PROMPTS]
 
 
 @pytest.mark.parametrize("model", ["deepseek", "llama"])
-def test_each_dcp_rank_holds_half_of_every_request(runs: tuple[dict[str, Path], dict[str, dict[str, object]]],
-                                                   model: str) -> None:
+def test_each_dcp_rank_holds_half_of_every_request(runs: Runs, model: str) -> None:
     """A request's prompt takes ceil(n / (B * dcp)) blocks of B slots on each rank. MLA (one
     latent record per token, the same on every TP rank): the same budget gives the same blocks,
     each covering dcp times the tokens, so the longest request doubles. GQA with KV heads split
     by TP: a DCP rank holds its DCP group's KV heads (twice tp2's), so its blocks are twice the
     size and the capacity is tp2's (DCP pays off where TP replicates KV: MLA, or tp > KV heads)."""
-    _, results = runs
+    _, _, results = runs
     tp, dcp = results[f"{model}-tp2"], results[f"{model}-dcp2"]
     assert dcp["tokens_per_block"] == 2 * tp["tokens_per_block"] == 2 * COMMON["block_size"]
     for result in (tp, dcp):

@@ -139,15 +139,13 @@ def parallel_problems(parallel: ParallelConfig, requirements: AttentionRequireme
     """The model features this engine does not run split over ranks (not verified), each with
     the reason, and a DCP interleave the block size does not take."""
     problems = []
-    if parallel.tensor_parallel_size > 1:
-        for feature, what in (("non_causal", "bidirectional (embedding) models"),
-                              ("sparse_topk", "sparse attention (DeepSeek-V3.2's indexer)")):
-            if getattr(requirements, feature):
-                problems.append(f"{what} under tensor parallelism are not verified: run them with "
-                                "parallel.tensor_parallel_size = 1")
+    if parallel.tensor_parallel_size > 1 and requirements.non_causal:
+        problems.append("bidirectional (embedding) models under tensor parallelism are not verified: run "
+                        "them with parallel.tensor_parallel_size = 1")
     if parallel.dcp_size > 1:
         for feature, what in (("sliding_window", "sliding-window layers"),
-                              ("sinks", "attention sinks (they join one softmax, not each rank's)")):
+                              ("sinks", "attention sinks (they join one softmax, not each rank's)"),
+                              ("sparse_topk", "sparse attention (DeepSeek-V3.2's indexer reads every key)")):
             if getattr(requirements, feature):
                 problems.append(f"{what} under decode context parallel are not verified: run with "
                                 "parallel.dcp_size = 1")
