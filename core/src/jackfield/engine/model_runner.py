@@ -106,6 +106,7 @@ class ModelRunner:
         # Under decode context parallel this rank holds 1/dcp of each request's KV (dcp.py).
         self.dcp = (DCPLayout(groups.dcp_rank, groups.dcp_size, groups.dcp_interleave)
                     if groups.dcp_size > 1 else None)
+        self.dcp_prefill_metadata = backends.prefill.metadata_builder()  # a DCP step's prefill requests
         self.kv = KVCache.allocate(model.kv_cache_layers, engine, max_model_len, self.capabilities.dtype,
                                    device, groups.dcp_size)
         self.kv_caches, self.block_size, self.groups = self.kv.layer_caches, engine.block_size, self.kv.groups
@@ -243,9 +244,9 @@ class ModelRunner:
             tables = [s.seq.block_tables[group] for s in spans]
             width = max(len(table) for table in tables)
             padded = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64)
-            if self.dcp is not None:  # every row a one-row decode over this rank's keys
-                per_group.append(dcp_metadata(self.dcp, bs, padded, row_req, positions,
-                                              self.capabilities.causal, self._h2d))
+            if self.dcp is not None:  # decode rows over this rank's keys, prefills over the gathered context
+                per_group.append(dcp_metadata(self.dcp, bs, padded, row_req, positions, qsl_cpu, num_decodes,
+                                              self._h2d, self.dcp_prefill_metadata.build))
                 continue
             slots = padded[row_req, positions // bs] * bs + positions % bs
             per_group.append(AttentionMetadata(block_table=self._h2d(padded, torch.int32),

@@ -8,8 +8,9 @@ A layer holds one impl per role (`RoleImpls`), the only dispatcher of rows to im
 part of the batch to its role's impl. A model with KV cache groups (sliding-window layers beside
 full ones) has one set of parts per group: each layer reads its group's (their block tables and
 slots differ; positions and lengths do not).
-Under decode context parallelism every row goes to the decode impl through
-jackfield.distributed.dcp (each rank attends its part of the KV, the parts merged by LSE).
+Under decode context parallelism the rows go through jackfield.distributed.dcp instead (decode
+rows: each rank attends its part of the KV, the parts merged by LSE; prefill requests: their
+context gathered from the ranks).
 """
 
 from __future__ import annotations
@@ -108,14 +109,14 @@ class RoleImpls(nn.Module):
         cache = step.kv_caches[layer_index]
         parts = step.parts(layer_index)
         scale = self.kv_scale(step, layer_index, rows[1], rows[2])
-        if self.dcp is not None:  # one part: every row in the decode form (jackfield.distributed.dcp)
+        if self.dcp is not None:  # one part, decode rows and prefill requests (jackfield.distributed.dcp)
             if layer_args:
                 raise ValueError(f"decode context parallel does not take {sorted(layer_args)} "
                                  "(refused at start-up)")
             (part,) = parts
-            if isinstance(self.decode_impl, MLAImpl):
-                return attend_mla(self.decode_impl, *rows, cache, part.metadata, scale, self.dcp)  # type: ignore[misc]
-            return attend_mha(self.decode_impl, *rows, cache, part.metadata, scale, self.dcp)  # type: ignore[misc]
+            attend = attend_mla if isinstance(self.decode_impl, MLAImpl) else attend_mha
+            return attend(self.decode_impl, self.prefill_impl, *rows, cache, part.metadata, scale,  # type: ignore[operator]
+                          self.dcp)
         if scale is not None:
             layer_args = {**layer_args, "kv_scale": scale}
         if len(parts) == 1:  # the whole batch (every decode-only step): no slicing
