@@ -30,6 +30,7 @@ MODELS = {"deepseek": lambda path: write_deepseek("v3", path, seed=SEED),
 PARALLEL = {"tp2": {"tensor_parallel_size": 2},
             "dcp2": {"tensor_parallel_size": 2, "dcp_size": 2},
             "dcp2_interleave2": {"tensor_parallel_size": 2, "dcp_size": 2, "dcp_interleave": 2}}
+FP8 = {"tensor_parallel_size": 2, "dcp_size": 2, "kv_cache_dtype": "fp8_e4m3"}  # calibrated scales
 JOBS = [("deepseek", "tp2"), ("deepseek", "dcp2"), ("deepseek", "dcp2_interleave2"),
         ("llama", "tp2"), ("llama", "dcp2"), ("granitemoe", "tp2"),
         ("granitemoe_swa", "tp2"),  # sliding windows, a NoPE layer, gate ‖ up stored as one tensor
@@ -50,6 +51,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     jobs = [{"name": f"{model}-{parallel}", "model": str(models[model]),
              "config": {**COMMON, **PARALLEL[parallel]}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
             for model, parallel in JOBS]
+    jobs += [{"name": f"{model}-dcp2-fp8", "model": str(models[model]), "config": {**COMMON, **FP8},
+              "prompts": PROMPTS, "max_tokens": MAX_TOKENS} for model in ("deepseek", "llama")]
     (root / "jobs.json").write_text(json.dumps(jobs))
     torchrun(2, [str(WORKER), str(root / "jobs.json"), str(root / "out.json")], timeout_s=600)
     return models, references, json.loads((root / "out.json").read_text())
@@ -65,6 +68,16 @@ def test_two_ranks_generate_what_one_process_does(runs: Runs, model: str, parall
     assert result["tokens"] == want and result["tokens_again"] == want
     assert result["cached_tokens"] > 0  # the second run read the prefix cache
     assert want == [greedy_reference(references[model], prompt, MAX_TOKENS)[0] for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("model", ["deepseek", "llama"])
+def test_an_fp8_cache_under_dcp_generates_what_one_process_does(runs: Runs, model: str) -> None:
+    """The fp8 records gathered for a prefill travel as bytes; the calibrated scales come from
+    rows every rank of a DCP group computes alike."""
+    models, _, results = runs
+    one = LLM(models[model], **COMMON, kv_cache_dtype="fp8_e4m3")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert results[f"{model}-dcp2-fp8"]["tokens"] == [o.token_ids for o in one.generate(PROMPTS, params)]
 
 
 @pytest.mark.parametrize("model", ["deepseek", "llama"])

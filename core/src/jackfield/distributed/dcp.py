@@ -168,9 +168,12 @@ def gather_context(cache: torch.Tensor, plan: DCPPrefill, mla: bool, groups: Par
     else:
         records = cache.flatten(1, 2)[:, plan.local_slots].movedim(0, 2)  # [B, L, 2, H_kv, D]
     w = groups.dcp_size
-    gathered = records.new_empty((w * records.shape[0], *records.shape[1:]))
-    dist.all_gather_into_tensor(gathered, records.contiguous(), group=groups.dcp_group)
-    context = gathered.flatten(0, 1)[plan.gather_index]  # [B, S, ...] in position order
+    # An fp8 cache's records travel as bytes (not every collective library reduces fp8 types).
+    raw = records.contiguous()
+    raw = raw.view(torch.uint8) if raw.element_size() == 1 else raw
+    gathered = raw.new_empty((w * raw.shape[0], *raw.shape[1:]))
+    dist.all_gather_into_tensor(gathered, raw, group=groups.dcp_group)
+    context = gathered.view(records.dtype).flatten(0, 1)[plan.gather_index]  # [B, S, ...] by position
     return context if mla else context.movedim(2, 0).contiguous()
 
 
