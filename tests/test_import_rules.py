@@ -22,7 +22,7 @@ LAYERS = [
     ("jackfield.contracts", "jackfield.config", "jackfield.model_files", "jackfield.gguf_files",
      "jackfield.ops"),
     ("jackfield.specs", "jackfield.hookspecs", "jackfield.plugins", "jackfield.builtins"),
-    ("jackfield.attention", "jackfield.sampling"),
+    ("jackfield.attention", "jackfield.sampling", "jackfield.distributed"),
     ("jackfield.models",),
     ("jackfield.requirements", "jackfield.selection", "jackfield.preflight"),
     ("jackfield.engine",),

@@ -74,14 +74,14 @@ def test_doctor_lists_every_problem_and_exits_2(tmp_path: Path, capsys: pytest.C
         tmp_path,
         f'[model]\npath = "{model}"\n[attention]\nbackend = "no_such_backend"\n'
         '[sampler]\nname = "no_such_sampler"\n[kv_connector]\nname = "no_such_connector"\n'
-        "[parallel]\ndcp_size = 2\n",
+        "[parallel]\ntensor_parallel_size = 2\n",
     )
     assert main(["doctor", "--config", str(config)]) == 2
     out = capsys.readouterr().out
     for fragment in (
         "no sampler named 'no_such_sampler'",
         "no kv_connector named 'no_such_connector'",
-        "decode context parallel (parallel.dcp_size > 1) is not run by this engine yet",
+        "KV connectors under tensor parallelism (parallel.tensor_parallel_size > 1) are not verified",
         "MysteryForCausalLM",
         "'no_such_backend'",
     ):

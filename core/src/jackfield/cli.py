@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if os.environ.get("RANK", "0") != "0":
+        # Under torchrun every rank runs the command and computes the same outputs: rank 0
+        # prints them; the others' stdout goes nowhere (their errors still reach stderr).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     from jackfield.plugins import PluginConflictError

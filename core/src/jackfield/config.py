@@ -68,7 +68,13 @@ class KVConnectorConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dcp_size: int = 1  # decode context parallel world size
+    # ranks the weights are split over (torchrun's --nproc-per-node; docs/parallelism.md)
+    tensor_parallel_size: int = 1
+    # decode context parallel: ranks of the tensor-parallel group that split each request's KV
+    # cache between them (divides tensor_parallel_size, as vLLM's)
+    dcp_size: int = 1
+    # consecutive tokens that go to one DCP rank before the next (divides engine.block_size)
+    dcp_interleave: int = 1
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,7 @@ def _as_declared(value: object, annotation: object) -> object:
 
 
 def _range_problems(config: JackfieldConfig) -> list[str]:
-    e, s = config.engine, config.speculative
+    e, s, p = config.engine, config.speculative, config.parallel
     device_ok = re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device) is not None
     checks = [
         (config.model.path != "", "model.path is empty (leave it out for the embedded default model)"),
@@ -177,7 +183,15 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
          f"speculative.prompt_lookup_max ({s.prompt_lookup_max})"),
         (s.model is None or s.model != "",
          "speculative.model is empty (leave it out when the drafter has none)"),
-        (config.parallel.dcp_size >= 1, f"parallel.dcp_size must be >= 1, got {config.parallel.dcp_size}"),
+        (p.tensor_parallel_size >= 1,
+         f"parallel.tensor_parallel_size must be >= 1, got {p.tensor_parallel_size}"),
+        (p.dcp_size >= 1, f"parallel.dcp_size must be >= 1, got {p.dcp_size}"),
+        (p.dcp_size < 1 or p.tensor_parallel_size % p.dcp_size == 0,
+         f"parallel.dcp_size {p.dcp_size} must divide parallel.tensor_parallel_size "
+         f"{p.tensor_parallel_size} (DCP reuses the tensor-parallel ranks)"),
+        (p.dcp_interleave >= 1, f"parallel.dcp_interleave must be >= 1, got {p.dcp_interleave}"),
+        (e.block_size is None or p.dcp_interleave < 1 or e.block_size % p.dcp_interleave == 0,
+         f"parallel.dcp_interleave {p.dcp_interleave} must divide engine.block_size {e.block_size}"),
         (config.sampler.seed >= 0, f"sampler.seed must be >= 0, got {config.sampler.seed}"),
         (config.attention.drafter_backend is None or s.method is not None,
          "attention.drafter_backend is set but speculative.method is not"),
@@ -312,8 +326,14 @@ def resolve_config(config: JackfieldConfig | str | Path | None = None, model: st
 
 
 def unsupported_features(config: JackfieldConfig) -> list[str]:
-    """Config features this engine does not run yet: fail before anything loads (doctor says so too)."""
+    """Combinations this engine does not run (not verified): fail before anything loads (doctor
+    says so too). What needs the model's config (sliding windows, sinks under DCP) is preflight's."""
     problems = []
-    if config.parallel.dcp_size != 1:
-        problems.append("decode context parallel (parallel.dcp_size > 1) is not run by this engine yet")
+    if config.parallel.tensor_parallel_size > 1:
+        if config.speculative.method is not None:
+            problems.append("speculative decoding under tensor parallelism (parallel.tensor_parallel_size "
+                            "> 1) is not verified: leave speculative.method out")
+        if config.kv_connector.name is not None:
+            problems.append("KV connectors under tensor parallelism (parallel.tensor_parallel_size > 1) are "
+                            "not verified: leave kv_connector.name out")
     return problems

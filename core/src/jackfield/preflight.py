@@ -13,6 +13,7 @@ import torch
 from jackfield.attention.kv_cache import cache_dtype
 from jackfield.config import JackfieldConfig, unsupported_features
 from jackfield.contracts.attention import AttentionRequirements
+from jackfield.distributed.cp_common import dcp_gate, parallel_problems
 from jackfield.gguf_files import checkpoint_dir
 from jackfield.model_files import TOKENIZER_FILES, ModelFileError, RemoteCodeError
 from jackfield.models.kv_scales import KVScalePlan, plan_kv_scales, read_checkpoint_kv_scales
@@ -70,6 +71,9 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
             problems.append(str(exc))
     problems += _mtp_layer_problems(config, registry, hf_config)
     attention, block_size, kv_scales = None, config.engine.block_size, None
+    att = config.attention
+    problems += dcp_gate(config.parallel, {"prefill": att.prefill_backend or att.backend,
+                                           "decode": att.decode_backend or att.backend}, registry)
     try:
         requirements = attention_requirements(hf_config, config)
         attention = resolve_attention(config, requirements)
@@ -78,6 +82,7 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
     if attention is not None:
         if block_size is None:
             block_size = pick_block_size(attention["decode"].backend, attention["prefill"].backend)
+        problems += parallel_problems(config.parallel, requirements, block_size)
         problems += kv_budget_problems(config, hf_config, requirements, block_size)
         if requirements.kv_cache_dtype == "fp8_e4m3":
             kv_scales, scale_problems = fp8_kv_scale_plan(config, hf_config, requirements)

@@ -126,8 +126,10 @@ def test_vllm_dict_prompts_are_their_token_ids(llm: LLM) -> None:
 def test_bad_engine_configs_fail_before_loading(v3_dir) -> None:
     with pytest.raises(ConfigError, match="matches no config field"):
         LLM(v3_dir, not_a_field=1)
-    with pytest.raises(ConfigError, match="decode context parallel"):
+    with pytest.raises(ConfigError, match=r"dcp_size 2 must divide parallel.tensor_parallel_size 1"):
         LLM(v3_dir, dcp_size=2)
+    with pytest.raises(ConfigError, match=r"started by torchrun \(`torchrun --nproc-per-node 2"):
+        LLM(v3_dir, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="does not fit one block"):
         LLM(v3_dir, backend="torch_ref", cpu_kv_cache_gib=1e-9)
     with pytest.raises(ValueError, match="needs 6 KV blocks; the cache has 4"):

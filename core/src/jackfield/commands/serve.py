@@ -33,9 +33,13 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             f"jackfield serve needs the server packages: pip install 'jackfield[serve]' ({exc})"
         ) from None
-    engine = Engine(
-        resolve_config(args.config, args.model, {}), lambda message: print(message, file=sys.stderr)
-    )
+    config = resolve_config(args.config, args.model, {})
+    if config.parallel.tensor_parallel_size > 1:
+        # Every rank must run the same requests in the same order; a server's requests arrive at
+        # one process only, and nothing hands them to the other ranks yet.
+        raise ValueError("jackfield serve runs one process: parallel.tensor_parallel_size > 1 is not served "
+                         "yet (use `torchrun ... -m jackfield.cli run` or LLM(...) under torchrun)")
+    engine = Engine(config, lambda message: print(message, file=sys.stderr))
     name = args.served_model_name or (Path(args.model).name if args.model else Path(engine.model_dir).name)
     async_engine = AsyncEngine(engine)
     try:

@@ -47,6 +47,9 @@ class ModelCapabilities:
     # device, so the engine may record them in CUDA graphs (e.g. MoE experts as grouped matmuls).
     cuda_graph_safe: bool = False
     num_mtp_layers: int = 0  # multi-token-prediction layers stored in the checkpoint (DeepSeek's MTP)
+    # The family splits itself over the tensor-parallel ranks (jackfield.distributed) when built
+    # under parallel.tensor_parallel_size > 1; the engine refuses that size for the others.
+    tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "max_model_len"):

@@ -35,6 +35,7 @@ from jackfield.contracts.kv_connector import (
     KVCoverageSpec,
 )
 from jackfield.contracts.sampler import Sampler, SamplingParams
+from jackfield.distributed.cp_common import init_parallel
 from jackfield.engine.block_manager import BlockManager, max_request_blocks
 from jackfield.engine.model_runner import ModelRunner
 from jackfield.engine.scheduler import Scheduler
@@ -57,6 +58,10 @@ if TYPE_CHECKING:
 
 class Engine:
     def __init__(self, config: JackfieldConfig, say: Callable[[str], None]) -> None:
+        # Under torchrun: join the ranks first (a GPU rank takes its own device before anything
+        # touches one). Every rank then runs this same engine on the same requests: the
+        # scheduler's decisions depend on nothing a rank holds alone (docs/architecture.md).
+        self.parallel = init_parallel(config.parallel, resolve_device(config).split(":")[0])
         checked = preflight(config)  # everything `jackfield doctor` checks, before any loading
         if checked.problems:
             raise ConfigError(checked.problems)
@@ -68,6 +73,8 @@ class Engine:
         sampler = _sampler(config)  # a config naming a missing sampler fails before any loading
         self.drafter, runs_mtp_layers = _drafter(config)
         self.device = torch.device(resolve_device(config))
+        if self.parallel.tp_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.parallel.local_rank)
         if config.model.path is None:
             say("creating the embedded default model")
         # A GGUF file was converted (and cached) by preflight; this finds that folder.
@@ -82,6 +89,9 @@ class Engine:
         if runs_mtp_layers:  # preflight checked the checkpoint has them
             self.model.load_mtp_layers(self.model_dir)
         self.capabilities = self.model.capabilities
+        if self.parallel.tp_size > 1 and not self.capabilities.tensor_parallel:
+            raise ConfigError([f"{type(self.model).__name__} does not split itself over tensor-parallel "
+                               "ranks: run it with parallel.tensor_parallel_size = 1"])
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(config_json, self.tokenizer)
         self.pooling = pooling_of(config_json)
@@ -99,7 +109,10 @@ class Engine:
         kv = self.runner.kv
         # A bidirectional model's KV depends on later tokens: no prefix of it can be reused.
         prefix_caching = engine.enable_prefix_caching and self.capabilities.causal
-        self.block_manager = BlockManager(kv.num_blocks, engine.block_size, prefix_caching, kv.groups.windows,
+        # A block id covers block_size tokens on each DCP rank: dcp_size * block_size of a request.
+        self.tokens_per_block = engine.block_size * self.parallel.dcp_size
+        self.block_manager = BlockManager(kv.num_blocks, self.tokens_per_block, prefix_caching,
+                                          kv.groups.windows,
                                           engine.prefix_hash_seed,
                                           drop_last_hit_block=model_drafter is not None)
         drafters = [self.drafter] if self.drafter else []
@@ -195,7 +208,7 @@ class Engine:
                              f"({engine.max_num_batched_tokens}): embedding runs each prompt whole in one "
                              "step")
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        needed = max_request_blocks(self.runner.kv.groups.windows, engine.block_size, total,
+        needed = max_request_blocks(self.runner.kv.groups.windows, self.tokens_per_block, total,
                                     engine.max_num_batched_tokens)
         if needed > self.block_manager.num_usable:
             raise ValueError(f"a request of {len(token_ids)} + {params.max_tokens} tokens needs {needed} "

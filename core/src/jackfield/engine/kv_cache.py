@@ -26,12 +26,15 @@ class KVCache:
 
     @classmethod
     def allocate(cls, layers: list[AttentionLayerSpec], engine: EngineConfig, max_model_len: int,
-                 dtype: torch.dtype, device: torch.device) -> KVCache:
+                 dtype: torch.dtype, device: torch.device, dcp_size: int = 1) -> KVCache:
+        """`dcp_size` > 1: each block holds block_size of every dcp_size * block_size consecutive
+        tokens of a request (decode context parallel), so a request needs 1/dcp_size of them."""
         if engine.block_size is None:
             raise ValueError("engine.block_size is None: the Engine resolves it before allocating")
         groups = plan_kv_cache_groups(layers)
         layer_of_tensor = {t: layer for layer, t in zip(layers, groups.layer_tensor, strict=True)}
-        num_blocks = _num_blocks(list(layer_of_tensor.values()), groups, engine, max_model_len, dtype, device)
+        num_blocks = _num_blocks(list(layer_of_tensor.values()), groups, engine, max_model_len, dtype, device,
+                                 dcp_size)
         try:
             tensors = {t: allocate_kv_cache(layer, num_blocks, engine.block_size, dtype, device)
                        for t, layer in layer_of_tensor.items()}
@@ -43,7 +46,7 @@ class KVCache:
 
 
 def _num_blocks(tensor_layers: list[AttentionLayerSpec], groups: KVCacheGroups, engine: EngineConfig,
-                max_model_len: int, dtype: torch.dtype, device: torch.device) -> int:
+                max_model_len: int, dtype: torch.dtype, device: torch.device, dcp_size: int) -> int:
     """Blocks the budget pays for, capped at what max_num_seqs full-length requests can use."""
     per_block = sum(torch.Size(cache_shape(layer, 1, engine.block_size)).numel()
                     * cache_dtype(layer.kv_cache_dtype, dtype).itemsize for layer in tensor_layers)
@@ -56,7 +59,7 @@ def _num_blocks(tensor_layers: list[AttentionLayerSpec], groups: KVCacheGroups, 
         where = f"engine.cpu_kv_cache_gib = {engine.cpu_kv_cache_gib}"
     windows = groups.windows
     useful = engine.max_num_seqs * max_request_blocks(
-        windows, engine.block_size, max_model_len, engine.max_num_batched_tokens
+        windows, engine.block_size * dcp_size, max_model_len, engine.max_num_batched_tokens
     ) + any(w is not None for w in windows)  # the null block
     num_blocks = min(int(budget // per_block), useful)
     if num_blocks < 1:

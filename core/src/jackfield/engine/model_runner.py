@@ -30,6 +30,8 @@ from jackfield.contracts.drafter import ModelDrafter
 from jackfield.contracts.kv_connector import ConnectorMetadata, KVConnectorWorker, TransferResult
 from jackfield.contracts.model import LayerHooks, ModelFamily
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
+from jackfield.distributed.cp_common import parallel_state
+from jackfield.distributed.dcp import DCPLayout, dcp_metadata
 from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.drafting import DraftLimits, Span, draft_in_step
 from jackfield.engine.kv_cache import KVCache
@@ -103,8 +105,13 @@ class ModelRunner:
             assert engine.block_size is not None  # the Engine resolves it first
             self.draft_limits = DraftLimits(drafter.num_speculative_tokens, max_model_len, engine.block_size)
         self.capabilities = model.capabilities
+        groups = parallel_state()
+        # Under decode context parallel this rank holds 1/dcp of each request's KV (dcp.py).
+        self.dcp = (DCPLayout(groups.dcp_rank, groups.dcp_size, groups.dcp_interleave)
+                    if groups.dcp_size > 1 else None)
+        self.dcp_prefill_metadata = backends.prefill.metadata_builder()  # a DCP step's prefill requests
         self.kv = KVCache.allocate(model.kv_cache_layers, engine, max_model_len, self.capabilities.dtype,
-                                   device)
+                                   device, groups.dcp_size)
         self.kv_caches, self.block_size, self.groups = self.kv.layer_caches, engine.block_size, self.kv.groups
         # Per KV cache: an fp8 cache's scales, static tensors written in place (CUDA graphs read
         # them by address); the Engine arms calibration once start-up's own steps are done.
@@ -144,6 +151,8 @@ class ModelRunner:
             return f"the device is {self.device.type}"
         if not engine.cuda_graphs:
             return "engine.cuda_graphs = false"
+        if parallel_state().tp_size > 1:
+            return "tensor parallel steps run eagerly (their collectives are not recorded yet)"
         if not caps.causal:
             return "the model is bidirectional (no decode steps)"
         if not caps.cuda_graph_safe:
@@ -240,6 +249,10 @@ class ModelRunner:
             tables = [s.seq.block_tables[group] for s in spans]
             width = max(len(table) for table in tables)
             padded = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64)
+            if self.dcp is not None:  # decode rows over this rank's keys, prefills over the gathered context
+                per_group.append(dcp_metadata(self.dcp, bs, padded, row_req, positions, qsl_cpu, num_decodes,
+                                              self._h2d, self.dcp_prefill_metadata.build))
+                continue
             slots = padded[row_req, positions // bs] * bs + positions % bs
             per_group.append(AttentionMetadata(block_table=self._h2d(padded, torch.int32),
                                                slot_mapping=self._h2d(slots, torch.int64), **shared))  # type: ignore[arg-type]

@@ -8,6 +8,9 @@ A layer holds one impl per role (`RoleImpls`), the only dispatcher of rows to im
 part of the batch to its role's impl. A model with KV cache groups (sliding-window layers beside
 full ones) has one set of parts per group: each layer reads its group's (their block tables and
 slots differ; positions and lengths do not).
+Under decode context parallelism the rows go through jackfield.distributed.dcp instead (decode
+rows: each rank attends its part of the KV, the parts merged by LSE; prefill requests: their
+context gathered from the ranks).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import nn
 
 from jackfield.attention.kv_cache import calibrated_kv_scale, is_mla
 from jackfield.attention.metadata import GroupMetadataBuilder
+from jackfield.attention.mla import MLAImpl
 from jackfield.contracts.attention import (
     AttentionBackends,
     AttentionImpl,
@@ -27,6 +31,8 @@ from jackfield.contracts.attention import (
     Role,
     StepContext,
 )
+from jackfield.distributed.cp_common import parallel_state
+from jackfield.distributed.dcp import attend_mha, attend_mla
 
 
 class StepContextBuilder:
@@ -65,6 +71,8 @@ class RoleImpls(nn.Module):
         self.prefill_impl: AttentionImpl = (
             backends.prefill.make_impl(spec) if backends.split else self.decode_impl
         )
+        groups = parallel_state()
+        self.dcp = groups if groups.dcp_size > 1 else None  # None: this rank holds every token's KV
 
     def process_weights_after_loading(self, weights: dict[str, torch.Tensor]) -> None:
         self.decode_impl.process_weights_after_loading(weights)
@@ -101,6 +109,14 @@ class RoleImpls(nn.Module):
         cache = step.kv_caches[layer_index]
         parts = step.parts(layer_index)
         scale = self.kv_scale(step, layer_index, rows[1], rows[2])
+        if self.dcp is not None:  # one part, decode rows and prefill requests (jackfield.distributed.dcp)
+            if layer_args:
+                raise ValueError(f"decode context parallel does not take {sorted(layer_args)} "
+                                 "(refused at start-up)")
+            (part,) = parts
+            attend = attend_mla if isinstance(self.decode_impl, MLAImpl) else attend_mha
+            return attend(self.decode_impl, self.prefill_impl, *rows, cache, part.metadata, scale,  # type: ignore[operator]
+                          self.dcp)
         if scale is not None:
             layer_args = {**layer_args, "kv_scale": scale}
         if len(parts) == 1:  # the whole batch (every decode-only step): no slicing

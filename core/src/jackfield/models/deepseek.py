@@ -27,11 +27,28 @@ from transformers import PretrainedConfig
 
 from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
 from jackfield.contracts.model import ModelCapabilities
+from jackfield.distributed.cp_common import parallel_state
+from jackfield.distributed.tensor_parallel import (
+    all_reduce,
+    embed,
+    gather_logits,
+    head_split,
+    local_size,
+    part,
+)
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import DeepseekArch, deepseek_arch, rope_inv_freq
 from jackfield.models.layers import DecoderStack, GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
 from jackfield.models.moe import DeepseekMoE, grouped_mm_supported
-from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
+from jackfield.models.weights import (
+    Rule,
+    ShardPlan,
+    Split,
+    WeightMapper,
+    iter_checkpoint,
+    iter_checkpoint_slices,
+    load_weights,
+)
 
 _MLP = r"(?P<mlp>model\.layers\.\d+\.mlp(?:\.shared_experts)?)"
 _EXPERT = r"(?P<moe>model\.layers\.\d+\.mlp)\.experts\.(?P<e>\d+)"
@@ -61,13 +78,36 @@ def deepseek_weight_mapper(arch: DeepseekArch) -> WeightMapper:
     return WeightMapper(DEEPSEEK_WEIGHTS.rules, tuple(ignore))
 
 
+def deepseek_shard_plan(arch: DeepseekArch) -> ShardPlan:
+    """This rank's part of each parameter (docs/parallelism.md): query heads, MLP and shared
+    expert columns and vocabulary rows split over every rank; kv_b_proj over the head groups
+    (the heads a rank attends under DCP); routed experts whole, a run of them per rank; the
+    latent projections (kv_a, q_a) and the router replicated."""
+    tp = parallel_state()
+    rank, size = tp.tp_rank, tp.tp_size
+    column, row = Split(0, rank, size), Split(1, rank, size)
+    layer = r"model\.layers\.\d+\."
+    experts = local_size(int(arch.n_routed_experts or 0))
+    return ShardPlan(splits=(
+        (layer + r"self_attn\.(?:q_proj|q_b_proj)\.weight", column),
+        (layer + r"self_attn\.kv_b_proj\.weight", Split(0, tp.head_group, tp.num_head_groups)),
+        (layer + r"self_attn\.o_proj\.weight", row),
+        (layer + r"mlp(?:\.shared_experts)?\.gate_up_proj\.weight", column),
+        (layer + r"mlp(?:\.shared_experts)?\.down_proj\.weight", row),
+        (r"model\.embed_tokens\.weight|lm_head\.weight", column),
+    ), experts=(rank * experts, experts))
+
+
 class MLAAttention(nn.Module):
     def __init__(self, arch: DeepseekArch, index: int, spec: AttentionLayerSpec, backends: AttentionBackends,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.arch, self.index = arch, index
         qk_head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim
-        d, h = arch.hidden_size, arch.num_heads
+        # This rank's query heads; kv_b_proj holds those its attention attends (spec.num_heads:
+        # its DCP group's under decode context parallel, else its own).
+        d, h = arch.hidden_size, head_split(arch.num_heads, 1).num_heads
+        self.num_heads = h
         if arch.q_lora_rank is None:
             self.q_proj = Linear(d, h * qk_head_dim, dtype)
         else:
@@ -76,9 +116,9 @@ class MLAAttention(nn.Module):
             self.q_b_proj = Linear(arch.q_lora_rank, h * qk_head_dim, dtype)
         self.kv_a_proj_with_mqa = Linear(d, arch.kv_lora_rank + arch.qk_rope_head_dim, dtype)
         self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, 1e-6, dtype)
-        self.kv_b_proj: Linear | None = Linear(arch.kv_lora_rank,
-                                               h * (arch.qk_nope_head_dim + arch.v_head_dim), dtype)
-        self.o_proj = Linear(h * arch.v_head_dim, d, dtype)
+        kv_b_rows = spec.num_heads * (arch.qk_nope_head_dim + arch.v_head_dim)
+        self.kv_b_proj: Linear | None = Linear(arch.kv_lora_rank, kv_b_rows, dtype)
+        self.o_proj = Linear(h * arch.v_head_dim, d, dtype)  # row-parallel: the layer all-reduces
         self.attn = RoleImpls(backends, spec)
 
     def finish_loading(self) -> None:
@@ -97,13 +137,14 @@ class MLAAttention(nn.Module):
         else:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_latent)
-        q = q.view(t, a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim)
+        h = self.num_heads
+        q = q.view(t, h, a.qk_nope_head_dim + a.qk_rope_head_dim)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c.contiguous())
         # The query heads' rope parts and the one rope key rotate in one call (fewer launches).
         pe = rope(torch.cat((q[..., a.qk_nope_head_dim :], k_pe.unsqueeze(1)), dim=1), positions)
-        q = torch.cat((q[..., : a.qk_nope_head_dim], pe[:, : a.num_heads]), dim=-1)
-        return q, kv_c, pe[:, a.num_heads], q_latent
+        q = torch.cat((q[..., : a.qk_nope_head_dim], pe[:, :h]), dim=-1)
+        return q, kv_c, pe[:, h], q_latent
 
     def attend(self, step: StepContext, q: torch.Tensor, kv_c: torch.Tensor,
                k_pe: torch.Tensor) -> torch.Tensor:
@@ -111,9 +152,10 @@ class MLAAttention(nn.Module):
         return self.attn.run(step, self.index, q, kv_c, k_pe)
 
     def output(self, out: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """o_proj of the attention output's `output_rows` (all rows when None)."""
+        """o_proj of the attention output's `output_rows` (all rows when None): this rank's part
+        under tensor parallelism."""
         out = select_rows(out, output_rows)
-        return self.o_proj(out.reshape(out.shape[0], self.arch.num_heads * self.arch.v_head_dim))
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.arch.v_head_dim))
 
 
 class ExpandedMLAAttention(MLAAttention):
@@ -145,7 +187,7 @@ def attention_spec(arch: DeepseekArch, kv_cache_dtype: KVCacheDType) -> Attentio
         return AttentionLayerSpec(num_heads=arch.num_heads, head_size=head_size, scale=arch.softmax_scale,
                                   num_kv_heads=arch.num_heads, kv_cache_dtype=kv_cache_dtype)
     return AttentionLayerSpec(
-        num_heads=arch.num_heads,
+        num_heads=head_split(arch.num_heads, 1).num_attend_heads,  # all of them in one process
         head_size=arch.kv_lora_rank + arch.qk_rope_head_dim,
         scale=arch.softmax_scale,
         kv_cache_dtype=kv_cache_dtype,
@@ -164,7 +206,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp: nn.Module = (
             DeepseekMoE(arch, dtype) if arch.is_moe_layer(index)
-            else GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
+            else GatedMLP(arch.hidden_size, local_size(arch.intermediate_size), dtype)
         )
 
     def before_attention(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
@@ -176,8 +218,8 @@ class DecoderLayer(nn.Module):
     def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor,
                         output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for `output_rows` of x (all rows when None), from its attention output."""
-        x = select_rows(x, output_rows) + self.self_attn.output(attn_out, output_rows)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = select_rows(x, output_rows) + all_reduce(self.self_attn.output(attn_out, output_rows))
+        return x + all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class MTPLayer(DecoderLayer):
@@ -207,16 +249,18 @@ class DeepseekForCausalLM(DecoderStack):
         inv_freq, rope_scaling = rope_inv_freq(hf_config, arch.qk_rope_head_dim)
         self.rope = RotaryEmbedding(inv_freq, rope_scaling, arch.max_position_embeddings,
                                     arch.rope_interleave)
+        tp = parallel_state()
+        start, stop = part(arch.vocab_size, tp.tp_rank, tp.tp_size)  # this rank's vocabulary rows
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = nn.Parameter(
-            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), False)
+            torch.empty(stop - start, arch.hidden_size, dtype=dtype), False)
         self.model.layers = nn.ModuleList(
             DecoderLayer(arch, i, self.make_attention(i, backends), dtype) for i in range(arch.num_layers)
         )
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         if not arch.tie_word_embeddings:
-            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype)
+            self.lm_head = Linear(arch.hidden_size, stop - start, dtype)
 
     @functools.cached_property
     def capabilities(self) -> ModelCapabilities:
@@ -225,6 +269,7 @@ class DeepseekForCausalLM(DecoderStack):
             vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_layers=a.num_layers,
             max_model_len=a.max_position_embeddings, dtype=self.dtype, causal=not a.non_causal,
             cuda_graph_safe=self._cuda_graph_safe(), num_mtp_layers=a.num_mtp_layers,
+            tensor_parallel=not a.non_causal,  # the expanded bidirectional form is not split yet
         )
 
     def _cuda_graph_safe(self) -> bool:
@@ -250,19 +295,22 @@ class DeepseekForCausalLM(DecoderStack):
                         kv_cache_dtype: KVCacheDType = "auto") -> DeepseekForCausalLM:
         with torch.device(device):
             model = cls(hf_config, backends, dtype, kv_cache_dtype)
-        params = dict(model.named_parameters())
-        load_weights(params, iter_checkpoint(model_dir), deepseek_weight_mapper(model.arch))
+        params, mapper = dict(model.named_parameters()), deepseek_weight_mapper(model.arch)
+        if parallel_state().tp_size == 1:
+            load_weights(params, iter_checkpoint(model_dir), mapper)
+        else:
+            load_weights(params, iter_checkpoint_slices(model_dir), mapper, deepseek_shard_plan(model.arch))
         for layer in model.model.layers:
             layer.self_attn.finish_loading()
         return model.eval()
 
     @property
     def attention_output_shape(self) -> tuple[int, int]:
-        """One row of `attend`'s output: [heads, v_head_dim]."""
-        return self.arch.num_heads, self.arch.v_head_dim
+        """One row of `attend`'s output: [heads (this rank's), v_head_dim]."""
+        return head_split(self.arch.num_heads, 1).num_heads, self.arch.v_head_dim
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.model.embed_tokens.weight)
+        return embed(input_ids, self.model.embed_tokens.weight, self.arch.vocab_size)
 
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.model.layers[i].before_attention(x, positions, self.rope)
@@ -272,7 +320,7 @@ class DeepseekForCausalLM(DecoderStack):
         return self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.head_weight).float()
+        return gather_logits(F.linear(hidden, self.head_weight).float(), self.arch.vocab_size)
 
     def load_mtp_layers(self, model_dir: str | Path) -> None:
         a, first = self.arch, self.arch.num_layers

@@ -6,7 +6,8 @@ and MLA attends to the `index_topk` best (the backend's sparse path, absorbed fo
 keys (one [D_I] vector per token, RoPE on the first rope_dim dims, half-split layout) live in a
 paged cache of their own with the same blocks and slots as the layer's latent KV: the model's
 `kv_cache_layers` lists the L latent caches, then the L indexer-key caches.
-Everything else (MoE, MLA projections, weights) is the DeepSeek-V3 model.
+Everything else (MoE, MLA projections, weights) is the DeepSeek-V3 model. Under tensor
+parallelism the indexer is replicated (every rank picks the same top-k) while MLA's heads split.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class SparseMLAAttention(MLAAttention):
         a = self.arch
         cache = step.kv_caches[self.index]
         key_cache = step.kv_caches[a.num_layers + self.index]  # same blocks and slots as `cache`
-        out = q.new_empty(q.shape[0], a.num_heads, a.v_head_dim)
+        out = q.new_empty(q.shape[0], self.num_heads, a.v_head_dim)  # this rank's heads
         kv_scale = self.attn.kv_scale(step, self.index, kv_c, k_pe)
         # The engine's parts of the batch (its role halves, this layer's KV cache group): the
         # indexer picks each part's top-k with that part's metadata, then its impl attends.

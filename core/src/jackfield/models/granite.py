@@ -21,11 +21,28 @@ from transformers import PretrainedConfig
 
 from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
 from jackfield.contracts.model import ModelCapabilities
+from jackfield.distributed.cp_common import parallel_state
+from jackfield.distributed.tensor_parallel import (
+    all_reduce,
+    embed,
+    gather_logits,
+    head_split,
+    local_size,
+    part,
+)
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
 from jackfield.models.layers import DecoderStack, GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
 from jackfield.models.moe import Experts, grouped_mm_supported
-from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
+from jackfield.models.weights import (
+    Rule,
+    ShardPlan,
+    Split,
+    WeightMapper,
+    iter_checkpoint,
+    iter_checkpoint_slices,
+    load_weights,
+)
 
 _LAYER = r"(?P<layer>model\.layers\.\d+)"
 _MOE = _LAYER + r"\.block_sparse_moe"
@@ -56,6 +73,27 @@ def granite_weight_mapper(arch: GraniteArch) -> WeightMapper:
     return WeightMapper(GRANITE_WEIGHTS.rules, (*GRANITE_WEIGHTS.ignore, r"lm_head\.weight"))
 
 
+def granite_shard_plan(arch: GraniteArch) -> ShardPlan:
+    """This rank's part of each parameter (docs/parallelism.md): query heads, MLP columns and
+    vocabulary rows split over every rank, KV heads over the head groups, experts whole."""
+    tp = parallel_state()
+    rank, size = tp.tp_rank, tp.tp_size
+    kv = head_split(arch.num_heads, arch.num_kv_heads)
+    column, row = Split(0, rank, size), Split(1, rank, size)
+    layer = r"model\.layers\.\d+\."
+    return ShardPlan(splits=(
+        (layer + r"self_attn\.q_proj\.weight", column),
+        (layer + r"self_attn\.sinks", column),
+        (layer + r"self_attn\.[kv]_proj\.weight", Split(0, kv.kv_index, kv.kv_parts)),
+        (layer + r"self_attn\.o_proj\.weight", row),
+        (layer + r"mlp\.gate_up_proj\.weight", column),  # gate and up arrive as two tensors
+        (layer + r"shared_mlp\.gate_up_proj\.weight", Split(0, rank, size, fused=2)),  # one tensor
+        (layer + r"(?:shared_mlp|mlp)\.down_proj\.weight", row),
+        (layer + r"block_sparse_moe\.experts\.w(?:13|2)", column),  # stacked experts: whole ones
+        (r"model\.embed_tokens\.weight|lm_head\.weight", column),
+    ))
+
+
 class GQAAttention(nn.Module):
     def __init__(
         self,
@@ -67,11 +105,13 @@ class GQAAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.arch, self.index = arch, index
-        h, kv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        heads = head_split(arch.num_heads, arch.num_kv_heads)  # this rank's (all of them in one process)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        h, kv, hd = heads.num_heads, heads.num_kv_heads, arch.head_dim
         self.q_proj = Linear(arch.hidden_size, h * hd, dtype)
         self.k_proj = Linear(arch.hidden_size, kv * hd, dtype)
         self.v_proj = Linear(arch.hidden_size, kv * hd, dtype)
-        self.o_proj = Linear(h * hd, arch.hidden_size, dtype)
+        self.o_proj = Linear(h * hd, arch.hidden_size, dtype)  # row-parallel: the layer all-reduces
         # Per-head logits that join the softmax denominator only (gpt-oss style sinks).
         self.sinks = nn.Parameter(torch.empty(h, dtype=dtype), False) if arch.sinks else None
         self.attn = RoleImpls(backends, spec)
@@ -80,9 +120,9 @@ class GQAAttention(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> q [T, H, hd], k and v [T, H_kv, hd] (q and k roped)."""
         a, t = self.arch, x.shape[0]
-        q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
-        k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(t, a.num_kv_heads, a.head_dim)
+        q = self.q_proj(x).view(t, self.num_heads, a.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, a.head_dim)
         if rope is not None:  # None: a NoPE layer
             q, k = rope(q, positions), rope(k, positions)
         return q, k, v
@@ -93,9 +133,10 @@ class GQAAttention(nn.Module):
         return self.attn.run(step, self.index, q, k, v, **sinks)
 
     def output(self, out: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """o_proj of the attention output's `output_rows` (all rows when None)."""
+        """o_proj of the attention output's `output_rows` (all rows when None): this rank's part
+        under tensor parallelism."""
         out = select_rows(out, output_rows)
-        return self.o_proj(out.reshape(out.shape[0], self.arch.num_heads * self.arch.head_dim))
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.arch.head_dim))
 
 
 class GraniteMoE(nn.Module):
@@ -106,7 +147,10 @@ class GraniteMoE(nn.Module):
         self.top_k = arch.num_experts_per_tok
         self.router = nn.Module()
         self.router.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, dtype=dtype), False)
-        self.experts = Experts(arch.num_experts, arch.hidden_size, arch.intermediate_size, dtype)
+        tp = parallel_state()  # each rank holds a run of whole experts
+        local = local_size(arch.num_experts)
+        self.experts = Experts(local, arch.hidden_size, arch.intermediate_size, dtype,
+                               first=tp.tp_rank * local if tp.tp_size > 1 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight).float()
@@ -131,14 +175,15 @@ class DecoderLayer(nn.Module):
         if arch.num_experts:
             self.block_sparse_moe = GraniteMoE(arch, dtype)
             self.shared_mlp = (
-                GatedMLP(arch.hidden_size, arch.shared_intermediate_size, dtype)
+                GatedMLP(arch.hidden_size, local_size(arch.shared_intermediate_size), dtype)
                 if arch.shared_intermediate_size
                 else None
             )
         else:
-            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype)
+            self.mlp = GatedMLP(arch.hidden_size, local_size(arch.intermediate_size), dtype)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the MLP's output (the whole of it in one process)."""
         if not hasattr(self, "block_sparse_moe"):
             return self.mlp(x)
         out = self.block_sparse_moe(x)
@@ -148,8 +193,8 @@ class DecoderLayer(nn.Module):
                         output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for `output_rows` of x (all rows when None), from its attention output."""
         x = (select_rows(x, output_rows)
-             + self.self_attn.output(attn_out, output_rows) * self.residual_multiplier)
-        return x + self._mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+             + all_reduce(self.self_attn.output(attn_out, output_rows)) * self.residual_multiplier)
+        return x + all_reduce(self._mlp(self.post_attention_layernorm(x))) * self.residual_multiplier
 
 
 class GraniteForCausalLM(DecoderStack):
@@ -165,12 +210,13 @@ class GraniteForCausalLM(DecoderStack):
         super().__init__()
         arch = granite_arch(hf_config)
         self.arch, self.dtype = arch, dtype
+        heads = head_split(arch.num_heads, arch.num_kv_heads)
         self.layer_specs = [
             AttentionLayerSpec(
-                num_heads=arch.num_heads,
+                num_heads=heads.num_attend_heads,
                 head_size=arch.head_dim,
                 scale=arch.attention_scale,
-                num_kv_heads=arch.num_kv_heads,
+                num_kv_heads=heads.num_kv_heads,
                 kv_cache_dtype=kv_cache_dtype,
                 sliding_window=window,
             )
@@ -184,17 +230,19 @@ class GraniteForCausalLM(DecoderStack):
                 RotaryEmbedding(inv_freq, scaling, arch.max_position_embeddings, interleaved=False)
             )
         self.rope_of_layer = [thetas.index(t) if t else None for t in arch.rope_thetas]  # None: NoPE
+        tp = parallel_state()
+        start, stop = part(arch.vocab_size, tp.tp_rank, tp.tp_size)  # this rank's vocabulary rows
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = nn.Parameter(
-            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), False
+            torch.empty(stop - start, arch.hidden_size, dtype=dtype), False
         )
         self.model.layers = nn.ModuleList(
             DecoderLayer(arch, i, spec, backends, dtype) for i, spec in enumerate(self.layer_specs)
         )
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         if not arch.tie_word_embeddings:
-            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype)
+            self.lm_head = Linear(arch.hidden_size, stop - start, dtype)
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:
@@ -210,7 +258,7 @@ class GraniteForCausalLM(DecoderStack):
         graph_safe = not a.num_experts or grouped_mm_supported(device, self.dtype)
         return ModelCapabilities(vocab_size=a.vocab_size, hidden_size=a.hidden_size,
                                  num_layers=len(self.layer_specs), max_model_len=a.max_position_embeddings,
-                                 dtype=self.dtype, cuda_graph_safe=graph_safe)
+                                 dtype=self.dtype, cuda_graph_safe=graph_safe, tensor_parallel=True)
 
     @classmethod
     def from_pretrained(
@@ -224,17 +272,20 @@ class GraniteForCausalLM(DecoderStack):
     ) -> GraniteForCausalLM:
         with torch.device(device):
             model = cls(hf_config, backends, dtype, kv_cache_dtype)
-        load_weights(
-            dict(model.named_parameters()), iter_checkpoint(model_dir), granite_weight_mapper(model.arch)
-        )
+        params, mapper = dict(model.named_parameters()), granite_weight_mapper(model.arch)
+        if parallel_state().tp_size == 1:
+            load_weights(params, iter_checkpoint(model_dir), mapper)
+        else:
+            load_weights(params, iter_checkpoint_slices(model_dir), mapper, granite_shard_plan(model.arch))
         return model.eval()
 
     @property
     def attention_output_shape(self) -> tuple[int, int]:
-        return self.arch.num_heads, self.arch.head_dim
+        return head_split(self.arch.num_heads, self.arch.num_kv_heads).num_heads, self.arch.head_dim
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.model.embed_tokens.weight) * self.arch.embedding_multiplier
+        rows = embed(input_ids, self.model.embed_tokens.weight, self.arch.vocab_size)
+        return rows * self.arch.embedding_multiplier
 
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layer, rope = self.model.layers[i], self.rope_of_layer[i]
@@ -243,7 +294,8 @@ class GraniteForCausalLM(DecoderStack):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float() / self.arch.logits_scaling
+        logits = gather_logits(F.linear(hidden, weight).float(), self.arch.vocab_size)
+        return logits / self.arch.logits_scaling
 
 
 def _with_rope_theta(hf_config: PretrainedConfig, theta: float) -> PretrainedConfig:

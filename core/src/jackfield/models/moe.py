@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jackfield.distributed.cp_common import parallel_state
+from jackfield.distributed.tensor_parallel import local_size
 from jackfield.models.hf_config import DeepseekArch
 from jackfield.models.layers import GatedMLP
 
@@ -51,12 +53,20 @@ class Experts(nn.Module):
     Elsewhere a loop runs one matmul pair per expert that has rows (its counts read on the host,
     which costs nothing on the CPU). One token on the CPU (batch-1 decode) skips the sort and the
     scatter: its k experts run in turn and are summed.
+
+    Under tensor parallelism a rank holds experts [first, first + num_experts) and returns their
+    part of each token's sum (the decoder layer adds the ranks' parts): a choice of another
+    rank's expert gets weight 0 and the id num_experts, which sorts after every held expert, so
+    no matmul runs for it.
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype
+        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+        first: int | None = None,
     ) -> None:
+        """`first`: the first expert this rank holds (None: it holds all of them)."""
         super().__init__()
+        self.first = first
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), False
         )
@@ -64,6 +74,12 @@ class Experts(nn.Module):
         self._ends: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        held = None
+        if self.first is not None:
+            count = self.w13.shape[0]
+            local = ids - self.first
+            held = (local >= 0) & (local < count)
+            ids, weights = torch.where(held, local, count), torch.where(held, weights, 0)
         if x.shape[0] == 1 and x.device.type == "cpu":
             return self._one_token(x, weights, ids)
         num_tokens, k = ids.shape
@@ -74,6 +90,8 @@ class Experts(nn.Module):
         ends = torch.searchsorted(flat[order], self._expert_ends(ids), out_int32=True)
         rows = x[order // k]
         out = self._grouped(rows, ends) if use_grouped_mm(rows) else self._looped(rows, ends.tolist())
+        if held is not None:  # rows of other ranks' experts were never computed: zero, not garbage
+            out = out.masked_fill(~held.flatten()[order].unsqueeze(1), 0.0)
         # Back to (token, choice) order, then each token's k outputs weighted and summed in float32
         # (as the reference combines) by one batched product: no atomics, so a token's sum does
         # not depend on the batch's other tokens.
@@ -93,6 +111,8 @@ class Experts(nn.Module):
         batched combine does."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert, weight in zip(ids[0].tolist(), weights[0].float().tolist(), strict=True):
+            if expert == self.w13.shape[0]:  # another rank's expert
+                continue
             gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)
             out.add_(F.linear(F.silu(gate) * up, self.w2[expert]).float(), alpha=weight)
         return out.to(x.dtype)
@@ -147,14 +167,22 @@ class DeepseekMoE(nn.Module):
             self.gate.e_score_correction_bias = nn.Parameter(
                 torch.empty(num_experts, dtype=torch.float32), False
             )
-        self.experts = Experts(num_experts, arch.hidden_size, arch.moe_intermediate_size, dtype)
+        tp = parallel_state()
+        if num_experts % tp.tp_size:
+            raise ValueError(f"{num_experts} routed experts cannot be split over "
+                             f"parallel.tensor_parallel_size {tp.tp_size}")
+        # Each rank holds a run of whole experts and a column/row part of the shared ones.
+        local = num_experts // tp.tp_size
+        self.experts = Experts(local, arch.hidden_size, arch.moe_intermediate_size, dtype,
+                               first=tp.tp_rank * local if tp.tp_size > 1 else None)
         self.shared_experts = (
-            GatedMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts, dtype)
+            GatedMLP(arch.hidden_size, local_size(arch.moe_intermediate_size * arch.n_shared_experts), dtype)
             if arch.n_shared_experts
             else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed and shared experts' output (this rank's part under tensor parallelism)."""
         logits = F.linear(x.float(), self.gate.weight)
         weights, ids = route(logits, self.arch, getattr(self.gate, "e_score_correction_bias", None))
         out = self.experts(x, weights, ids)

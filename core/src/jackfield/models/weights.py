@@ -6,6 +6,10 @@ split into equal parts) or one expert of a stacked parameter. Loading checks tha
 parameter is written exactly once and that every checkpoint tensor has a home; both failures
 name the tensors. fp8 KV-cache scales beside the attention weights are not parameters: the
 engine reads them (models/kv_scales.py), the loader passes over them.
+
+Under tensor parallelism a rank loads its shard only (`ShardPlan`): the checkpoint is read
+through safetensors slices (`iter_checkpoint_slices`), so a rank never reads a whole tensor it
+splits, nor an expert another rank holds.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from jackfield.distributed.tensor_parallel import part
 from jackfield.model_files import ModelFileError
 from jackfield.models.kv_scales import is_kv_scale_tensor
 
@@ -55,6 +60,31 @@ class WeightMapper:
         raise KeyError(hf_name)
 
 
+@dataclass(frozen=True)
+class Split:
+    """A parameter's checkpoint tensors are cut along `dim` into `parts` parts (`part`); this
+    rank's parameter holds part `index`. fused=n: the tensor is n equal blocks along `dim`
+    (gate ‖ up stored as one tensor), each cut so, and the rank's parts are concatenated."""
+
+    dim: int
+    index: int
+    parts: int
+    fused: int = 1
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What one tensor-parallel rank loads: the parameters (full-match regexes, first match wins)
+    it holds a `Split` of, and the experts [first, first + count) of expert-stacked parameters
+    loaded one expert at a time. Other parameters are loaded whole (replicated)."""
+
+    splits: tuple[tuple[str, Split], ...]
+    experts: tuple[int, int] | None = None
+
+    def split(self, param: str) -> Split | None:
+        return next((split for pattern, split in self.splits if re.fullmatch(pattern, param)), None)
+
+
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -80,6 +110,33 @@ def iter_checkpoint(model_dir: str | Path,
             raise ModelFileError(f"{file}: not a readable safetensors file: {exc}") from exc
 
 
+def iter_checkpoint_slices(model_dir: str | Path) -> Iterator[tuple[str, object]]:
+    """Every (name, safetensors slice) of the folder: nothing is read until the slice is indexed
+    (`load_weights` reads a tensor's shard only)."""
+    for file in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_slice(name)
+        except (SafetensorError, OSError) as exc:
+            raise ModelFileError(f"{file}: not a readable safetensors file: {exc}") from exc
+
+
+def _read(source: object, split: Split | None) -> torch.Tensor:
+    """The tensor, or its `split` part, from a tensor or a safetensors slice (which reads only
+    the part)."""
+    if isinstance(source, torch.Tensor) and split is None:
+        return source
+    shape = source.shape if isinstance(source, torch.Tensor) else source.get_shape()  # type: ignore[attr-defined]
+    if split is None:
+        return source[tuple(slice(None) for _ in shape)]  # type: ignore[index]
+    block = shape[split.dim] // split.fused
+    start, stop = part(block, split.index, split.parts)
+    pieces = [source[tuple(slice(b * block + start, b * block + stop) if d == split.dim else slice(None)  # type: ignore[index]
+                           for d in range(len(shape)))] for b in range(split.fused)]
+    return pieces[0] if split.fused == 1 else torch.cat(pieces, dim=split.dim)
+
+
 def tensor_names(model_dir: str | Path) -> set[str]:
     """The names of the folder's checkpoint tensors (read from the files' headers only)."""
     names: set[str] = set()
@@ -94,10 +151,12 @@ def tensor_names(model_dir: str | Path) -> set[str]:
 
 def load_weights(
     params: dict[str, torch.Tensor],
-    weights: Iterator[tuple[str, torch.Tensor]],
+    weights: Iterator[tuple[str, object]],
     mapper: WeightMapper,
+    shards: ShardPlan | None = None,
 ) -> None:
-    """Copy checkpoint tensors into `params` (converting dtype); fail naming what is off."""
+    """Copy checkpoint tensors (or safetensors slices) into `params` (converting dtype), only
+    this rank's part of them under `shards`; fail naming what is off."""
     written: dict[str, int] = {name: 0 for name in params}
     unexpected: list[str] = []
     bad_shapes: list[str] = []
@@ -107,7 +166,7 @@ def load_weights(
     # value beyond float16's range): device flags, read back once at the end (no sync per tensor).
     finite: list[tuple[str, torch.Tensor]] = []
     with torch.no_grad():
-        for hf_name, tensor in weights:
+        for hf_name, source in weights:
             if is_kv_scale_tensor(hf_name):  # fp8 KV-cache scales: the engine's (models/kv_scales.py)
                 continue
             try:
@@ -126,6 +185,11 @@ def load_weights(
                 continue
             seen.add((name, expert, shard))
             dest = params[name]
+            if expert is not None and shards is not None and shards.experts is not None:
+                first, count = shards.experts
+                if not first <= expert < first + count:  # another rank's expert: never read
+                    continue
+                expert -= first
             if expert is not None:
                 if not 0 <= expert < dest.shape[0]:
                     unexpected.append(f"{hf_name} (expert {expert} of {dest.shape[0]})")
@@ -135,6 +199,8 @@ def load_weights(
                 index, parts = shard
                 size = dest.shape[0] // parts
                 dest = dest[index * size : (index + 1) * size]
+            # A rank's expert is whole: splits cut the other parameters (and stacked experts).
+            tensor = _read(source, None if shards is None or expert is not None else shards.split(name))
             if dest.shape != tensor.shape:
                 bad_shapes.append(f"{hf_name}: checkpoint {tuple(tensor.shape)}, model {tuple(dest.shape)}")
                 continue
