@@ -1,0 +1,178 @@
+"""Recurrent-layer ops over a step's flat batch (PyTorch; the CPU path and the GPU kernels' oracle).
+
+Each op reads and writes the per-request states in a slot pool (contracts/recurrent.py): a
+request starts from its slot's state when `has_state` says the slot holds its earlier tokens,
+from zero otherwise, and leaves its state after its last row in the slot. The batch is gathered
+into [B, max_query_len] by `padded_rows` (a zero row past each request's rows) and the
+recurrences step over the columns for every request at once: a padding column has decay 1 and
+no update, so it leaves a request's state as it was. Prefill chunks and decodes mix freely; a
+chunk that continues a request's prompt starts from the state its last step left.
+
+Kept requests (speculative verify chunks) also get their states after each row
+(`RowStates`), so the state can be rolled back to the last accepted row after sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from jackfield.contracts.recurrent import RecurrentMetadata
+
+
+def recurrent_metadata(query_lens: list[int], state_slots: list[int], has_state: list[bool],
+                       keep_requests: list[int], conv_kernels: set[int] | frozenset[int],
+                       device: torch.device | str) -> RecurrentMetadata:
+    """A step's RecurrentMetadata from host lists: per request (decodes first) its rows this
+    step, its state slot, whether the slot holds its earlier tokens; the requests whose per-row
+    states are kept; the conv kernel sizes of the model's recurrent layers."""
+    if not len(query_lens) == len(state_slots) == len(has_state) or not query_lens or min(query_lens) < 1:
+        raise ValueError(f"recurrent metadata: {len(query_lens)} query lengths (each >= 1), "
+                         f"{len(state_slots)} slots, {len(has_state)} state flags")
+    lens = torch.tensor(query_lens, dtype=torch.int64)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    tokens, width = int(starts[-1]), int(lens.max())
+    columns = torch.arange(width)
+    valid = columns < lens[:, None]
+    padded = torch.where(valid, starts[:-1, None] + columns, tokens)
+    windows = {k: lens[:, None] + torch.arange(k - 1) for k in sorted(conv_kernels)}
+    return RecurrentMetadata(
+        query_start_loc=starts.to(device), query_lens=lens.to(device),
+        state_slots=torch.tensor(state_slots, dtype=torch.int64).to(device),
+        has_state=torch.tensor(has_state, dtype=torch.bool).to(device),
+        padded_rows=padded.to(device), valid=valid.to(device),
+        conv_windows={k: w.to(device) for k, w in windows.items()},
+        keep_requests=torch.tensor(keep_requests, dtype=torch.int64).to(device),
+        num_tokens=tokens, max_query_len=width)
+
+
+def _check(name: str, tensor: torch.Tensor, rows: int, dims: int) -> None:
+    if tensor.dim() != dims or tensor.shape[0] != rows:
+        raise ValueError(f"{name}: expected {dims} dims and {rows} rows, got shape {tuple(tensor.shape)}")
+
+
+def _check_slots(states: torch.Tensor, meta: RecurrentMetadata) -> None:
+    if meta.num_reqs and int(meta.state_slots.max()) >= states.shape[0]:
+        raise ValueError(f"state slot {int(meta.state_slots.max())} is outside the pool of {states.shape[0]} slots")
+
+
+def _padded(x: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
+    """[T, ...] -> [B, L, ...]: each request's rows, zeros past them."""
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[meta.padded_rows]
+
+
+def _initial(states: torch.Tensor, meta: RecurrentMetadata, dtype: torch.dtype) -> torch.Tensor:
+    """Each request's starting state: its slot's, or zero for a request computed from its start."""
+    start = states[meta.state_slots].to(dtype)
+    keep = meta.has_state.view(-1, *([1] * (start.dim() - 1)))
+    return torch.where(keep, start, torch.zeros((), dtype=dtype, device=start.device))
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+                  meta: RecurrentMetadata, kept: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Depthwise causal conv1d + SiLU: x [T, C], weight [C, K] -> [T, C] in x's dtype, computed in
+    the weight's dtype over [the request's window ‖ its rows]; conv_states [slots, C, K - 1] get
+    the inputs of each request's last K - 1 positions. `kept`: appends [V, L, C, K - 1], the
+    window after each row of the kept requests."""
+    _check("x", x, meta.num_tokens, 2)
+    channels, kernel = weight.shape
+    if x.shape[1] != channels or conv_states.shape[1:] != (channels, kernel - 1):
+        raise ValueError(f"conv1d: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"states {tuple(conv_states.shape)} disagree")
+    _check_slots(conv_states, meta)
+    seq = torch.cat([_initial(conv_states, meta, weight.dtype),
+                     _padded(x, meta).to(weight.dtype).transpose(1, 2)], dim=2)  # [B, C, K - 1 + L]
+    out = F.silu(F.conv1d(seq, weight.unsqueeze(1), bias, groups=channels))  # [B, C, L]
+    window = seq.gather(2, meta.conv_windows[kernel].unsqueeze(1).expand(-1, channels, -1))
+    conv_states[meta.state_slots] = window.to(conv_states.dtype)
+    if kept is not None:  # window after row j: seq[..., j + 1 : j + K]
+        after = seq[meta.keep_requests].unfold(2, kernel - 1, 1)[:, :, 1:]  # [V, C, L, K - 1]
+        kept.append(after.transpose(1, 2).to(conv_states.dtype))
+    return out.transpose(1, 2)[meta.valid].to(x.dtype)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, meta: RecurrentMetadata,
+                     kept: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The gated delta rule (Qwen3-Next's linear attention), in float32: per value head h,
+
+        S = exp(g) S;  S = S + beta k (v - S^T k)^T;  o = S^T (q / sqrt(Dk))
+
+    with q and k L2-normalized. q, k [T, Hk, Dk]; v [T, Hv, Dv] (Hv a multiple of Hk: key head
+    i serves value heads i * Hv/Hk ...); g (log decay, <= 0) and beta [T, Hv]; states
+    [slots, Hv, Dk, Dv] float32. Returns o [T, Hv, Dv] float32. `kept`: appends the state after
+    each row of the kept requests, [V, L, Hv, Dk, Dv]."""
+    tokens = meta.num_tokens
+    for name, tensor, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
+        _check(name, tensor, tokens, dims)
+    heads, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+    if k.shape != q.shape or heads % q.shape[1] or states.shape[1:] != (heads, dk, dv) \
+            or g.shape[1] != heads or beta.shape[1] != heads:
+        raise ValueError(f"gated delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, states {tuple(states.shape)} disagree")
+    if states.dtype != torch.float32:
+        raise ValueError(f"gated delta rule states must be float32, got {states.dtype}")
+    _check_slots(states, meta)
+    repeat = heads // q.shape[1]
+    q = F.normalize(q.float(), dim=-1, eps=1e-6).repeat_interleave(repeat, dim=1) * dk**-0.5
+    k = F.normalize(k.float(), dim=-1, eps=1e-6).repeat_interleave(repeat, dim=1)
+    qp, kp, vp = _padded(q, meta), _padded(k, meta), _padded(v.float(), meta)
+    decay, bp = _padded(g.float(), meta).exp(), _padded(beta.float(), meta)  # padding: decay 1, beta 0
+    state = _initial(states, meta, torch.float32)  # [B, H, Dk, Dv]
+    out = torch.empty_like(vp)
+    rows = []
+    for j in range(meta.max_query_len):
+        state = state * decay[:, j, :, None, None]
+        predicted = torch.einsum("bhk,bhkv->bhv", kp[:, j], state)
+        delta = (vp[:, j] - predicted) * bp[:, j, :, None]
+        state = state + kp[:, j, :, :, None] * delta[:, :, None, :]
+        out[:, j] = torch.einsum("bhk,bhkv->bhv", qp[:, j], state)
+        if kept is not None:
+            rows.append(state[meta.keep_requests])
+    states[meta.state_slots] = state
+    if kept is not None:
+        kept.append(torch.stack(rows, dim=1))
+    return out[meta.valid]
+
+
+def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                d: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], states: torch.Tensor,
+                meta: RecurrentMetadata, kept: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Mamba2's selective state space scan, in float32: per head h with step dt = clamp(softplus(
+    dt + dt_bias)),
+
+        S = exp(dt A) S + dt x B^T;  y = S C + D x
+
+    x [T, H, P]; dt [T, H]; a (A, negative), d, dt_bias [H]; b, c [T, G, N] (group i serves
+    heads i * H/G ...); states [slots, H, P, N] float32. Returns y [T, H, P] float32. `kept`:
+    appends the state after each row of the kept requests, [V, L, H, P, N]."""
+    tokens = meta.num_tokens
+    for name, tensor, dims in (("x", x, 3), ("dt", dt, 2), ("B", b, 3), ("C", c, 3)):
+        _check(name, tensor, tokens, dims)
+    heads, p, n = x.shape[1], x.shape[2], b.shape[2]
+    if c.shape != b.shape or heads % b.shape[1] or states.shape[1:] != (heads, p, n) or dt.shape[1] != heads \
+            or a.shape != (heads,) or d.shape != (heads,) or dt_bias.shape != (heads,):
+        raise ValueError(f"mamba2 scan: x {tuple(x.shape)}, dt {tuple(dt.shape)}, B {tuple(b.shape)}, "
+                         f"C {tuple(c.shape)}, A {tuple(a.shape)}, states {tuple(states.shape)} disagree")
+    if states.dtype != torch.float32:
+        raise ValueError(f"mamba2 states must be float32, got {states.dtype}")
+    _check_slots(states, meta)
+    repeat = heads // b.shape[1]
+    step = F.softplus(dt.float() + dt_bias.float()).clamp(*dt_limit)
+    xp, sp = _padded(x.float(), meta), _padded(step, meta)  # padding: step 0 (decay 1, no input)
+    bp = _padded(b.float(), meta).repeat_interleave(repeat, dim=2)
+    cp = _padded(c.float(), meta).repeat_interleave(repeat, dim=2)
+    state = _initial(states, meta, torch.float32)  # [B, H, P, N]
+    decay = (sp * a.float()).exp()
+    out = torch.empty_like(xp)
+    rows = []
+    for j in range(meta.max_query_len):
+        update = (sp[:, j, :, None] * xp[:, j])[..., None] * bp[:, j, :, None, :]
+        state = state * decay[:, j, :, None, None] + update
+        out[:, j] = torch.einsum("bhpn,bhn->bhp", state, cp[:, j])
+        if kept is not None:
+            rows.append(state[meta.keep_requests])
+    states[meta.state_slots] = state
+    if kept is not None:
+        kept.append(torch.stack(rows, dim=1))
+    return out[meta.valid] + d.float()[:, None] * x.float()
