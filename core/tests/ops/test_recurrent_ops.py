@@ -46,8 +46,9 @@ def test_causal_conv1d_matches_float64_window_recurrence() -> None:
     before = states.clone()
     kept: list[torch.Tensor] = []
     out = causal_conv1d(x, weight, bias, states, meta, kept)
-    for b, (count, has_state, keep) in enumerate(REQUESTS):
-        window = before[SLOTS[b]].double() if has_state else torch.zeros(channels, kernel - 1, dtype=torch.float64)
+    for b, (_, has_state, keep) in enumerate(REQUESTS):
+        window = (before[SLOTS[b]].double() if has_state
+                  else torch.zeros(channels, kernel - 1, dtype=torch.float64))
         for j, row in enumerate(range(_rows(b).start, _rows(b).stop)):
             full = torch.cat([window, x[row].double()[:, None]], dim=1)
             expect = torch.nn.functional.silu((full * weight.double()).sum(1) + bias.double())
@@ -169,8 +170,8 @@ def test_chunks_over_several_steps_equal_one_pass() -> None:
             def cat(mine: torch.Tensor) -> torch.Tensor:
                 return torch.cat([torch.randn(3, *mine.shape[1:], generator=gen), mine])
 
-            out = gated_delta_rule(cat(q[rows]), cat(k[rows]), torch.cat([other, v[rows]]), cat(g[rows]).clamp(max=0),
-                                   cat(beta[rows]).abs(), states, meta)
+            out = gated_delta_rule(cat(q[rows]), cat(k[rows]), torch.cat([other, v[rows]]),
+                                   cat(g[rows]).clamp(max=0), cat(beta[rows]).abs(), states, meta)
             outs.append(out[3:])
             convs.append(causal_conv1d(cat(conv_x[rows]), weight, None, conv_states, meta)[3:])
             start += n
@@ -184,11 +185,12 @@ def test_chunks_over_several_steps_equal_one_pass() -> None:
 
 def test_bad_input_is_refused() -> None:
     meta = _meta({4})
+    t = meta.num_tokens
+    bf16_states = torch.zeros(NUM_SLOTS, 1, 4, 4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):
-        gated_delta_rule(torch.randn(meta.num_tokens, 1, 4), torch.randn(meta.num_tokens, 1, 4),
-                         torch.randn(meta.num_tokens, 1, 4), torch.zeros(meta.num_tokens, 1),
-                         torch.zeros(meta.num_tokens, 1), torch.zeros(NUM_SLOTS, 1, 4, 4, dtype=torch.bfloat16), meta)
+        gated_delta_rule(torch.randn(t, 1, 4), torch.randn(t, 1, 4), torch.randn(t, 1, 4),
+                         -torch.rand(t, 1), torch.rand(t, 1), bf16_states, meta)
     with pytest.raises(ValueError, match="outside the pool"):
-        causal_conv1d(torch.randn(meta.num_tokens, 3), torch.randn(3, 4), None, torch.zeros(2, 3, 3), meta)
+        causal_conv1d(torch.randn(t, 3), torch.randn(3, 4), None, torch.zeros(2, 3, 3), meta)
     with pytest.raises(ValueError, match="rows"):
-        causal_conv1d(torch.randn(meta.num_tokens + 1, 3), torch.randn(3, 4), None, torch.zeros(9, 3, 3), meta)
+        causal_conv1d(torch.randn(t + 1, 3), torch.randn(3, 4), None, torch.zeros(9, 3, 3), meta)

@@ -41,13 +41,14 @@ class RecurrentStateSpec:
         """Every reason the engine cannot keep this state (empty: it can)."""
         found = []
         if self.kind not in RECURRENT_KINDS:
-            found.append(f"recurrent layer kind {self.kind!r} is not one of {', '.join(RECURRENT_KINDS)}")
+            found.append(f"recurrent layer kind {self.kind!r} is not one of "
+                         f"{', '.join(RECURRENT_KINDS)}")
         if self.state_dtype != torch.float32:
             found.append(f"recurrent state dtype {self.state_dtype} is not supported: the state is kept in "
                          "float32 (it accumulates over the whole sequence)")
         if self.conv_kernel < 2 or self.conv_channels < 1 or not self.state_shape:
-            found.append(f"recurrent layer shapes out of range: conv {self.conv_channels} x {self.conv_kernel}, "
-                         f"state {self.state_shape}")
+            found.append(f"recurrent layer shapes out of range: conv {self.conv_channels} x "
+                         f"{self.conv_kernel}, state {self.state_shape}")
         return found
 
 

@@ -53,7 +53,8 @@ def _check(name: str, tensor: torch.Tensor, rows: int, dims: int) -> None:
 
 def _check_slots(states: torch.Tensor, meta: RecurrentMetadata) -> None:
     if meta.num_reqs and int(meta.state_slots.max()) >= states.shape[0]:
-        raise ValueError(f"state slot {int(meta.state_slots.max())} is outside the pool of {states.shape[0]} slots")
+        raise ValueError(f"state slot {int(meta.state_slots.max())} is outside the pool of "
+                         f"{states.shape[0]} slots")
 
 
 def _padded(x: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
@@ -106,10 +107,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     for name, tensor, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
         _check(name, tensor, tokens, dims)
     heads, dk, dv = v.shape[1], q.shape[2], v.shape[2]
-    if k.shape != q.shape or heads % q.shape[1] or states.shape[1:] != (heads, dk, dv) \
-            or g.shape[1] != heads or beta.shape[1] != heads:
-        raise ValueError(f"gated delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, states {tuple(states.shape)} disagree")
+    if (k.shape != q.shape or heads % q.shape[1] or states.shape[1:] != (heads, dk, dv)
+            or g.shape[1] != heads or beta.shape[1] != heads):
+        raise ValueError(f"gated delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g "
+                         f"{tuple(g.shape)}, beta {tuple(beta.shape)}, states {tuple(states.shape)} disagree")
     if states.dtype != torch.float32:
         raise ValueError(f"gated delta rule states must be float32, got {states.dtype}")
     _check_slots(states, meta)
@@ -150,8 +151,8 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     for name, tensor, dims in (("x", x, 3), ("dt", dt, 2), ("B", b, 3), ("C", c, 3)):
         _check(name, tensor, tokens, dims)
     heads, p, n = x.shape[1], x.shape[2], b.shape[2]
-    if c.shape != b.shape or heads % b.shape[1] or states.shape[1:] != (heads, p, n) or dt.shape[1] != heads \
-            or a.shape != (heads,) or d.shape != (heads,) or dt_bias.shape != (heads,):
+    if (c.shape != b.shape or heads % b.shape[1] or states.shape[1:] != (heads, p, n)
+            or dt.shape[1] != heads or {a.shape, d.shape, dt_bias.shape} != {(heads,)}):
         raise ValueError(f"mamba2 scan: x {tuple(x.shape)}, dt {tuple(dt.shape)}, B {tuple(b.shape)}, "
                          f"C {tuple(c.shape)}, A {tuple(a.shape)}, states {tuple(states.shape)} disagree")
     if states.dtype != torch.float32:
