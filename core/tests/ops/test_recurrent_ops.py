@@ -66,8 +66,8 @@ def _delta_rule_reference(q, k, v, g, beta, state):  # type: ignore[no-untyped-d
     for t in range(q.shape[0]):
         qt = q[t].repeat_interleave(repeat, 0)
         kt = k[t].repeat_interleave(repeat, 0)
-        qt = qt / qt.norm(dim=-1, keepdim=True) / math.sqrt(q.shape[2])
-        kt = kt / kt.norm(dim=-1, keepdim=True)
+        qt = qt / (qt.square().sum(-1, keepdim=True) + 1e-6).sqrt() / math.sqrt(q.shape[2])
+        kt = kt / (kt.square().sum(-1, keepdim=True) + 1e-6).sqrt()
         new = torch.empty_like(state)
         out = torch.empty(v.shape[1], v.shape[2], dtype=torch.float64)
         for h in range(v.shape[1]):

@@ -490,6 +490,8 @@ def granite_arch(hf_config: PretrainedConfig) -> GraniteArch:
         problems.append("quantized checkpoints (quantization_config)")
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     problems += _granite_unread_field_problems(c, arch, head_dim)
+    if "Moe" in arch and not getattr(c, "num_local_experts", 1):
+        problems.append(f"num_local_experts 0 ({arch} routes every token to experts)")
     if problems:
         raise ValueError(f"config.json ({arch}): unsupported settings: " + "; ".join(problems))
     pattern = layer_attention(c.to_dict())

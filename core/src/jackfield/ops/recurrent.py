@@ -92,6 +92,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.transpose(1, 2)[meta.valid].to(x.dtype)
 
 
+def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(|x|^2 + 1e-6) in float32, as flash-linear-attention's kernels (and transformers)."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(dim=-1, keepdim=True) + 1e-6)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      states: torch.Tensor, meta: RecurrentMetadata,
                      kept: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -99,8 +105,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
         S = exp(g) S;  S = S + beta k (v - S^T k)^T;  o = S^T (q / sqrt(Dk))
 
-    with q and k L2-normalized. q, k [T, Hk, Dk]; v [T, Hv, Dv] (Hv a multiple of Hk: key head
-    i serves value heads i * Hv/Hk ...); g (log decay, <= 0) and beta [T, Hv]; states
+    with q and k L2-normalized (x / sqrt(|x|^2 + 1e-6)). q, k [T, Hk, Dk]; v [T, Hv, Dv] (Hv a
+    multiple of Hk: key head i serves value heads i * Hv/Hk ...); g (log decay, <= 0) and beta
+    [T, Hv]; states
     [slots, Hv, Dk, Dv] float32. Returns o [T, Hv, Dv] float32. `kept`: appends the state after
     each row of the kept requests, [V, L, Hv, Dk, Dv]."""
     tokens = meta.num_tokens
@@ -115,8 +122,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         raise ValueError(f"gated delta rule states must be float32, got {states.dtype}")
     _check_slots(states, meta)
     repeat = heads // q.shape[1]
-    q = F.normalize(q.float(), dim=-1, eps=1e-6).repeat_interleave(repeat, dim=1) * dk**-0.5
-    k = F.normalize(k.float(), dim=-1, eps=1e-6).repeat_interleave(repeat, dim=1)
+    q = _l2_normalize(q).repeat_interleave(repeat, dim=1) * dk**-0.5
+    k = _l2_normalize(k).repeat_interleave(repeat, dim=1)
     qp, kp, vp = _padded(q, meta), _padded(k, meta), _padded(v.float(), meta)
     decay, bp = _padded(g.float(), meta).exp(), _padded(beta.float(), meta)  # padding: decay 1, beta 0
     state = _initial(states, meta, torch.float32)  # [B, H, Dk, Dv]
