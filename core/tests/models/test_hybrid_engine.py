@@ -6,16 +6,20 @@ token with the same tokens as without drafts."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from jackfield import LLM, SamplingParams
-from jackfield.config import ConfigError
+from jackfield.commands.doctor import diagnose
+from jackfield.config import ConfigError, resolve_config
 from jackfield.contracts.drafter import DrafterOptions, DraftProposal, TokenDrafter
 from jackfield.engine import recurrent_state
 from jackfield.engine.block_manager import max_request_blocks
+from jackfield.plugins import get_registry
 from jackfield.testing.checkpoints import greedy_reference, write_hybrid
 
 FAMILIES = ("qwen3_next", "granitemoehybrid")
@@ -159,3 +163,22 @@ def test_what_hybrid_models_do_not_run_is_refused_before_loading(
         LLM(str(path), **BASE, **{"attention.kv_cache_dtype": "fp8_e4m3"})
     with pytest.raises(ConfigError, match="cpu_offload.*Qwen3NextForCausalLM is not run yet"):
         LLM(str(path), **BASE, **{"kv_connector.name": "cpu_offload"})
+
+
+def test_unsupported_layer_types_are_refused_at_selection(models: dict[str, tuple[Path, torch.nn.Module]],
+                                                           tmp_path: Path) -> None:
+    path, _ = models["qwen3_next"]
+    shutil.copytree(path, tmp_path / "odd")
+    config = json.loads((tmp_path / "odd" / "config.json").read_text())
+    config["layer_types"][1] = "sliding_attention"
+    (tmp_path / "odd" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"layer_types \['sliding_attention'\] are not supported"):
+        LLM(str(tmp_path / "odd"), **BASE)
+
+
+def test_doctor_says_why_the_prefix_cache_is_off(models: dict[str, tuple[Path, torch.nn.Module]]) -> None:
+    path, _ = models["granitemoehybrid"]
+    resolved, problems = diagnose(resolve_config(None, str(path), BASE), get_registry())
+    assert not problems
+    note = "enable_prefix_caching is refused for GraniteMoeHybridForCausalLM"
+    assert any(note in line for line in resolved)
