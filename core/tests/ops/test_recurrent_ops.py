@@ -6,12 +6,34 @@ verify chunks whose per-row states are kept."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 from jackfield.ops.recurrent import causal_conv1d, gated_delta_rule, mamba2_scan, recurrent_metadata
 
 SEED = 20261202
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TRITON_HERE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not TRITON_HERE, reason="Triton needs CUDA or TRITON_INTERPRET=1"))]
+
+
+def _delta_rule_impl(impl: str):  # type: ignore[no-untyped-def]
+    if impl == "torch":
+        return gated_delta_rule
+    from jackfield.ops.recurrent_triton import gated_delta_rule_triton
+
+    return gated_delta_rule_triton
+
+
+def _mamba2_impl(impl: str):  # type: ignore[no-untyped-def]
+    if impl == "torch":
+        return mamba2_scan
+    from jackfield.ops.recurrent_triton import mamba2_scan_triton
+
+    return mamba2_scan_triton
 
 
 def _generator(offset: int) -> torch.Generator:
@@ -80,7 +102,8 @@ def _delta_rule_reference(q, k, v, g, beta, state):  # type: ignore[no-untyped-d
     return torch.stack(outs), states
 
 
-def test_gated_delta_rule_matches_float64_recurrence() -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gated_delta_rule_matches_float64_recurrence(impl: str) -> None:
     gen = _generator(1)
     hk, hv, dk, dv = 2, 4, 8, 6
     meta = _meta(set())
@@ -92,7 +115,7 @@ def test_gated_delta_rule_matches_float64_recurrence() -> None:
     states = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
     before = states.clone()
     kept: list[torch.Tensor] = []
-    out = gated_delta_rule(q, k, v, g, beta, states, meta, kept)
+    out = _delta_rule_impl(impl)(q, k, v, g, beta, states, meta, kept)
     for b, (_, has_state, keep) in enumerate(REQUESTS):
         rows = _rows(b)
         start = before[SLOTS[b]].double() if has_state else torch.zeros(hv, dk, dv, dtype=torch.float64)
@@ -122,7 +145,8 @@ def _mamba2_reference(x, dt, a, b, c, d, dt_bias, state):  # type: ignore[no-unt
     return torch.stack(outs), states
 
 
-def test_mamba2_scan_matches_float64_recurrence() -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mamba2_scan_matches_float64_recurrence(impl: str) -> None:
     gen = _generator(2)
     heads, p, groups, n = 4, 3, 2, 5
     meta = _meta(set())
@@ -134,7 +158,7 @@ def test_mamba2_scan_matches_float64_recurrence() -> None:
     states = torch.randn(NUM_SLOTS, heads, p, n, generator=gen)
     before = states.clone()
     kept: list[torch.Tensor] = []
-    out = mamba2_scan(x, dt, a, b, c, d, dt_bias, (0.0, math.inf), states, meta, kept)
+    out = _mamba2_impl(impl)(x, dt, a, b, c, d, dt_bias, (0.0, math.inf), states, meta, kept)
     for r, (_, has_state, keep) in enumerate(REQUESTS):
         rows = _rows(r)
         start = before[SLOTS[r]].double() if has_state else torch.zeros(heads, p, n, dtype=torch.float64)

@@ -10,6 +10,9 @@ chunk that continues a request's prompt starts from the state its last step left
 
 Kept requests (speculative verify chunks) also get their states after each row
 (`RowStates`), so the state can be rolled back to the last accepted row after sampling.
+
+On CUDA the two recurrences run as Triton kernels (ops/recurrent_triton.py, held to these
+loops by the tests); the conv1d stays one batched PyTorch conv.
 """
 
 from __future__ import annotations
@@ -121,6 +124,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if states.dtype != torch.float32:
         raise ValueError(f"gated delta rule states must be float32, got {states.dtype}")
     _check_slots(states, meta)
+    if q.is_cuda:
+        from jackfield.ops.recurrent_triton import gated_delta_rule_triton  # Triton only where it runs
+
+        return gated_delta_rule_triton(q, k, v, g, beta, states, meta, kept)
     repeat = heads // q.shape[1]
     q = _l2_normalize(q).repeat_interleave(repeat, dim=1) * dk**-0.5
     k = _l2_normalize(k).repeat_interleave(repeat, dim=1)
@@ -165,6 +172,10 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     if states.dtype != torch.float32:
         raise ValueError(f"mamba2 states must be float32, got {states.dtype}")
     _check_slots(states, meta)
+    if x.is_cuda:
+        from jackfield.ops.recurrent_triton import mamba2_scan_triton
+
+        return mamba2_scan_triton(x, dt, a, b, c, d, dt_bias, dt_limit, states, meta, kept)
     repeat = heads // b.shape[1]
     step = F.softplus(dt.float() + dt_bias.float()).clamp(*dt_limit)
     xp, sp = _padded(x.float(), meta), _padded(step, meta)  # padding: step 0 (decay 1, no input)
