@@ -17,8 +17,10 @@ from jackfield import LLM, SamplingParams
 from jackfield.commands.doctor import diagnose
 from jackfield.config import ConfigError, resolve_config
 from jackfield.contracts.drafter import DrafterOptions, DraftProposal, TokenDrafter
+from jackfield.contracts.recurrent import RecurrentStateSpec
 from jackfield.engine import recurrent_state
 from jackfield.engine.block_manager import max_request_blocks
+from jackfield.engine.recurrent_state import RecurrentStates
 from jackfield.plugins import get_registry
 from jackfield.testing.checkpoints import greedy_reference, write_hybrid
 
@@ -182,3 +184,12 @@ def test_doctor_says_why_the_prefix_cache_is_off(models: dict[str, tuple[Path, t
     assert not problems
     note = "enable_prefix_caching is refused for GraniteMoeHybridForCausalLM"
     assert any(note in line for line in resolved)
+
+
+def test_state_kinds_and_dtypes_the_engine_cannot_keep_are_refused() -> None:
+    good = RecurrentStateSpec("mamba2", 8, 4, (2, 3, 4), torch.float32)
+    assert good.problems() == []
+    bad = [RecurrentStateSpec("mamba2", 8, 4, (2, 3, 4), torch.float32, state_dtype=torch.bfloat16),
+           RecurrentStateSpec("rwkv7", 8, 4, (2, 3, 4), torch.float32)]  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dtype torch.bfloat16 is not supported.*'rwkv7' is not one of"):
+        RecurrentStates([good, *bad], 4, torch.device("cpu"))
