@@ -42,3 +42,12 @@ def test_recurrent_state_is_really_carried(tmp_path: Path) -> None:
     _, chunked = generate(ours, PROMPTS[:1], 1, prefill_chunk=4)
     _, whole = generate(ours, PROMPTS[:1], 1, prefill_chunk=64)
     torch.testing.assert_close(chunked[0], whole[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "granitemoehybrid"])
+def test_long_prompts_through_the_chunked_form_match_transformers(name: str, tmp_path: Path) -> None:
+    """Prefill chunks longer than ops.recurrent.CHUNK take the chunked (matmul) form."""
+    hf_model, ours = build(name, tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (120, 90)]
+    assert_generates_like_transformers(ours, hf_model, prompts, max_new=3, prefill_chunk=100)

@@ -11,16 +11,24 @@ chunk that continues a request's prompt starts from the state its last step left
 Kept requests (speculative verify chunks) also get their states after each row
 (`RowStates`), so the state can be rolled back to the last accepted row after sampling.
 
-On CUDA the two recurrences run as Triton kernels (ops/recurrent_triton.py, held to these
-loops by the tests); the conv1d stays one batched PyTorch conv.
+A step with a request of more than CHUNK rows (and no kept states) runs the recurrences in the
+chunked matmul form instead of row by row. On CUDA the two recurrences run as Triton kernels
+(ops/recurrent_triton.py, held to these loops by the tests); the conv1d stays one batched
+PyTorch conv.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from jackfield.contracts.recurrent import RecurrentMetadata
+
+# Rows per chunk of the chunked (matmul) form, which a step runs when one of its requests has
+# more rows than that and no per-row states are kept; shorter steps (decodes) step row by row.
+CHUNK = 64
 
 
 def recurrent_metadata(query_lens: list[int], state_slots: list[int], has_state: list[bool],
@@ -132,22 +140,70 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     q = _l2_normalize(q).repeat_interleave(repeat, dim=1) * dk**-0.5
     k = _l2_normalize(k).repeat_interleave(repeat, dim=1)
     qp, kp, vp = _padded(q, meta), _padded(k, meta), _padded(v.float(), meta)
-    decay, bp = _padded(g.float(), meta).exp(), _padded(beta.float(), meta)  # padding: decay 1, beta 0
+    gp, bp = _padded(g.float(), meta), _padded(beta.float(), meta)  # padding: decay 1, beta 0
     state = _initial(states, meta, torch.float32)  # [B, H, Dk, Dv]
-    out = torch.empty_like(vp)
-    rows = []
-    for j in range(meta.max_query_len):
-        state = state * decay[:, j, :, None, None]
-        predicted = torch.einsum("bhk,bhkv->bhv", kp[:, j], state)
-        delta = (vp[:, j] - predicted) * bp[:, j, :, None]
-        state = state + kp[:, j, :, :, None] * delta[:, :, None, :]
-        out[:, j] = torch.einsum("bhk,bhkv->bhv", qp[:, j], state)
+    if kept is None and meta.max_query_len > CHUNK:
+        out, state = _delta_rule_chunked(qp, kp, vp, gp, bp, state)
+    else:
+        out = torch.empty_like(vp)
+        rows = []
+        decay = gp.exp()
+        for j in range(meta.max_query_len):
+            state = state * decay[:, j, :, None, None]
+            predicted = torch.einsum("bhk,bhkv->bhv", kp[:, j], state)
+            delta = (vp[:, j] - predicted) * bp[:, j, :, None]
+            state = state + kp[:, j, :, :, None] * delta[:, :, None, :]
+            out[:, j] = torch.einsum("bhk,bhkv->bhv", qp[:, j], state)
+            if kept is not None:
+                rows.append(state[meta.keep_requests])
         if kept is not None:
-            rows.append(state[meta.keep_requests])
+            kept.append(torch.stack(rows, dim=1))
     states[meta.state_slots] = state
-    if kept is not None:
-        kept.append(torch.stack(rows, dim=1))
     return out[meta.valid]
+
+
+def _chunks(x: torch.Tensor) -> torch.Tensor:
+    """[B, L, H, ...] -> [B, H, L / CHUNK, CHUNK, ...], zero-padded to whole chunks."""
+    pad = -x.shape[1] % CHUNK
+    if pad:
+        x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+    x = x.unflatten(1, (-1, CHUNK))  # [B, n, C, H, ...]
+    return x.movedim(3, 1)
+
+
+def _decays(log_decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per chunk, from log decays [B, H, n, C]: (exp(G_i) [.., C], exp(G_C - G_j) [.., C],
+    exp(G_i - G_j) for j <= i else 0 [.., C, C]) with G the cumulative sum within the chunk."""
+    cum = log_decay.cumsum(-1)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=cum.device).tril()
+    pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, -math.inf).exp()
+    return cum.exp(), (cum[..., -1:] - cum).exp(), pairwise
+
+
+def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over chunks of CHUNK rows (padded inputs [B, L, H, ...], state
+    [B, H, Dk, Dv]): within a chunk from state S0, the corrections U (the delta rule's updates)
+    solve (I + A) U = beta V - (beta exp(G) K) S0 with A[i, j] = beta_i exp(G_i - G_j) k_i.k_j
+    (j < i), then O = (exp(G) Q) S0 + (exp(G_i - G_j) q_i.k_j)_{j <= i} U and
+    S = exp(G_C) S0 + (exp(G_C - G) K)^T U. Zero rows (beta 0, log decay 0) change nothing."""
+    qc, kc, vc, gc, bc = (_chunks(x) for x in (q, k, v, g, beta))  # [B, H, n, C, ...]
+    start, to_end, pairwise = _decays(gc)
+    strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril(-1)
+    a = (bc[..., :, None] * pairwise * (kc @ kc.transpose(-1, -2))).masked_fill(~strict, 0.0)
+    eye = torch.eye(CHUNK, device=q.device)
+    solve = torch.linalg.solve_triangular(eye + a, torch.cat([bc[..., None] * vc,
+                                                              (bc * start)[..., None] * kc], dim=-1),
+                                          upper=False, unitriangular=True)
+    u_values, u_state = solve.split([vc.shape[-1], kc.shape[-1]], dim=-1)  # U = u_values - u_state S0
+    attend = pairwise * (qc @ kc.transpose(-1, -2))
+    out = torch.empty_like(vc)
+    for n in range(qc.shape[2]):
+        u = u_values[:, :, n] - u_state[:, :, n] @ state
+        out[:, :, n] = (start[:, :, n, :, None] * qc[:, :, n]) @ state + attend[:, :, n] @ u
+        keys_to_end = to_end[:, :, n, :, None] * kc[:, :, n]  # [B, H, C, Dk]
+        state = start[:, :, n, -1, None, None] * state + keys_to_end.transpose(-1, -2) @ u
+    return out.flatten(2, 3).movedim(1, 2)[:, : q.shape[1]], state
 
 
 def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -182,16 +238,37 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     bp = _padded(b.float(), meta).repeat_interleave(repeat, dim=2)
     cp = _padded(c.float(), meta).repeat_interleave(repeat, dim=2)
     state = _initial(states, meta, torch.float32)  # [B, H, P, N]
-    decay = (sp * a.float()).exp()
-    out = torch.empty_like(xp)
-    rows = []
-    for j in range(meta.max_query_len):
-        update = (sp[:, j, :, None] * xp[:, j])[..., None] * bp[:, j, :, None, :]
-        state = state * decay[:, j, :, None, None] + update
-        out[:, j] = torch.einsum("bhpn,bhn->bhp", state, cp[:, j])
+    if kept is None and meta.max_query_len > CHUNK:
+        out, state = _mamba2_chunked(xp, sp, a.float(), bp, cp, state)
+    else:
+        decay = (sp * a.float()).exp()
+        out = torch.empty_like(xp)
+        rows = []
+        for j in range(meta.max_query_len):
+            update = (sp[:, j, :, None] * xp[:, j])[..., None] * bp[:, j, :, None, :]
+            state = state * decay[:, j, :, None, None] + update
+            out[:, j] = torch.einsum("bhpn,bhn->bhp", state, cp[:, j])
+            if kept is not None:
+                rows.append(state[meta.keep_requests])
         if kept is not None:
-            rows.append(state[meta.keep_requests])
+            kept.append(torch.stack(rows, dim=1))
     states[meta.state_slots] = state
-    if kept is not None:
-        kept.append(torch.stack(rows, dim=1))
     return out[meta.valid] + d.float()[:, None] * x.float()
+
+
+def _mamba2_chunked(x: torch.Tensor, step: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's scan over chunks of CHUNK rows (the SSD form; padded inputs [B, L, H, ...], state
+    [B, H, P, N]): within a chunk from state S0, with G the cumulative sum of dt A,
+    Y = exp(G) (C S0^T) + (exp(G_i - G_j) dt_j c_i.b_j)_{j <= i} X and
+    S = exp(G_C) S0 + (dt exp(G_C - G) X)^T B. Zero rows (dt 0) change nothing."""
+    xc, sc, bc, cc = (_chunks(t) for t in (x, step, b, c))  # [B, H, n, C, ...]
+    start, to_end, pairwise = _decays(sc * a[:, None, None])
+    attend = pairwise * (cc @ bc.transpose(-1, -2)) * sc[..., None, :]
+    out = torch.empty_like(xc)
+    for n in range(xc.shape[2]):
+        from_state = start[:, :, n, :, None] * (cc[:, :, n] @ state.transpose(-1, -2))  # [B, H, C, P]
+        out[:, :, n] = from_state + attend[:, :, n] @ xc[:, :, n]
+        weighted = (sc[:, :, n] * to_end[:, :, n])[..., None] * xc[:, :, n]  # [B, H, C, P]
+        state = start[:, :, n, -1, None, None] * state + weighted.transpose(-1, -2) @ bc[:, :, n]
+    return out.flatten(2, 3).movedim(1, 2)[:, : x.shape[1]], state
