@@ -40,10 +40,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, to
 
 
 def prompts(vocab: int, seed: int) -> list[list[int]]:
-    """A repetitive prompt (n-gram lookup finds matches), a random one, a short one."""
+    """A repetitive prompt (n-gram lookup finds matches), a random one, short ones (one token:
+    its first step is a decode-shaped chunk from a zero state)."""
     g = torch.Generator().manual_seed(seed)
     motif = torch.randint(0, vocab, (5,), generator=g).tolist()
-    return [motif * 3, torch.randint(0, vocab, (13,), generator=g).tolist(), [3, 1]]
+    return [motif * 3, torch.randint(0, vocab, (13,), generator=g).tolist(), [3, 1], [42]]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

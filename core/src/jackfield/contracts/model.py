@@ -119,7 +119,8 @@ class ModelFamily(nn.Module, ABC):
         each keeps per request (the engine's slot pool, `step.recurrent`). Such a model lists
         one KV cache per attention layer, in layer order, in `kv_cache_layers` (not one per
         decoder layer); the engine runs it without KV connectors, fp8 caches, MTP layers, the
-        prefix cache or CUDA graphs. Empty for a model of attention layers only."""
+        prefix cache or prefill CUDA graphs (decode steps are replayed). Empty for a model of
+        attention layers only."""
         return []
 
     @property

@@ -61,7 +61,9 @@ class RecurrentMetadata:
     state_slots: torch.Tensor  # int64 [B]: each request's slot in the state pool
     has_state: torch.Tensor  # bool [B]: the slot holds the request's earlier tokens (else start at zero)
     padded_rows: torch.Tensor  # int64 [B, max_query_len]: flat rows, T past a request's rows
-    valid: torch.Tensor  # bool [B, max_query_len]: padded_rows[b, j] is a real row
+    # int64 [T]: each flat row's place in the padded layout flattened (b * max_query_len + j), so
+    # outputs come back in flat order by a gather (no boolean mask: no host sync)
+    valid_rows: torch.Tensor
     # per conv kernel size K among the step's layers: [B, K - 1] positions of each request's new
     # window in the sequence [old window ‖ its padded rows] (the window after its last row)
     conv_windows: dict[int, torch.Tensor]

@@ -13,17 +13,21 @@ backends that declare `cuda_graph` support (their decode path reads lengths from
 tensors, never syncs, and accepts rows with no KV) are captured; the engine runs the rest eagerly.
 The slots a replay writes are checked on the host (the kernels' own per-call check would sync).
 A model with several KV cache groups (sliding-window layers beside full ones) has a slot and
-block-table buffer per group; lengths and positions are shared.
+block-table buffer per group; lengths and positions are shared. A hybrid model's recurrent
+layers read their state slots (and whether each row has a state) from two more static buffers;
+padded rows use the pool's padding slot, from a zero state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from jackfield.contracts.attention import AttentionMetadata, StepContext
 from jackfield.contracts.model import ModelFamily
+from jackfield.engine.recurrent_state import RecurrentStates
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import StepContextBuilder
 from jackfield.ops.staging import CpuGpuBuffer, async_tensor_h2d
@@ -42,10 +46,10 @@ class DecodeGraphs:
     def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor],
                  kv_scales: list[torch.Tensor | None], contexts: StepContextBuilder, num_groups: int,
                  num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                 device: torch.device) -> None:
+                 device: torch.device, recurrent: RecurrentStates | None = None) -> None:
         """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's;
         `kv_scales`: the fp8 caches' scales (read by address: later values reach every replay);
-        `num_groups`: the model's KV cache groups."""
+        `num_groups`: the model's KV cache groups; `recurrent`: a hybrid model's state pool."""
         self.model, self.kv_caches, self.kv_scales, self.contexts = model, kv_caches, kv_scales, contexts
         self.block_size, self.max_model_len = block_size, max_model_len
         self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
@@ -58,6 +62,9 @@ class DecodeGraphs:
         self.slot_mapping = [CpuGpuBuffer(largest, dtype=torch.int64, device=device) for _ in groups]
         self.block_table = [torch.zeros(largest, width, dtype=torch.int32, device=device) for _ in groups]
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.recurrent = recurrent
+        self.state_slots = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
+        self.has_state = CpuGpuBuffer(largest, dtype=torch.bool, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
@@ -108,6 +115,15 @@ class DecodeGraphs:
         self.seq_lens.cpu[:size] = torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32)
         for buffer in (self.input_ids, self.positions, self.seq_lens):
             buffer.copy_to_device(size)
+        if self.recurrent is not None:
+            slots = [c.seq.state_slot for c in chunks]
+            if None in slots:
+                raise RuntimeError("a decode of a hybrid model without a recurrent state slot")
+            self.state_slots.cpu[:size] = torch.tensor(slots + [self.recurrent.padding_slot] * pad)
+            # a one-token prompt decodes from a zero state too
+            self.has_state.cpu[:size] = torch.tensor([c.seq.num_computed > 0 for c in chunks] + [False] * pad)
+            self.state_slots.copy_to_device(size)
+            self.has_state.copy_to_device(size)
         for group, slot_mapping in enumerate(self.slot_mapping):
             block_table = self.block_table[group]
             tables = [c.seq.block_tables[group] for c in chunks]
@@ -139,4 +155,8 @@ class DecodeGraphs:
             )
             for slot_mapping, block_table in zip(self.slot_mapping, self.block_table, strict=True)
         ]
-        return self.contexts.build(self.kv_caches, per_group, for_capture=True, kv_scales=self.kv_scales)
+        context = self.contexts.build(self.kv_caches, per_group, for_capture=True, kv_scales=self.kv_scales)
+        if self.recurrent is None:
+            return context
+        step = self.recurrent.decode_step(self.state_slots.gpu[:size], self.has_state.gpu[:size])
+        return dataclasses.replace(context, recurrent=step)

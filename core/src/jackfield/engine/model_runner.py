@@ -115,7 +115,8 @@ class ModelRunner:
         self.drafter_caches = range(len(self.kv_caches) - num_drafter_caches, len(self.kv_caches))
         self.contexts = StepContextBuilder(backends, model.kv_cache_layers, self.groups.layer_group)
         specs = model.recurrent_state_layers
-        self.recurrent = RecurrentStates(specs, engine.max_num_seqs, device) if specs else None
+        # one slot per running request, and one that padded rows of replayed decode steps write
+        self.recurrent = RecurrentStates(specs, engine.max_num_seqs + 1, device) if specs else None
         self.decode_graphs_off = self._decode_graphs_off_reason(engine)
         self.prefill_graphs_off = self._prefill_graphs_off_reason(engine)
         self.graphs = None if self.decode_graphs_off else self._capture_decode(engine, max_model_len, say)
@@ -149,9 +150,6 @@ class ModelRunner:
             return "engine.cuda_graphs = false"
         if not caps.causal:
             return "the model is bidirectional (no decode steps)"
-        if self.model.recurrent_state_layers:
-            return (f"{type(self.model).__name__} has recurrent layers (their per-step state metadata is not "
-                    "recorded in CUDA graphs yet)")
         if not caps.cuda_graph_safe:
             return (f"{type(self.model).__name__} cannot be recorded here (a host sync in its forward, "
                     "e.g. MoE experts without bf16 grouped matmuls on compute capability >= 9.0)")
@@ -170,13 +168,16 @@ class ModelRunner:
         reason = self._graphs_off_reason(engine)
         if reason is None and engine.prefill_graph_max_tokens == 0:
             return "engine.prefill_graph_max_tokens = 0"
+        if reason is None and self.recurrent is not None:  # attend's output differs by layer kind
+            return (f"{type(self.model).__name__} has recurrent layers (prefill pieces are recorded for "
+                    "attention-only models)")
         return reason
 
     def _capture_decode(self, engine: EngineConfig, max_model_len: int,
                         say: Callable[[str], None]) -> DecodeGraphs:
         graphs = DecodeGraphs(self.model, self.kv_caches, self.kv_scales, self.contexts,
                               len(self.groups.windows), self.kv.num_blocks, self.block_size, max_model_len,
-                              engine.max_num_seqs, self.device)
+                              engine.max_num_seqs, self.device, self.recurrent)
         try:
             graphs.capture(say)
         except RuntimeError as exc:  # e.g. a host sync in a backend's decode path

@@ -28,7 +28,7 @@ from jackfield.models.hybrid import (
     require_state,
 )
 from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
-from jackfield.models.moe import Experts
+from jackfield.models.moe import Experts, grouped_mm_supported
 from jackfield.models.recurrent_layers import Mamba2Mixer
 from jackfield.models.weights import Rule, WeightMapper, iter_checkpoint, load_weights
 
@@ -229,8 +229,13 @@ class GraniteMoeHybridForCausalLM(HybridDecoderStack):
     @functools.cached_property
     def capabilities(self) -> ModelCapabilities:
         a = self.arch
+        # Recordable unless MoE experts loop (they read group sizes on the host); the recurrent
+        # layers read their metadata from the device only.
+        device = self.model.embed_tokens.weight.device
+        graph_safe = not a.num_experts or grouped_mm_supported(device, self.dtype)
         return ModelCapabilities(vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_layers=a.num_layers,
-                                 max_model_len=a.max_position_embeddings, dtype=self.dtype)
+                                 max_model_len=a.max_position_embeddings, dtype=self.dtype,
+                                 cuda_graph_safe=graph_safe)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_config: PretrainedConfig, backends: AttentionBackends,

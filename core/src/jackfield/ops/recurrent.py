@@ -51,7 +51,7 @@ def recurrent_metadata(query_lens: list[int], state_slots: list[int], has_state:
         query_start_loc=starts.to(device), query_lens=lens.to(device),
         state_slots=torch.tensor(state_slots, dtype=torch.int64).to(device),
         has_state=torch.tensor(has_state, dtype=torch.bool).to(device),
-        padded_rows=padded.to(device), valid=valid.to(device),
+        padded_rows=padded.to(device), valid_rows=valid.flatten().nonzero().squeeze(1).to(device),
         conv_windows={k: w.to(device) for k, w in windows.items()},
         keep_requests=torch.tensor(keep_requests, dtype=torch.int64).to(device),
         num_tokens=tokens, max_query_len=width)
@@ -63,6 +63,10 @@ def _check(name: str, tensor: torch.Tensor, rows: int, dims: int) -> None:
 
 
 def _check_slots(states: torch.Tensor, meta: RecurrentMetadata) -> None:
+    """Slots inside the pool. On a GPU this would sync the host (and break a CUDA graph's
+    capture): there the engine checks the slots on the host when it builds the metadata."""
+    if states.is_cuda:
+        return
     if meta.num_reqs and int(meta.state_slots.max()) >= states.shape[0]:
         raise ValueError(f"state slot {int(meta.state_slots.max())} is outside the pool of "
                          f"{states.shape[0]} slots")
@@ -71,6 +75,11 @@ def _check_slots(states: torch.Tensor, meta: RecurrentMetadata) -> None:
 def _padded(x: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
     """[T, ...] -> [B, L, ...]: each request's rows, zeros past them."""
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[meta.padded_rows]
+
+
+def _flat(padded: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
+    """[B, L, ...] -> the flat batch's rows [T, ...] (the inverse of _padded)."""
+    return padded.flatten(0, 1)[meta.valid_rows]
 
 
 def _initial(states: torch.Tensor, meta: RecurrentMetadata, dtype: torch.dtype) -> torch.Tensor:
@@ -100,7 +109,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if kept is not None:  # window after row j: seq[..., j + 1 : j + K]
         after = seq[meta.keep_requests].unfold(2, kernel - 1, 1)[:, :, 1:]  # [V, C, L, K - 1]
         kept.append(after.transpose(1, 2).to(conv_states.dtype))
-    return out.transpose(1, 2)[meta.valid].to(x.dtype)
+    return _flat(out.transpose(1, 2), meta).to(x.dtype)
 
 
 def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +168,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if kept is not None:
             kept.append(torch.stack(rows, dim=1))
     states[meta.state_slots] = state
-    return out[meta.valid]
+    return _flat(out, meta)
 
 
 def _chunks(x: torch.Tensor) -> torch.Tensor:
@@ -253,7 +262,7 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
         if kept is not None:
             kept.append(torch.stack(rows, dim=1))
     states[meta.state_slots] = state
-    return out[meta.valid] + d.float()[:, None] * x.float()
+    return _flat(out, meta) + d.float()[:, None] * x.float()
 
 
 def _mamba2_chunked(x: torch.Tensor, step: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,

@@ -99,7 +99,8 @@ def _keep_index(meta: RecurrentMetadata) -> torch.Tensor:
     """int32 [B]: each request's index among the kept ones, -1 for the others."""
     index = torch.full((meta.num_reqs,), -1, dtype=torch.int32, device=meta.state_slots.device)
     kept = meta.keep_requests.numel()
-    index[meta.keep_requests] = torch.arange(kept, dtype=torch.int32, device=index.device)
+    if kept:
+        index[meta.keep_requests] = torch.arange(kept, dtype=torch.int32, device=index.device)
     return index
 
 
