@@ -25,7 +25,7 @@ from jackfield.models.hybrid import (
     HybridDecoderStack,
     layer_indices,
     layer_type_problems,
-    require_state,
+    refuse_unsupported,
 )
 from jackfield.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
 from jackfield.models.moe import Experts, grouped_mm_supported
@@ -97,7 +97,7 @@ def granite_hybrid_arch(c: PretrainedConfig) -> GraniteHybridArch:
     if c.mamba_n_heads % c.mamba_n_groups:
         problems.append(f"mamba_n_heads {c.mamba_n_heads} is not a multiple of mamba_n_groups "
                         f"{c.mamba_n_groups}")
-    require_state(problems, [])
+    refuse_unsupported(problems, arch)
     limit = c.time_step_limit or (0.0, math.inf)
     head_dim = c.hidden_size // c.num_attention_heads
     return GraniteHybridArch(
@@ -216,7 +216,6 @@ class GraniteMoeHybridForCausalLM(HybridDecoderStack):
             self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype)
         self._kv_layers = [spec] * sum(not layer.recurrent for layer in self.model.layers)
         self._states = [layer.mamba.state_spec() for layer in self.model.layers if layer.recurrent]
-        require_state([], [p for s in self._states for p in s.problems()])
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:

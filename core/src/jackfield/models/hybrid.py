@@ -37,11 +37,10 @@ def layer_type_problems(types: Sequence[object] | None, num_layers: int) -> list
     return []
 
 
-def require_state(problems: list[str], spec_problems: list[str]) -> None:
-    """Raise every reason at once (config and recurrent state alike)."""
-    found = problems + spec_problems
-    if found:
-        raise ValueError("unsupported settings: " + "; ".join(found))
+def refuse_unsupported(problems: list[str], arch: str) -> None:
+    """Every reason `arch`'s config.json cannot be served, at once (as granite_arch's)."""
+    if problems:
+        raise ValueError(f"config.json ({arch}): unsupported settings: " + "; ".join(problems))
 
 
 class HybridDecoderStack(ModelFamily):

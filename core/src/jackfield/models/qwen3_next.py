@@ -29,7 +29,7 @@ from jackfield.models.hybrid import (
     HybridDecoderStack,
     layer_indices,
     layer_type_problems,
-    require_state,
+    refuse_unsupported,
 )
 from jackfield.models.layers import GatedMLP, Linear, RotaryEmbedding, select_rows
 from jackfield.models.moe import Experts, grouped_mm_supported
@@ -101,7 +101,7 @@ def qwen3_next_arch(c: PretrainedConfig) -> Qwen3NextArch:
     if c.linear_num_value_heads % c.linear_num_key_heads:
         problems.append(f"linear_num_value_heads {c.linear_num_value_heads} is not a multiple of "
                         f"linear_num_key_heads {c.linear_num_key_heads}")
-    require_state(problems, [])
+    refuse_unsupported(problems, arch)
     head_dim = int(c.head_dim or c.hidden_size // c.num_attention_heads)
     moe = tuple(i not in c.mlp_only_layers and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0
                 for i in range(c.num_hidden_layers))
@@ -237,7 +237,6 @@ class Qwen3NextForCausalLM(HybridDecoderStack):
             self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype)
         self._kv_layers = [spec] * sum(not layer.recurrent for layer in self.model.layers)
         self._states = [layer.linear_attn.state_spec() for layer in self.model.layers if layer.recurrent]
-        require_state([], [p for s in self._states for p in s.problems()])
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:
