@@ -1,13 +1,14 @@
 """The Triton recurrences at full model sizes on a GPU (Qwen3-Next's Gated DeltaNet, Granite 4.0
 hybrid's Mamba2), against the PyTorch loops run on the CPU in float32 over the same inputs: a
-mixed step of decodes, first prefill chunks, continued chunks and a verify chunk."""
+mixed step of decodes, first prefill chunks, continued chunks and a verify chunk (row by row),
+and the same step without the verify chunk's kept states (the chunked form, whose chunk scan is
+Triton's on the GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from jackfield.ops.recurrent import gated_delta_rule, mamba2_scan, recurrent_metadata
-from jackfield.ops.recurrent_triton import gated_delta_rule_triton, mamba2_scan_triton
 
 pytestmark = pytest.mark.gpu
 
@@ -17,12 +18,13 @@ KEEP = [3]
 POOL = 16
 
 
-def _meta(device: str):  # type: ignore[no-untyped-def]
+def _meta(device: str, keep: bool):  # type: ignore[no-untyped-def]
     slots = torch.randperm(POOL, generator=torch.Generator().manual_seed(0))[: len(LENS)].tolist()
-    return recurrent_metadata(LENS, slots, HAS_STATE, KEEP, frozenset(), device)
+    return recurrent_metadata(LENS, slots, HAS_STATE, KEEP if keep else [], frozenset(), device)
 
 
-def test_gated_delta_rule_at_qwen3_next_sizes() -> None:
+@pytest.mark.parametrize("keep", [True, False], ids=["row_by_row", "chunked"])
+def test_gated_delta_rule_at_qwen3_next_sizes(keep: bool) -> None:
     g = torch.Generator().manual_seed(1)
     t, hk, hv, dk, dv = sum(LENS), 16, 32, 128, 128
     inputs = (torch.randn(t, hk, dk, generator=g).bfloat16(), torch.randn(t, hk, dk, generator=g).bfloat16(),
@@ -30,15 +32,18 @@ def test_gated_delta_rule_at_qwen3_next_sizes() -> None:
               torch.rand(t, hv, generator=g))
     states = torch.randn(POOL, hv, dk, dv, generator=g)
     want_states, want_rows, got_rows = states.clone(), [], []
-    want = gated_delta_rule(*inputs, want_states, _meta("cpu"), want_rows)
+    want = gated_delta_rule(*inputs, want_states, _meta("cpu", keep), want_rows if keep else None)
     got_states = states.cuda()
-    got = gated_delta_rule_triton(*(x.cuda() for x in inputs), got_states, _meta("cuda"), got_rows)
+    got = gated_delta_rule(*(x.cuda() for x in inputs), got_states, _meta("cuda", keep),
+                           got_rows if keep else None)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_states.cpu(), want_states, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_rows[0].cpu(), want_rows[0], rtol=1e-4, atol=1e-4)
+    if keep:
+        torch.testing.assert_close(got_rows[0].cpu(), want_rows[0], rtol=1e-4, atol=1e-4)
 
 
-def test_mamba2_scan_at_granite_hybrid_sizes() -> None:
+@pytest.mark.parametrize("keep", [True, False], ids=["row_by_row", "chunked"])
+def test_mamba2_scan_at_granite_hybrid_sizes(keep: bool) -> None:
     g = torch.Generator().manual_seed(2)
     t, h, p, groups, n = sum(LENS), 128, 64, 1, 128
     x, dt = torch.randn(t, h, p, generator=g).bfloat16(), torch.randn(t, h, generator=g).bfloat16()
@@ -47,10 +52,13 @@ def test_mamba2_scan_at_granite_hybrid_sizes() -> None:
     a, d, bias = -torch.rand(h, generator=g) * 4, torch.randn(h, generator=g), torch.randn(h, generator=g)
     states = torch.randn(POOL, h, p, n, generator=g)
     want_states, want_rows, got_rows = states.clone(), [], []
-    want = mamba2_scan(x, dt, a, b, c, d, bias, (0.0, float("inf")), want_states, _meta("cpu"), want_rows)
+    limit = (0.0, float("inf"))
+    want = mamba2_scan(x, dt, a, b, c, d, bias, limit, want_states, _meta("cpu", keep),
+                       want_rows if keep else None)
     got_states = states.cuda()
-    got = mamba2_scan_triton(*(v.cuda() for v in (x, dt, a, b, c, d, bias)), (0.0, float("inf")), got_states,
-                             _meta("cuda"), got_rows)
+    got = mamba2_scan(*(v.cuda() for v in (x, dt, a, b, c, d, bias)), limit, got_states, _meta("cuda", keep),
+                      got_rows if keep else None)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_states.cpu(), want_states, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_rows[0].cpu(), want_rows[0], rtol=1e-4, atol=1e-4)
+    if keep:
+        torch.testing.assert_close(got_rows[0].cpu(), want_rows[0], rtol=1e-4, atol=1e-4)

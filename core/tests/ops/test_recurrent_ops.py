@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from jackfield.ops import recurrent
 from jackfield.ops.recurrent import causal_conv1d, gated_delta_rule, mamba2_scan, recurrent_metadata
 
 SEED = 20261202
@@ -20,20 +21,28 @@ IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not TRITON_HERE, reason="Triton needs CUDA or TRITON_INTERPRET=1"))]
 
 
-def _delta_rule_impl(impl: str):  # type: ignore[no-untyped-def]
+def _delta_rule_impl(impl: str, batch: str, patch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The op under test: PyTorch; Triton's row-by-row kernel (short steps); or, for long steps,
+    the chunked form whose chunk-to-chunk scan is Triton's (what CUDA runs)."""
     if impl == "torch":
         return gated_delta_rule
-    from jackfield.ops.recurrent_triton import gated_delta_rule_triton
+    from jackfield.ops import recurrent_triton
 
-    return gated_delta_rule_triton
+    if batch == "long":
+        patch.setattr(recurrent, "_chunk_scan", recurrent_triton.chunk_scan_triton)
+        return gated_delta_rule
+    return recurrent_triton.gated_delta_rule_triton
 
 
-def _mamba2_impl(impl: str):  # type: ignore[no-untyped-def]
+def _mamba2_impl(impl: str, batch: str, patch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     if impl == "torch":
         return mamba2_scan
-    from jackfield.ops.recurrent_triton import mamba2_scan_triton
+    from jackfield.ops import recurrent_triton
 
-    return mamba2_scan_triton
+    if batch == "long":
+        patch.setattr(recurrent, "_chunk_scan", recurrent_triton.chunk_scan_triton)
+        return mamba2_scan
+    return recurrent_triton.mamba2_scan_triton
 
 
 def _generator(offset: int) -> torch.Generator:
@@ -113,7 +122,8 @@ def _delta_rule_reference(q, k, v, g, beta, state):  # type: ignore[no-untyped-d
 
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("impl", IMPLS)
-def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str) -> None:
+def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     gen = _generator(1)
     hk, hv, dk, dv = 2, 4, 8, 6
     requests, tol = BATCHES[batch], TOLERANCE[batch]
@@ -126,7 +136,8 @@ def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str) -> N
     states = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
     before = states.clone()
     kept: list[torch.Tensor] = []
-    out = _delta_rule_impl(impl)(q, k, v, g, beta, states, meta, kept if batch == "short" else None)
+    op = _delta_rule_impl(impl, batch, monkeypatch)
+    out = op(q, k, v, g, beta, states, meta, kept if batch == "short" else None)
     for b, (_, has_state, keep) in enumerate(requests):
         rows = _rows(b, requests)
         start = before[SLOTS[b]].double() if has_state else torch.zeros(hv, dk, dv, dtype=torch.float64)
@@ -158,7 +169,8 @@ def _mamba2_reference(x, dt, a, b, c, d, dt_bias, state):  # type: ignore[no-unt
 
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("impl", IMPLS)
-def test_mamba2_scan_matches_float64_recurrence(impl: str, batch: str) -> None:
+def test_mamba2_scan_matches_float64_recurrence(impl: str, batch: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     gen = _generator(2)
     heads, p, groups, n = 4, 3, 2, 5
     requests, tol = BATCHES[batch], TOLERANCE[batch]
@@ -171,7 +183,7 @@ def test_mamba2_scan_matches_float64_recurrence(impl: str, batch: str) -> None:
     states = torch.randn(NUM_SLOTS, heads, p, n, generator=gen)
     before = states.clone()
     kept: list[torch.Tensor] = []
-    out = _mamba2_impl(impl)(x, dt, a, b, c, d, dt_bias, (0.0, math.inf), states, meta,
+    out = _mamba2_impl(impl, batch, monkeypatch)(x, dt, a, b, c, d, dt_bias, (0.0, math.inf), states, meta,
                              kept if batch == "short" else None)
     for r, (_, has_state, keep) in enumerate(requests):
         rows = _rows(r, requests)

@@ -12,9 +12,10 @@ Kept requests (speculative verify chunks) also get their states after each row
 (`RowStates`), so the state can be rolled back to the last accepted row after sampling.
 
 A step with a request of more than CHUNK rows (and no kept states) runs the recurrences in the
-chunked matmul form instead of row by row. On CUDA the two recurrences run as Triton kernels
-(ops/recurrent_triton.py, held to these loops by the tests); the conv1d stays one batched
-PyTorch conv.
+chunked matmul form instead of row by row: what is parallel over chunks in batched PyTorch, the
+scan from chunk to chunk in one loop (`_chunk_scan`). On CUDA that loop, and the row-by-row
+recurrences of shorter steps, are Triton kernels (ops/recurrent_triton.py, held to these loops
+by the tests); the conv1d stays one batched PyTorch conv.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if states.dtype != torch.float32:
         raise ValueError(f"gated delta rule states must be float32, got {states.dtype}")
     _check_slots(states, meta)
-    if q.is_cuda:
+    chunked = kept is None and meta.max_query_len > CHUNK
+    if q.is_cuda and not chunked:
         from jackfield.ops.recurrent_triton import gated_delta_rule_triton  # Triton only where it runs
 
         return gated_delta_rule_triton(q, k, v, g, beta, states, meta, kept)
@@ -151,7 +153,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     qp, kp, vp = _padded(q, meta), _padded(k, meta), _padded(v.float(), meta)
     gp, bp = _padded(g.float(), meta), _padded(beta.float(), meta)  # padding: decay 1, beta 0
     state = _initial(states, meta, torch.float32)  # [B, H, Dk, Dv]
-    if kept is None and meta.max_query_len > CHUNK:
+    if chunked:
         out, state = _delta_rule_chunked(qp, kp, vp, gp, bp, state)
     else:
         out = torch.empty_like(vp)
@@ -206,13 +208,30 @@ def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                                           upper=False, unitriangular=True)
     u_values, u_state = solve.split([vc.shape[-1], kc.shape[-1]], dim=-1)  # U = u_values - u_state S0
     attend = pairwise * (qc @ kc.transpose(-1, -2))
-    out = torch.empty_like(vc)
-    for n in range(qc.shape[2]):
-        u = u_values[:, :, n] - u_state[:, :, n] @ state
-        out[:, :, n] = (start[:, :, n, :, None] * qc[:, :, n]) @ state + attend[:, :, n] @ u
-        keys_to_end = to_end[:, :, n, :, None] * kc[:, :, n]  # [B, H, C, Dk]
-        state = start[:, :, n, -1, None, None] * state + keys_to_end.transpose(-1, -2) @ u
+    out, state = _chunk_scan(start[..., None] * qc, attend, u_values, u_state, to_end[..., None] * kc,
+                             start[..., -1], state)
     return out.flatten(2, 3).movedim(1, 2)[:, : q.shape[1]], state
+
+
+def _chunk_scan(queries: torch.Tensor, attend: torch.Tensor, values: torch.Tensor,
+                corrections: torch.Tensor | None, keys_to_end: torch.Tensor, last_decay: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential part of both chunked forms, chunk after chunk from state S [B, H, K, V]:
+
+        U = values - corrections S;  O = queries S + attend U;  S = last_decay S + keys_to_end^T U
+
+    (queries, corrections, keys_to_end [B, H, n, C, K]; attend [.., C, C]; values [.., C, V];
+    last_decay [B, H, n]; no corrections: U = values). On CUDA one Triton launch runs the loop."""
+    if state.is_cuda:
+        from jackfield.ops.recurrent_triton import chunk_scan_triton
+
+        return chunk_scan_triton(queries, attend, values, corrections, keys_to_end, last_decay, state)
+    out = torch.empty_like(values)
+    for n in range(values.shape[2]):
+        u = values[:, :, n] if corrections is None else values[:, :, n] - corrections[:, :, n] @ state
+        out[:, :, n] = queries[:, :, n] @ state + attend[:, :, n] @ u
+        state = last_decay[:, :, n, None, None] * state + keys_to_end[:, :, n].transpose(-1, -2) @ u
+    return out, state
 
 
 def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -237,7 +256,8 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     if states.dtype != torch.float32:
         raise ValueError(f"mamba2 states must be float32, got {states.dtype}")
     _check_slots(states, meta)
-    if x.is_cuda:
+    chunked = kept is None and meta.max_query_len > CHUNK
+    if x.is_cuda and not chunked:
         from jackfield.ops.recurrent_triton import mamba2_scan_triton
 
         return mamba2_scan_triton(x, dt, a, b, c, d, dt_bias, dt_limit, states, meta, kept)
@@ -247,7 +267,7 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     bp = _padded(b.float(), meta).repeat_interleave(repeat, dim=2)
     cp = _padded(c.float(), meta).repeat_interleave(repeat, dim=2)
     state = _initial(states, meta, torch.float32)  # [B, H, P, N]
-    if kept is None and meta.max_query_len > CHUNK:
+    if chunked:
         out, state = _mamba2_chunked(xp, sp, a.float(), bp, cp, state)
     else:
         decay = (sp * a.float()).exp()
@@ -274,10 +294,7 @@ def _mamba2_chunked(x: torch.Tensor, step: torch.Tensor, a: torch.Tensor, b: tor
     xc, sc, bc, cc = (_chunks(t) for t in (x, step, b, c))  # [B, H, n, C, ...]
     start, to_end, pairwise = _decays(sc * a[:, None, None])
     attend = pairwise * (cc @ bc.transpose(-1, -2)) * sc[..., None, :]
-    out = torch.empty_like(xc)
-    for n in range(xc.shape[2]):
-        from_state = start[:, :, n, :, None] * (cc[:, :, n] @ state.transpose(-1, -2))  # [B, H, C, P]
-        out[:, :, n] = from_state + attend[:, :, n] @ xc[:, :, n]
-        weighted = (sc[:, :, n] * to_end[:, :, n])[..., None] * xc[:, :, n]  # [B, H, C, P]
-        state = start[:, :, n, -1, None, None] * state + weighted.transpose(-1, -2) @ bc[:, :, n]
-    return out.flatten(2, 3).movedim(1, 2)[:, : x.shape[1]], state
+    # the chunk scan's orientation: the state transposed, [B, H, N, P]
+    out, state_t = _chunk_scan(start[..., None] * cc, attend, xc, None, (sc * to_end)[..., None] * bc,
+                               start[..., -1], state.transpose(-1, -2).contiguous())
+    return out.flatten(2, 3).movedim(1, 2)[:, : x.shape[1]], state_t.transpose(-1, -2)

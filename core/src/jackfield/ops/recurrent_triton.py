@@ -91,8 +91,39 @@ def _mamba2_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, 
     tl.store(state_at, state, mask=mask)
 
 
+@triton.jit
+def _chunk_scan_kernel(q_ptr, attend_ptr, values_ptr, corr_ptr, keys_ptr, decay_ptr, out_ptr, state_ptr,
+                       num_chunks, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, HAS_CORRECTIONS: tl.constexpr):
+    """ops.recurrent._chunk_scan for one (request, head) and BV state columns: the state slice
+    [K, BV] stays in registers from chunk to chunk; the products are tensor-core dots."""
+    bh, block = tl.program_id(0), tl.program_id(1)
+    rows, kk = tl.arange(0, C), tl.arange(0, BK)
+    vv = block * BV + tl.arange(0, BV)
+    mk, mv = kk < K, vv < V
+    state_at = state_ptr + bh.to(tl.int64) * K * V + kk[:, None] * V + vv[None, :]
+    state = tl.load(state_at, mask=mk[:, None] & mv[None, :], other=0.0)
+    for n in range(num_chunks):
+        chunk = bh.to(tl.int64) * num_chunks + n
+        at_k = chunk * C * K + rows[:, None] * K + kk[None, :]
+        at_v = chunk * C * V + rows[:, None] * V + vv[None, :]
+        queries = tl.load(q_ptr + at_k, mask=mk[None, :], other=0.0)
+        keys = tl.load(keys_ptr + at_k, mask=mk[None, :], other=0.0)
+        attend = tl.load(attend_ptr + chunk * C * C + rows[:, None] * C + rows[None, :])
+        u = tl.load(values_ptr + at_v, mask=mv[None, :], other=0.0)
+        if HAS_CORRECTIONS:
+            corrections = tl.load(corr_ptr + at_k, mask=mk[None, :], other=0.0)
+            u = u - tl.dot(corrections, state, input_precision="tf32x3")
+        out = tl.dot(queries, state, input_precision="tf32x3") + tl.dot(attend, u, input_precision="tf32x3")
+        tl.store(out_ptr + at_v, out, mask=mv[None, :])
+        decay = tl.load(decay_ptr + chunk)
+        state = decay * state + tl.dot(tl.trans(keys), u, input_precision="tf32x3")
+    tl.store(state_at, state, mask=mk[:, None] & mv[None, :])
+
+
 launch_gated_delta_rule = DirectLauncher(_gated_delta_rule_kernel)
 launch_mamba2_scan = DirectLauncher(_mamba2_scan_kernel)
+launch_chunk_scan = DirectLauncher(_chunk_scan_kernel)
 
 
 def _keep_index(meta: RecurrentMetadata) -> torch.Tensor:
@@ -150,3 +181,21 @@ def mamba2_scan_triton(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: to
                        float(dt_limit[0]), float(dt_limit[1]), meta.max_query_len, H=heads, G=groups, P=p,
                        N=n, BP=block, BN=triton.next_power_of_2(n))
     return out
+
+
+def chunk_scan_triton(queries: torch.Tensor, attend: torch.Tensor, values: torch.Tensor,
+                      corrections: torch.Tensor | None, keys_to_end: torch.Tensor, last_decay: torch.Tensor,
+                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.recurrent._chunk_scan in one launch: returns (out [B, H, n, C, V], the final state)."""
+    batch, heads, chunks, rows, k = queries.shape
+    v = values.shape[-1]
+    state = state.float().contiguous().clone()
+    out = torch.empty(batch, heads, chunks, rows, v, dtype=torch.float32, device=values.device)
+    inputs = [t.float().contiguous() for t in (queries, attend, values, keys_to_end, last_decay)]
+    corr = inputs[0] if corrections is None else corrections.float().contiguous()  # unread without
+    block = max(16, min(VALUE_BLOCK, triton.next_power_of_2(v)))  # tl.dot takes 16 or more
+    launch_chunk_scan((batch * heads, triton.cdiv(v, block)), inputs[0], inputs[1], inputs[2], corr,
+                      inputs[3], inputs[4], out, state, chunks, K=k, V=v, C=rows,
+                      BK=max(16, triton.next_power_of_2(k)), BV=block,
+                      HAS_CORRECTIONS=corrections is not None)
+    return out, state
