@@ -311,10 +311,7 @@ class ModelRunner:
              ) -> StepResult:
         sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
         hooks = self._layer_hooks(connector_metadata)
-        recurrent = None
-        if self.recurrent is not None:
-            with host_single_threaded():
-                recurrent = self.recurrent.step(chunks)
+        recurrent = None  # a hybrid model's eager step: its recurrent layers' part (a replay has its own)
         # a calibrating step runs eagerly: its layers set their scales before writing KV
         if self.graphs is not None and not self.calibrate_at_next_step and self.graphs.fits(chunks):
             layers = range(self.capabilities.num_layers) if hooks is not None else range(0)
@@ -335,6 +332,9 @@ class ModelRunner:
             # A model drafter reads every row's hidden state.
             rows = _output_rows(chunks)
             some = 0 < len(rows) < sum(c.num_tokens for c in chunks) and self.drafter is None
+            if self.recurrent is not None:
+                with host_single_threaded():
+                    recurrent = self.recurrent.step(chunks)
             every_row = self.forward(chunks, rows if some else None, hooks, recurrent)
             hidden = every_row if len(rows) == every_row.shape[0] else every_row[rows]
             hidden, embeddings, scored = self._split_rows(chunks, hidden)
