@@ -54,9 +54,11 @@ def test_only_steps_of_sampling_decodes_are_replayed(v3_dir) -> None:
     params = SamplingParams(max_tokens=4)
     decoding = Sequence(0, 3, [5, 6, 7, 8], params, seed=0, num_computed=3)  # its 4th token is new
     prefilling = Sequence(1, 40, list(range(40)), params, seed=0, num_computed=9)
-    assert graphs.fits([ScheduledChunk(decoding, 1)])
-    assert not graphs.fits([ScheduledChunk(decoding, 1), ScheduledChunk(prefilling, 1)])
-    assert not graphs.fits([ScheduledChunk(decoding, 1)] * 5)  # past the largest captured batch
+    assert graphs.query_len([ScheduledChunk(decoding, 1)]) == 1
+    assert graphs.query_len([ScheduledChunk(decoding, 1), ScheduledChunk(prefilling, 1)]) is None
+    assert graphs.query_len([ScheduledChunk(decoding, 1)] * 5) is None  # past the largest captured batch
+    decoding.draft_ids = [9, 9]
+    assert graphs.query_len([ScheduledChunk(decoding, 3, num_drafts=2)]) is None  # no verify graphs recorded
 
 
 def test_piece_sizes_cover_every_token_count_up_to_the_cap() -> None:
@@ -140,7 +142,7 @@ def test_graph_buffers_hold_each_kv_groups_slots_and_tables(tmp_path, rng_seed: 
                           runner.kv.num_blocks, runner.block_size, engine.max_model_len, 8, engine.device)
     size = next(s for s in graphs.sizes if s >= len(chunks))
     assert size > len(chunks)  # a padded row too
-    graphs._fill(chunks, size)
+    graphs._fill(chunks, size, 1)
     per_group, input_ids, positions = runner._metadata(chunks)
     n = len(chunks)
     assert graphs.input_ids.gpu[:n].tolist() == input_ids
@@ -152,3 +154,70 @@ def test_graph_buffers_hold_each_kv_groups_slots_and_tables(tmp_path, rng_seed: 
             used = -(-seq_len // runner.block_size)
             assert torch.equal(graphs.block_table[group][row, :used], eager.block_table[row, :used])
     assert len({tuple(md.slot_mapping.tolist()) for md in per_group}) > 1  # the groups' slots differ
+
+
+def test_verify_buffers_pad_each_request_to_the_recorded_rows(tmp_path, rng_seed: int) -> None:
+    """A verify step (n-gram drafts, fewer than k for some requests) in the graphs' buffers, Granite
+    SWA (several KV cache groups): each request's token and drafts sit in its first rows with the
+    eager step's ids, positions and slots in every group; its padding rows (up to 1 + k) write
+    nothing; lengths count the padding (the kernels place row i at seq_len - q + i); the real rows
+    are gathered back in the eager step's order."""
+    import torch
+    from jackfield.engine.cuda_graphs import DecodeGraphs
+    from jackfield.testing.checkpoints import write_granite
+
+    write_granite("granite_swa", tmp_path / "swa")
+    k = 3
+    llm = LLM(str(tmp_path / "swa"), device="cpu", backend="torch_ref", block_size=4, max_num_seqs=8,
+              **{"speculative.method": "ngram", "speculative.num_speculative_tokens": k,
+                 "speculative.prompt_lookup_min": 1, "speculative.prompt_lookup_max": 2})
+    engine, runner = llm.engine, llm.engine.runner
+    num_groups = len(runner.groups.windows)
+    g = torch.Generator().manual_seed(rng_seed)
+    # a small alphabet: the last token recurs in the prompt, so n-gram lookup drafts
+    prompts = [torch.randint(0, 6, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    engine.add_requests([(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for p in prompts])
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, num_groups,
+                          runner.kv.num_blocks, runner.block_size, engine.max_model_len, 8, engine.device,
+                          query_lens=(1, 1 + k))
+    checked: list[int] = []
+    eager_step = runner.step
+
+    def check_then_step(chunks, metadata=None):  # type: ignore[no-untyped-def]
+        counts = {c.num_drafts for c in chunks}
+        if not checked and all(c.is_decode for c in chunks) and len(counts) > 1 and max(counts) > 0:
+            checked.append(check_verify_fill(graphs, runner, chunks, 1 + k))
+        return eager_step(chunks, metadata)
+
+    runner.step = check_then_step
+    for _ in range(40):
+        if checked or not engine.scheduler.has_work():
+            break
+        engine.step()
+    assert checked, "no verify step with mixed draft counts (the n-gram drafter proposed too little)"
+
+
+def check_verify_fill(graphs, runner, chunks, q: int) -> int:  # type: ignore[no-untyped-def]
+    import torch
+
+    size = next(s for s in graphs.sizes if s >= len(chunks))
+    assert graphs.query_len(chunks) == q
+    total = graphs._fill(chunks, size, q)
+    per_group, input_ids, positions = runner._metadata(chunks)
+    assert total == len(input_ids) == sum(c.num_tokens for c in chunks)
+    real = [i * q + j for i, c in enumerate(chunks) for j in range(c.num_tokens)]
+    padding = [r for r in range(size * q) if r not in real]
+    assert graphs.real_rows.gpu[:total].tolist() == real
+    assert graphs.input_ids.gpu[real].tolist() == input_ids
+    assert torch.equal(graphs.positions.gpu[real], positions)
+    starts = [c.seq.num_computed for c in chunks]
+    assert graphs.seq_lens.gpu[: len(chunks)].tolist() == [s + q for s in starts]
+    assert (graphs.seq_lens.gpu[len(chunks) : size] == 0).all()
+    for group, eager in enumerate(per_group):
+        slots = graphs.slot_mapping[group].gpu
+        assert torch.equal(slots[real], eager.slot_mapping)
+        assert (slots[padding] == -1).all()
+    for i, c in enumerate(chunks):  # padding rows follow their request's last real row
+        rows = graphs.positions.gpu[i * q : (i + 1) * q].tolist()
+        assert rows == list(range(starts[i], starts[i] + q))
+    return len(chunks)

@@ -65,10 +65,12 @@ class AttentionCapabilities:
     non_causal: bool = False
     dcp: bool = False  # returns the per-head LSE so decode context parallel can merge partials
     max_decode_query_len: int = 1
-    # "uniform_decode": decode steps (one query row per request) may be recorded in a CUDA graph:
-    # the decode path reads lengths and tables from the device tensors only (the metadata's Python
-    # values are upper bounds then), never syncs, and gives a row with seq_len 0 output 0 and
-    # writes nothing for slot -1. "always": prefill too (no engine records prefill yet).
+    # "uniform_decode": decode and verify steps (q query rows per request, the same q for every
+    # request, q <= max_decode_query_len) may be recorded in a CUDA graph: the decode path reads
+    # lengths and tables from the device tensors only (the metadata's Python values are upper
+    # bounds then), never syncs, places a request's row i at position seq_len - q + i, gives a
+    # request with seq_len 0 output 0 and writes nothing for slot -1. "always": prefill too (no
+    # engine records prefill yet).
     cuda_graph: CudaGraphSupport = "never"
     preferred_block_size: int | None = None
 

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, as vLLM and SGLang do.
+"""Decode and verify steps replayed from CUDA graphs, as vLLM and SGLang do.
 
 A decode step of a small model is bound by the host: hundreds of kernel launches, each behind
 Python and the PyTorch dispatcher. Recording the model's forward once per batch size and
@@ -13,9 +13,19 @@ backends that declare `cuda_graph` support (their decode path reads lengths from
 tensors, never syncs, and accepts rows with no KV) are captured; the engine runs the rest eagerly.
 The slots a replay writes are checked on the host (the kernels' own per-call check would sync).
 A model with several KV cache groups (sliding-window layers beside full ones) has a slot and
-block-table buffer per group; lengths and positions are shared. A hybrid model's recurrent
-layers read their state slots (and whether each row has a state) from two more static buffers;
-padded rows use the pool's padding slot, from a zero state.
+block-table buffer per group; lengths and positions are shared.
+
+Speculative verify steps (a request's token and its drafts) get graphs of their own with q =
+1 + num_speculative_tokens rows a request, so a verify step costs about what a decode step does
+(eagerly it cost 3-4 decode steps, all host time). A request with fewer drafts (an n-gram
+drafter finds fewer, a request near its max_tokens) is padded to q rows: its padding rows sit at
+the positions after its drafts, write no KV (slot -1) and are dropped from the output; causal
+attention keeps them out of the real rows' view.
+
+A hybrid model's recurrent layers read their state slots (and whether each row has a state)
+from two more static buffers; padded rows use the pool's padding slot, from a zero state. Its
+decode steps only (q = 1) are recorded: a verify step keeps per-row states for the rollback
+and its padding rows would run through the recurrence, so it runs eagerly.
 """
 
 from __future__ import annotations
@@ -41,81 +51,110 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """One CUDA graph of the model's forward per captured batch size (decode rows only)."""
+    """One CUDA graph of the model's forward per captured batch size and rows a request (1 for
+    decode steps; 1 + k for verify steps when a drafter proposes k)."""
 
     def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor],
                  kv_scales: list[torch.Tensor | None], contexts: StepContextBuilder, num_groups: int,
                  num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                 device: torch.device, recurrent: RecurrentStates | None = None) -> None:
+                 device: torch.device, query_lens: tuple[int, ...] = (1,),
+                 recurrent: RecurrentStates | None = None) -> None:
         """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's;
         `kv_scales`: the fp8 caches' scales (read by address: later values reach every replay);
-        `num_groups`: the model's KV cache groups; `recurrent`: a hybrid model's state pool."""
+        `num_groups`: the model's KV cache groups; `query_lens`: the rows a request to record;
+        `recurrent`: a hybrid model's state pool (then q = 1 only)."""
+        if recurrent is not None and set(query_lens) != {1}:
+            raise ValueError(f"a hybrid model's verify steps run eagerly: record q = 1 only, "
+                             f"not {query_lens}")
         self.model, self.kv_caches, self.kv_scales, self.contexts = model, kv_caches, kv_scales, contexts
         self.block_size, self.max_model_len = block_size, max_model_len
         self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
         self.sizes = capture_sizes(max_num_seqs)
+        self.query_lens = tuple(sorted(query_lens))
         largest, width = self.sizes[-1], -(-max_model_len // block_size)
-        self.input_ids = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
-        self.positions = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
+        rows = largest * self.query_lens[-1]
+        self.input_ids = CpuGpuBuffer(rows, dtype=torch.int64, device=device)
+        self.positions = CpuGpuBuffer(rows, dtype=torch.int64, device=device)
+        self.real_rows = CpuGpuBuffer(rows, dtype=torch.int64, device=device)
         self.seq_lens = CpuGpuBuffer(largest, dtype=torch.int32, device=device)
         groups = range(num_groups)
-        self.slot_mapping = [CpuGpuBuffer(largest, dtype=torch.int64, device=device) for _ in groups]
+        self.slot_mapping = [CpuGpuBuffer(rows, dtype=torch.int64, device=device) for _ in groups]
         self.block_table = [torch.zeros(largest, width, dtype=torch.int32, device=device) for _ in groups]
-        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = {q: torch.arange(largest + 1, dtype=torch.int32, device=device) * q
+                                for q in self.query_lens}
         self.recurrent = recurrent
         self.state_slots = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
         self.has_state = CpuGpuBuffer(largest, dtype=torch.bool, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            if progress:
-                progress(f"capturing CUDA graphs: batch {size}")
-            self._fill([], size)
-            context = self._context(size)
-            ids = self.input_ids.gpu[:size]
-            # warm-up (Triton compiles, cuBLAS picks kernels) and capture get distinct positions
-            # views: the RoPE tables are gathered once per positions tensor, and that gather must
-            # be recorded, not reused from the warm-up
-            self.model(ids, self.positions.gpu[:size], context)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(ids, self.positions.gpu[:size], context)
-            self.graphs[size] = (graph, hidden)
+        for q in reversed(self.query_lens):
+            for size in reversed(self.sizes):
+                if progress:
+                    progress(f"capturing CUDA graphs: batch {size}" + (f", {q} rows a request" if q > 1 else ""))
+                self._fill([], size, q)
+                context = self._context(size, q)
+                ids = self.input_ids.gpu[: size * q]
+                # warm-up (Triton compiles, cuBLAS picks kernels) and capture get distinct positions
+                # views: the RoPE tables are gathered once per positions tensor, and that gather must
+                # be recorded, not reused from the warm-up
+                self.model(ids, self.positions.gpu[: size * q], context)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(ids, self.positions.gpu[: size * q], context)
+                self.graphs[size, q] = (graph, hidden)
         torch.cuda.synchronize()
 
-    def fits(self, chunks: list[ScheduledChunk]) -> bool:
-        """A step of sampling decodes only (one row each, every row samples, so the step ends in
-        the token read-back), no larger than the largest captured batch. A one-token slice of a
-        chunked prefill does not sample: such a step runs eagerly."""
-        return len(chunks) <= self.sizes[-1] and all(
-            c.num_tokens == 1 and c.samples and c.seq.pooling is None for c in chunks
-        )
+    def query_len(self, chunks: list[ScheduledChunk]) -> int | None:
+        """The recorded rows a request that serve this step, or None (the step runs eagerly).
+        Recorded: steps of sampling decodes and verifies only (every row samples, so the step ends
+        in the token read-back), no larger than the largest captured batch, whose rows (padding
+        included) stay within max_model_len. A one-token slice of a chunked prefill does not
+        sample: such a step runs eagerly."""
+        if len(chunks) > self.sizes[-1] or not all(c.is_decode and c.samples and c.seq.pooling is None
+                                                   for c in chunks):
+            return None
+        longest = max((c.num_tokens for c in chunks), default=1)
+        q = next((q for q in self.query_lens if q >= longest), None)
+        if q is None or any(c.seq.num_computed + q > self.max_model_len for c in chunks):
+            return None
+        return q
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The step's final hidden states [len(chunks), D] (a view of the graph's output buffer,
-        valid until the next replay)."""
+    def run(self, chunks: list[ScheduledChunk], q: int) -> torch.Tensor:
+        """The hidden states of the step's rows, request by request ([sum of num_tokens, D]; with
+        q = 1 a view of the graph's output buffer, valid until the next replay)."""
         size = next(s for s in self.sizes if s >= len(chunks))
-        self._fill(chunks, size)
-        graph, hidden = self.graphs[size]
+        total = self._fill(chunks, size, q)
+        graph, hidden = self.graphs[size, q]
         graph.replay()
-        return hidden[: len(chunks)]
+        if q == 1:
+            return hidden[: len(chunks)]
+        return hidden.index_select(0, self.real_rows.gpu[:total])
 
-    def _fill(self, chunks: list[ScheduledChunk], size: int) -> None:
-        """Write the step's rows into the static buffers; rows past the batch see no KV and write none.
-        The pinned host buffers are rewritten safely: the previous step's copies finished at its
-        token read-back (the one sync a step)."""
+    def _fill(self, chunks: list[ScheduledChunk], size: int, q: int) -> int:
+        """Write the step's rows into the static buffers (q rows a request); rows past the batch
+        see no KV and write none; returns the real rows. The pinned host buffers are rewritten
+        safely: the previous step's copies finished at its token read-back (the one sync a step)."""
         n, bs, pad = len(chunks), self.block_size, size - len(chunks)
-        positions = [c.seq.num_computed for c in chunks]
-        ids = [c.seq.token_ids[c.seq.num_computed] for c in chunks]
-        self.input_ids.cpu[:size] = torch.tensor(ids + [0] * pad)
-        self.positions.cpu[:size] = torch.tensor(positions + [0] * pad)
-        self.seq_lens.cpu[:size] = torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32)
-        for buffer in (self.input_ids, self.positions, self.seq_lens):
-            buffer.copy_to_device(size)
-        if self.recurrent is not None:
+        starts = [c.seq.num_computed for c in chunks]
+        ids: list[int] = []
+        for c, start in zip(chunks, starts, strict=True):
+            known = c.seq.token_ids[start : start + c.num_tokens - c.num_drafts]
+            real = known + c.seq.draft_ids[: c.num_drafts]
+            ids += real + real[-1:] * (q - len(real))  # padding rows repeat the last token
+        positions = [start + j for start in starts for j in range(q)]
+        self.input_ids.cpu[: size * q] = torch.tensor(ids + [0] * (pad * q))
+        self.positions.cpu[: size * q] = torch.tensor(positions + [0] * (pad * q))
+        self.seq_lens.cpu[:size] = torch.tensor([start + q for start in starts] + [0] * pad, dtype=torch.int32)
+        for buffer, rows in ((self.input_ids, size * q), (self.positions, size * q), (self.seq_lens, size)):
+            buffer.copy_to_device(rows)
+        real_rows = [i * q + j for i, c in enumerate(chunks) for j in range(c.num_tokens)]
+        if q > 1:
+            self.real_rows.cpu[: len(real_rows)] = torch.tensor(real_rows)
+            self.real_rows.copy_to_device(len(real_rows))
+        if self.recurrent is not None:  # q = 1 (the constructor checked it)
             slots = [c.seq.state_slot for c in chunks]
             if None in slots:
                 raise RuntimeError("a decode of a hybrid model without a recurrent state slot")
@@ -127,31 +166,36 @@ class DecodeGraphs:
         for group, slot_mapping in enumerate(self.slot_mapping):
             block_table = self.block_table[group]
             tables = [c.seq.block_tables[group] for c in chunks]
-            slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions, strict=True)]
-            if slots and not 0 <= min(slots) <= max(slots) < self.capacity:
-                raise ValueError(f"decode slots {min(slots)}..{max(slots)} outside the cache's "
+            slots = [-1] * (n * q)  # padding rows write nothing
+            for i, (chunk, table, start) in enumerate(zip(chunks, tables, starts, strict=True)):
+                for p in range(start, start + chunk.num_tokens):
+                    slots[i * q + p - start] = table[p // bs] * bs + p % bs
+            live = [slot for slot in slots if slot >= 0]
+            if live and not 0 <= min(live) <= max(live) < self.capacity:
+                raise ValueError(f"decode slots {min(live)}..{max(live)} outside the cache's "
                                  f"{self.capacity} slots")
-            slot_mapping.cpu[:size] = torch.tensor(slots + [-1] * pad)
-            slot_mapping.copy_to_device(size)
-            if n:  # entries past a row's seq_len (padding rows: all) are never read, so stale ones stay
+            slot_mapping.cpu[: size * q] = torch.tensor(slots + [-1] * (pad * q))
+            slot_mapping.copy_to_device(size * q)
+            if n:  # entries past a request's own blocks are read only by padding rows, whose output is dropped
                 width = max(len(table) for table in tables)
                 padded = [table + [0] * (width - len(table)) for table in tables]
                 block_table[:n, :width].copy_(async_tensor_h2d(padded, torch.int32, block_table.device, True))
+        return len(real_rows)
 
-    def _context(self, size: int) -> StepContext:
+    def _context(self, size: int, q: int) -> StepContext:
         """Metadata over the static buffers, with the Python values as upper bounds."""
         per_group = [
             AttentionMetadata(
-                query_start_loc=self.query_start_loc[: size + 1],
+                query_start_loc=self.query_start_loc[q][: size + 1],
                 seq_lens=self.seq_lens.gpu[:size],
                 block_table=block_table[:size],
-                slot_mapping=slot_mapping.gpu[:size],
-                query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+                slot_mapping=slot_mapping.gpu[: size * q],
+                query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * q,
                 seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
-                max_query_len=1,
+                max_query_len=q,
                 max_seq_len=self.max_model_len,
                 num_decodes=size,
-                num_decode_tokens=size,
+                num_decode_tokens=size * q,
             )
             for slot_mapping, block_table in zip(self.slot_mapping, self.block_table, strict=True)
         ]

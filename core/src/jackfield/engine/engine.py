@@ -100,7 +100,7 @@ class Engine:
         self.kv_scales = checked.kv_scales
         self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say,
                                   model_drafter, self.capabilities.num_mtp_layers if runs_mtp_layers else 0,
-                                  self.kv_scales)
+                                  self.kv_scales, self.drafter.num_speculative_tokens if self.drafter else 0)
         kv = self.runner.kv
         # A bidirectional model's KV depends on later tokens: no prefix of it can be reused. Nor can a
         # recurrent layer's state, which is kept per request, not per block.

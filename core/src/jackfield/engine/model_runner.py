@@ -95,10 +95,13 @@ class ModelRunner:
     def __init__(self, model: ModelFamily, backends: AttentionBackends, sampler: Sampler,
                  engine: EngineConfig, max_model_len: int, device: torch.device,
                  say: Callable[[str], None], drafter: ModelDrafter | None = None,
-                 num_drafter_caches: int = 0, kv_scales: KVScalePlan | None = None) -> None:
+                 num_drafter_caches: int = 0, kv_scales: KVScalePlan | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         """`drafter`: a model drafter, run inside each step (a token drafter is the engine's);
         `num_drafter_caches`: the KV caches it writes, the last of the model's (its MTP layers').
-        `kv_scales`: the fp8 caches' scales (preflight's plan; None: no fp8 cache)."""
+        `kv_scales`: the fp8 caches' scales (preflight's plan; None: no fp8 cache).
+        `num_speculative_tokens`: the drafter's k, any kind (0: none); verify steps of k + 1 rows
+        a request get CUDA graphs of their own."""
         self.model, self.backends, self.sampler, self.device = model, backends, sampler, device
         self.drafter = drafter
         if drafter is not None:
@@ -119,7 +122,10 @@ class ModelRunner:
         self.recurrent = RecurrentStates(specs, engine.max_num_seqs + 1, device) if specs else None
         self.decode_graphs_off = self._decode_graphs_off_reason(engine)
         self.prefill_graphs_off = self._prefill_graphs_off_reason(engine)
-        self.graphs = None if self.decode_graphs_off else self._capture_decode(engine, max_model_len, say)
+        # a hybrid model's verify steps run eagerly (per-row states for the rollback)
+        verify_rows = 1 + num_speculative_tokens if self.recurrent is None else 1
+        self.graphs = (None if self.decode_graphs_off
+                       else self._capture_decode(engine, max_model_len, verify_rows, say))
         self.pieces = None if self.prefill_graphs_off else self._capture_pieces(engine, say)
         self.connector: KVConnectorWorker | None = None  # the KV connector's worker side (Engine sets it)
 
@@ -173,11 +179,13 @@ class ModelRunner:
                     "attention-only models)")
         return reason
 
-    def _capture_decode(self, engine: EngineConfig, max_model_len: int,
+    def _capture_decode(self, engine: EngineConfig, max_model_len: int, verify_rows: int,
                         say: Callable[[str], None]) -> DecodeGraphs:
+        # selection checked that the decode backend serves verify_rows rows a request
         graphs = DecodeGraphs(self.model, self.kv_caches, self.kv_scales, self.contexts,
                               len(self.groups.windows), self.kv.num_blocks, self.block_size, max_model_len,
-                              engine.max_num_seqs, self.device, self.recurrent)
+                              engine.max_num_seqs, self.device, query_lens=tuple(sorted({1, verify_rows})),
+                              recurrent=self.recurrent)
         try:
             graphs.capture(say)
         except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
@@ -313,13 +321,15 @@ class ModelRunner:
         hooks = self._layer_hooks(connector_metadata)
         recurrent = None  # a hybrid model's eager step: its recurrent layers' part (a replay has its own)
         # a calibrating step runs eagerly: its layers set their scales before writing KV
-        if self.graphs is not None and not self.calibrate_at_next_step and self.graphs.fits(chunks):
+        recorded = None if self.graphs is None or self.calibrate_at_next_step else self.graphs.query_len(chunks)
+        if recorded is not None:
+            assert self.graphs is not None
             layers = range(self.capabilities.num_layers) if hooks is not None else range(0)
             for layer in layers:  # a replayed step is one piece: every layer's hooks around it
                 hooks.before_attend(layer)  # type: ignore[union-attr]
             with host_single_threaded():  # the replay itself is GPU work
-                # every row is a sampling decode (fits() checked it)
-                every_row = hidden = self.graphs.run(chunks)
+                # every row is a sampling decode or verify row (query_len() checked it)
+                every_row = hidden = self.graphs.run(chunks, recorded)
             for layer in layers:
                 hooks.after_attend(layer)  # type: ignore[union-attr]
             embeddings: list[torch.Tensor] = []

@@ -217,28 +217,31 @@ class AttentionConformance(ConformanceHarness):
         self, backend: type[AttentionBackend], case: Case, gen: torch.Generator
     ) -> None:
         """A decode step as a CUDA-graph replay sees it: Python lengths are upper bounds (the
-        engine's max_model_len), a padded row has seq_len 0 and slot -1. Real rows must match
-        the reference, the padded row must give exactly 0 and write nothing."""
+        engine's max_model_len), a padded request has seq_len 0 and slot -1. Real rows must match
+        the reference, the padded request's rows must give exactly 0 and write nothing. Decode
+        (one row a request) and, where the backend serves it, verify (q rows every request)."""
         layer = self.layer(case.kind, case.kv_cache_dtype)
         impl, ref = self.impls(backend, layer, case.dtype, gen)
         bs = self.block_size_list(backend)[0]
-        batch = make_batch([1, 1, 1], [5, 2 * bs + 3, 9], 3, bs, self.device, gen)
-        kv_scale = self.kv_scale(layer)
-        got_cache, (key, value) = self.filled(layer, batch, case.dtype, kv_scale, gen)
-        want_cache = got_cache.clone()
         width = layer.qk_nope_head_dim + layer.qk_rope_head_dim if case.kind == "mla" else layer.head_size
-        q = self.query(layer, 4, width, case.dtype, gen)  # the fourth row is padding
-        pad_key, pad_value = random_kv(layer, 1, case.dtype, self.device, gen)
-        md = batch.metadata
-        padded = backend.metadata_builder().build(graph_style_decode(md, bs), for_capture=True)
-        checks.poison_allocator(self.device)
-        keys, values = torch.cat([key, pad_key]), torch.cat([value, pad_value])
-        got = impl.forward(q, keys, values, got_cache, padded, kv_scale=kv_scale)  # type: ignore[attr-defined]
-        want = ref.forward(q[:3], key, value, want_cache, md, kv_scale=kv_scale)  # type: ignore[attr-defined]
-        what = f"graph-style decode (upper-bound lengths, one padded row), {case.id}"
-        checks.assert_output_close(got[:3], want, self.tolerance(case.dtype, case.kv_cache_dtype), what)
-        assert torch.equal(got[3], torch.zeros_like(got[3])), f"{what}: the padded row is not exactly 0"
-        checks.assert_cache_close(got_cache, want_cache, kv_scale, f"{what}: cache")
+        for q_len in sorted({1, min(backend.capabilities.max_decode_query_len, 3)}):
+            batch = make_batch([q_len] * 3, [5 + q_len, 2 * bs + 3, 9], 3, bs, self.device, gen)
+            kv_scale = self.kv_scale(layer)
+            got_cache, (key, value) = self.filled(layer, batch, case.dtype, kv_scale, gen)
+            want_cache = got_cache.clone()
+            real = 3 * q_len
+            q = self.query(layer, real + q_len, width, case.dtype, gen)  # the last request is padding
+            pad_key, pad_value = random_kv(layer, q_len, case.dtype, self.device, gen)
+            md = batch.metadata
+            padded = backend.metadata_builder().build(graph_style_decode(md, bs, q_len), for_capture=True)
+            checks.poison_allocator(self.device)
+            keys, values = torch.cat([key, pad_key]), torch.cat([value, pad_value])
+            got = impl.forward(q, keys, values, got_cache, padded, kv_scale=kv_scale)  # type: ignore[attr-defined]
+            want = ref.forward(q[:real], key, value, want_cache, md, kv_scale=kv_scale)  # type: ignore[attr-defined]
+            what = f"graph-style decode ({q_len} rows a request, upper-bound lengths, a padded request), {case.id}"
+            checks.assert_output_close(got[:real], want, self.tolerance(case.dtype, case.kv_cache_dtype), what)
+            assert torch.equal(got[real:], torch.zeros_like(got[real:])), f"{what}: the padded rows are not exactly 0"
+            checks.assert_cache_close(got_cache, want_cache, kv_scale, f"{what}: cache")
 
     # ---- metadata builds: what a CUDA-graph capture may not touch --------------------------------
     def test_capture_build_leaves_run_time_metadata_intact(
@@ -305,23 +308,24 @@ class AttentionConformance(ConformanceHarness):
             checks.assert_rejects(lambda: fp8_impl.attend(q, fp8_cache, md), "fp8 attend without scale")
 
 
-def graph_style_decode(metadata: AttentionMetadata, block_size: int) -> AttentionMetadata:
-    """A decode batch (one query row per request) as a CUDA-graph capture sees it: one padded row
-    more (seq_len 0, slot -1) and Python lengths that only bound the real ones (the whole block
-    table), as the engine records its decode graphs."""
+def graph_style_decode(metadata: AttentionMetadata, block_size: int, query_len: int = 1) -> AttentionMetadata:
+    """A decode batch (`query_len` query rows every request) as a CUDA-graph capture sees it: one
+    padded request more (seq_len 0, slots -1) and Python lengths that only bound the real ones
+    (the whole block table), as the engine records its decode and verify graphs."""
     md, n = metadata, metadata.num_reqs + 1
     bound = md.block_table.shape[1] * block_size
     return dataclasses.replace(
         md,
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=md.query_start_loc.device),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=md.query_start_loc.device) * query_len,
         seq_lens=torch.cat([md.seq_lens, md.seq_lens.new_zeros(1)]),
         block_table=torch.cat([md.block_table, md.block_table[:1]]),
-        slot_mapping=torch.cat([md.slot_mapping, md.slot_mapping.new_full((1,), -1)]),
-        query_start_loc_cpu=torch.arange(n + 1, dtype=torch.int32),
+        slot_mapping=torch.cat([md.slot_mapping, md.slot_mapping.new_full((query_len,), -1)]),
+        query_start_loc_cpu=torch.arange(n + 1, dtype=torch.int32) * query_len,
         seq_lens_cpu=torch.full((n,), bound, dtype=torch.int32),
+        max_query_len=query_len,
         max_seq_len=bound,
         num_decodes=n,
-        num_decode_tokens=n,
+        num_decode_tokens=n * query_len,
         extra={},
     )
 
