@@ -2,7 +2,10 @@
 
 Models (--family): DeepSeek-V3 (MLA + MoE, random weights), Llama in the Llama-3.2-1B shape
 (GQA 32/8, head 64, random weights), Granite SWA in the same shape (sliding-window layers with
-sinks, every fourth layer full), or --model-dir: a real checkpoint (e.g. SmolLM2-135M-Instruct:
+sinks, every fourth layer full), the hybrids: qwen3-next (Qwen3-Next-80B's layer shapes, 8
+layers, 64 experts: Gated DeltaNet with every fourth layer gated attention) and granite-hybrid
+(Granite-4.0-H-Tiny's layer shapes, 8 layers: Mamba2 with every fourth layer attention, no
+RoPE), or --model-dir: a real checkpoint (e.g. SmolLM2-135M-Instruct:
 `python benchmarks/smollm2.py --converted` gives its folder).
 
 Per batch size: time to first token (all requests submitted at once; Jackfield: mean over
@@ -15,6 +18,8 @@ all weights once: ceiling tokens/s = batch * bandwidth / weight bytes).
   python benchmarks/bench_e2e.py --device cuda                 # mid-size config, bf16
   python benchmarks/bench_e2e.py --device cpu --small          # reduced config, float32
   python benchmarks/bench_e2e.py --device cuda --family llama
+  python benchmarks/bench_e2e.py --device cuda --family qwen3-next --no-cuda-graphs
+  python benchmarks/bench_e2e.py --device cuda --family granite-hybrid --no-cuda-graphs
   python benchmarks/bench_e2e.py --device cpu --model-dir "$(python benchmarks/smollm2.py --converted)"
 
 --kv-cache-dtype fp8_e4m3 times the engine with an fp8 KV cache (scales calibrated from the first
@@ -91,6 +96,26 @@ LLAMA_1B = dict(  # Llama-3.2-1B's shape
 LLAMA_SMALL = dict(LLAMA_1B, vocab_size=8000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2)
 SWA_WINDOW = 128
+QWEN3_NEXT = dict(  # Qwen3-Next-80B-A3B's layer shapes, fewer layers and experts
+    vocab_size=32000, hidden_size=2048, intermediate_size=5120, num_hidden_layers=8, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=64,
+    num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    max_position_embeddings=4096,
+)  # fmt: skip
+QWEN3_NEXT_SMALL = dict(QWEN3_NEXT, vocab_size=8000, hidden_size=512, num_hidden_layers=4, head_dim=64,
+                        linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4,
+                        linear_num_value_heads=8, num_experts=8, num_experts_per_tok=2)
+GRANITE_HYBRID = dict(  # Granite-4.0-H-Tiny's layer shapes, fewer layers
+    vocab_size=32000, hidden_size=1536, intermediate_size=512, shared_intermediate_size=1024,
+    num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, num_local_experts=64,
+    num_experts_per_tok=6, mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+    mamba_d_conv=4, mamba_expand=2, position_embedding_type=None, max_position_embeddings=4096,
+    layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+)  # fmt: skip
+GRANITE_HYBRID_SMALL = dict(GRANITE_HYBRID, vocab_size=8000, hidden_size=512, num_attention_heads=8,
+                            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                            mamba_n_heads=16)
 
 
 def build_hf_model(family: str, small: bool, model_dir: str | None, device: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
@@ -113,6 +138,16 @@ def build_hf_model(family: str, small: bool, model_dir: str | None, device: str,
         config = transformers.LlamaConfig(
             **dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], max_len)))
         model_cls = transformers.LlamaForCausalLM
+    elif family == "qwen3-next":
+        shape = QWEN3_NEXT_SMALL if small else QWEN3_NEXT
+        config = transformers.Qwen3NextConfig(
+            **dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], max_len)))
+        model_cls = transformers.Qwen3NextForCausalLM
+    elif family == "granite-hybrid":
+        shape = GRANITE_HYBRID_SMALL if small else GRANITE_HYBRID
+        config = transformers.GraniteMoeHybridConfig(
+            **dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], max_len)))
+        model_cls = transformers.GraniteMoeHybridForCausalLM
     else:  # granite-swa: transformers' default pattern (every fourth layer full) and sinks
         shape = LLAMA_SMALL if small else LLAMA_1B
         config = transformers.GraniteSWAConfig(
@@ -340,7 +375,8 @@ def profile_decode(llm, prompts: torch.Tensor, device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--family", choices=("deepseek", "llama", "granite-swa"), default="deepseek")
+    families = ("deepseek", "llama", "granite-swa", "qwen3-next", "granite-hybrid")
+    parser.add_argument("--family", choices=families, default="deepseek")
     parser.add_argument("--model-dir", help="a real checkpoint instead of a random --family model")
     parser.add_argument("--small", action="store_true", help="the reduced config (for CPUs)")
     parser.add_argument("--batches", default="1,16,64")

@@ -89,4 +89,16 @@ def register_models() -> list[ModelSpec]:
         factory="jackfield.models.deepseek_v32:DeepseekV32ForCausalLM",
         description="DeepSeek-V3.2: lightning indexer + sparse MLA",
     )
-    return [*deepseek, v32, *granite]
+    hybrid = [
+        ModelSpec(
+            name="Qwen3NextForCausalLM",
+            factory="jackfield.models.qwen3_next:Qwen3NextForCausalLM",
+            description="Qwen3-Next: Gated DeltaNet layers beside gated full attention, MoE",
+        ),
+        ModelSpec(
+            name="GraniteMoeHybridForCausalLM",
+            factory="jackfield.models.granite_hybrid:GraniteMoeHybridForCausalLM",
+            description="Granite 4.0 hybrid: Mamba2 layers beside GQA attention (MoE or dense)",
+        ),
+    ]
+    return [*deepseek, v32, *granite, *hybrid]

@@ -23,7 +23,7 @@ POSITIVE_INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "max_position_embeddings", "kv_lora_rank", "q_lora_rank",
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_intermediate_size", "n_routed_experts",
-    "num_experts_per_tok", "num_local_experts", "sliding_window", "n_group", "topk_group",
+    "num_experts_per_tok", "sliding_window", "n_group", "topk_group",
     "index_n_heads", "index_head_dim", "index_topk",
 )
 # Of those, the ones no family leaves null (the rest may be null: q_lora_rank null is V2-Lite's
@@ -31,7 +31,8 @@ POSITIVE_INT_FIELDS = (
 REQUIRED_WHEN_PRESENT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                          "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 NON_NEGATIVE_INT_FIELDS = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers",
-                           "shared_intermediate_size")
+                           "shared_intermediate_size",
+                           "num_local_experts")  # 0: Granite 4.0 hybrid's dense MLP
 POSITIVE_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
 INT32_MAX = 2**31 - 1  # tensor sizes and positions are int32 in the kernels' index arithmetic
 

@@ -23,7 +23,7 @@ from jackfield.requirements import attention_requirements, read_config_json
 from jackfield.selection import BackendChoice, pick_block_size, resolve_attention
 from jackfield.specs import KVConnectorSpec
 
-__all__ = ["Preflight", "model_hf_config", "preflight", "tokenizer_note"]
+__all__ = ["Preflight", "model_hf_config", "preflight", "prefix_cache_note", "tokenizer_note"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
         except FileNotFoundError as exc:
             problems.append(str(exc))
     problems += _mtp_layer_problems(config, registry, hf_config)
+    problems += _recurrent_layer_problems(config, hf_config)
     attention, block_size, kv_scales = None, config.engine.block_size, None
     att = config.attention
     problems += dcp_gate(config.parallel, {"prefill": att.prefill_backend or att.backend,
@@ -147,6 +148,41 @@ def tokenizer_note(config: JackfieldConfig) -> str | None:
         return None
     return (f"{config.model.path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): "
             "prompts must be token ids, text prompts are refused")
+
+
+def _hybrid_architecture(hf_config: Mapping[str, object]) -> str | None:
+    """The config's built-in architecture with recurrent layers (None: none)."""
+    from jackfield.models.hf_config import HYBRID_ARCHITECTURES
+
+    archs = hf_config.get("architectures")
+    found = [a for a in archs if a in HYBRID_ARCHITECTURES] if isinstance(archs, list) else []
+    return found[0] if found else None
+
+
+def _recurrent_layer_problems(config: JackfieldConfig, hf_config: Mapping[str, object]) -> list[str]:
+    """What the engine does not run beside a model's recurrent layers (Gated DeltaNet, Mamba2)."""
+    arch = _hybrid_architecture(hf_config)
+    if arch is None:
+        return []
+    problems = []
+    if config.kv_connector.name is not None:
+        problems.append(f"kv_connector.name {config.kv_connector.name!r} with {arch} is not run yet: a "
+                        "connector moves KV blocks, and the recurrent layers' state at a block boundary is "
+                        "not kept")
+    if config.attention.kv_cache_dtype == "fp8_e4m3":
+        problems.append(f"attention.kv_cache_dtype 'fp8_e4m3' with {arch} is not run yet (fp8 scales are "
+                        "kept per decoder layer; the recurrent layers' state stays float32)")
+    return problems
+
+
+def prefix_cache_note(config: JackfieldConfig, hf_config: Mapping[str, object]) -> str | None:
+    """Why the prefix cache is off for a model with recurrent layers (None: nothing to say)."""
+    arch = _hybrid_architecture(hf_config)
+    if arch is None or not config.engine.enable_prefix_caching:
+        return None
+    return (f"engine.enable_prefix_caching is refused for {arch}: its recurrent layers keep one state per "
+            "request, not per block (no state checkpoints at block boundaries), so a cached prefix "
+            "cannot be resumed; every prompt is computed")
 
 
 def _mtp_layer_problems(config: JackfieldConfig, registry: Registry,

@@ -7,7 +7,7 @@ import argparse
 
 from jackfield.config import JackfieldConfig, load_config
 from jackfield.plugins import Registry, get_registry
-from jackfield.preflight import model_hf_config, preflight, tokenizer_note
+from jackfield.preflight import model_hf_config, prefix_cache_note, preflight, tokenizer_note
 from jackfield.requirements import attention_requirements
 
 USER_ERROR_EXIT = 2
@@ -42,9 +42,9 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
         plan = checked.kv_scales
         resolved.append(f"kv cache: fp8_e4m3, scales ({plan.source}): {plan.detail}")
     resolved.append(f"sampler: {config.sampler.name}")
-    note = tokenizer_note(config)
-    if note is not None:
-        resolved.append(f"note: {note}")
+    for note in (tokenizer_note(config), prefix_cache_note(config, hf_config)):
+        if note is not None:
+            resolved.append(f"note: {note}")
     return resolved, []
 
 

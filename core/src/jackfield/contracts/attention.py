@@ -26,6 +26,8 @@ from typing import ClassVar, Literal
 
 import torch
 
+from jackfield.contracts.recurrent import RecurrentStep
+
 AttentionKind = Literal["mla", "mha"]
 KVCacheDType = Literal["auto", "bfloat16", "fp8_e4m3"]
 CudaGraphSupport = Literal["never", "uniform_decode", "always"]
@@ -307,6 +309,8 @@ class StepContext:
     # set the fp8 scales from the KV each layer writes, in place, before writing it (the engine's
     # first prefill when the scales are calibrated: amax / 448)
     calibrate_kv_scales: bool = False
+    # a hybrid model's recurrent layers: the step's metadata (built once) and their state slots
+    recurrent: RecurrentStep | None = None
 
     def parts(self, layer_index: int) -> tuple[BatchPart, ...]:
         """The parts of the batch as `layer_index` sees them (its KV cache group's metadata)."""

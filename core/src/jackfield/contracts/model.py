@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
+from jackfield.contracts.recurrent import RecurrentStateSpec
 
 if TYPE_CHECKING:  # transformers is imported by the families that need it, not by the contract
     from transformers import PretrainedConfig
@@ -114,6 +115,16 @@ class ModelFamily(nn.Module, ABC):
         groups equal layouts by sliding window into KV cache groups and allocates them). Cache j
         is read and written by decoder layer j % num_layers (one cache per layer, or several
         rounds of them: DeepSeek-V3.2's latent caches, then its indexer-key caches)."""
+
+    @property
+    def recurrent_state_layers(self) -> list[RecurrentStateSpec]:
+        """A hybrid model's recurrent layers (Gated DeltaNet, Mamba2), in layer order: the state
+        each keeps per request (the engine's slot pool, `step.recurrent`). Such a model lists
+        one KV cache per attention layer, in layer order, in `kv_cache_layers` (not one per
+        decoder layer); the engine runs it without KV connectors, fp8 caches, MTP layers, the
+        prefix cache or prefill CUDA graphs (decode steps are replayed). Empty for a model of
+        attention layers only."""
+        return []
 
     @property
     @abstractmethod

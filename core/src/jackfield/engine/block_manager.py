@@ -12,6 +12,11 @@ cache is keyed by (group, hash). Freed blocks keep their hash and stay findable 
 reuses them (least recently freed first). A prefix hit of k blocks counts only where every group
 holds what computing from token k * block_size on needs: full groups all k blocks, a window
 group the blocks of the last W - 1 tokens.
+
+A hybrid model's recurrent layers keep a fixed-size state per request instead (the engine's
+slot pool, engine/recurrent_state.py): with `num_state_slots`, a request takes a slot when it is
+admitted and gives it back with its blocks (finished, aborted or preempted: a preempted request
+is recomputed from a zero state).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
                  windows: Seq[int | None] = (None,), hash_seed: int = 0,
-                 drop_last_hit_block: bool = False) -> None:
+                 drop_last_hit_block: bool = False, num_state_slots: int = 0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         if not windows or any(w is not None and w <= 0 for w in windows):
@@ -76,6 +81,10 @@ class BlockManager:
         self.cached: dict[tuple[int, int], int] = {}  # (group, hash) -> block id
         self.hashes: dict[int, list[int]] = {}  # request id -> hashes of its full, computed blocks
         self.chains: dict[int, list[int]] = {}  # request id -> hashes of its full blocks so far
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("a recurrent state cannot be rebuilt from cached blocks: no prefix caching")
+        self.uses_state_slots = num_state_slots > 0
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: 0 first
 
     @property
     def num_free(self) -> int:
@@ -139,6 +148,8 @@ class BlockManager:
         cached = len(hits[0]) * self.block_size
         fresh = sum(self.blocks_needed(cached + num_new_tokens) - len(table) for table in hits)
         reclaimed = sum(1 for table in hits for b in self._real(table) if self.blocks[b].ref_count == 0)
+        if self.uses_state_slots and not self.free_state_slots:
+            return False
         return fresh <= self.num_free - reclaimed  # hits that sit in the free pool are not fresh
 
     def admit(self, seq: Sequence, hits: list[list[int]]) -> None:
@@ -150,6 +161,8 @@ class BlockManager:
                     del self.free[block_id]
                 block.ref_count += 1
         seq.block_tables = [list(table) for table in hits]
+        if self.uses_state_slots:
+            seq.state_slot = self.free_state_slots.pop()
         seq.num_computed = len(hits[0]) * self.block_size
         self.hashes[seq.request_id] = self._chain(seq, len(hits[0]))[1]
 
@@ -206,6 +219,9 @@ class BlockManager:
             for block_id in reversed(self._real(table)):
                 self._unref(block_id)
         seq.block_tables = []
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
         self.hashes.pop(seq.request_id, None)
         self.chains.pop(seq.request_id, None)
 

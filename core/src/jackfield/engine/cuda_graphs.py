@@ -21,16 +21,23 @@ Speculative verify steps (a request's token and its drafts) get graphs of their 
 drafter finds fewer, a request near its max_tokens) is padded to q rows: its padding rows sit at
 the positions after its drafts, write no KV (slot -1) and are dropped from the output; causal
 attention keeps them out of the real rows' view.
+
+A hybrid model's recurrent layers read their state slots (and whether each row has a state)
+from two more static buffers; padded rows use the pool's padding slot, from a zero state. Its
+decode steps only (q = 1) are recorded: a verify step keeps per-row states for the rollback
+and its padding rows would run through the recurrence, so it runs eagerly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from jackfield.contracts.attention import AttentionMetadata, StepContext
 from jackfield.contracts.model import ModelFamily
+from jackfield.engine.recurrent_state import RecurrentStates
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import StepContextBuilder
 from jackfield.ops.staging import CpuGpuBuffer, async_tensor_h2d
@@ -50,10 +57,15 @@ class DecodeGraphs:
     def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor],
                  kv_scales: list[torch.Tensor | None], contexts: StepContextBuilder, num_groups: int,
                  num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                 device: torch.device, query_lens: tuple[int, ...] = (1,)) -> None:
+                 device: torch.device, query_lens: tuple[int, ...] = (1,),
+                 recurrent: RecurrentStates | None = None) -> None:
         """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's;
         `kv_scales`: the fp8 caches' scales (read by address: later values reach every replay);
-        `num_groups`: the model's KV cache groups; `query_lens`: the rows a request to record."""
+        `num_groups`: the model's KV cache groups; `query_lens`: the rows a request to record;
+        `recurrent`: a hybrid model's state pool (then q = 1 only)."""
+        if recurrent is not None and set(query_lens) != {1}:
+            raise ValueError(f"a hybrid model's verify steps run eagerly: record q = 1 only, "
+                             f"not {query_lens}")
         self.model, self.kv_caches, self.kv_scales, self.contexts = model, kv_caches, kv_scales, contexts
         self.block_size, self.max_model_len = block_size, max_model_len
         self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
@@ -70,6 +82,9 @@ class DecodeGraphs:
         self.block_table = [torch.zeros(largest, width, dtype=torch.int32, device=device) for _ in groups]
         self.query_start_loc = {q: torch.arange(largest + 1, dtype=torch.int32, device=device) * q
                                 for q in self.query_lens}
+        self.recurrent = recurrent
+        self.state_slots = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
+        self.has_state = CpuGpuBuffer(largest, dtype=torch.bool, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
@@ -141,6 +156,15 @@ class DecodeGraphs:
         if q > 1:
             self.real_rows.cpu[: len(real_rows)] = torch.tensor(real_rows)
             self.real_rows.copy_to_device(len(real_rows))
+        if self.recurrent is not None:  # q = 1 (the constructor checked it)
+            slots = [c.seq.state_slot for c in chunks]
+            if None in slots:
+                raise RuntimeError("a decode of a hybrid model without a recurrent state slot")
+            self.state_slots.cpu[:size] = torch.tensor(slots + [self.recurrent.padding_slot] * pad)
+            # a one-token prompt decodes from a zero state too
+            self.has_state.cpu[:size] = torch.tensor([c.seq.num_computed > 0 for c in chunks] + [False] * pad)
+            self.state_slots.copy_to_device(size)
+            self.has_state.copy_to_device(size)
         for group, slot_mapping in enumerate(self.slot_mapping):
             block_table = self.block_table[group]
             tables = [c.seq.block_tables[group] for c in chunks]
@@ -177,4 +201,8 @@ class DecodeGraphs:
             )
             for slot_mapping, block_table in zip(self.slot_mapping, self.block_table, strict=True)
         ]
-        return self.contexts.build(self.kv_caches, per_group, for_capture=True, kv_scales=self.kv_scales)
+        context = self.contexts.build(self.kv_caches, per_group, for_capture=True, kv_scales=self.kv_scales)
+        if self.recurrent is None:
+            return context
+        step = self.recurrent.decode_step(self.state_slots.gpu[:size], self.has_state.gpu[:size])
+        return dataclasses.replace(context, recurrent=step)

@@ -88,6 +88,11 @@ class Engine:
         self.model = load_model(self.model_dir, backends, dtype, self.device, config.attention.kv_cache_dtype)
         if runs_mtp_layers:  # preflight checked the checkpoint has them
             self.model.load_mtp_layers(self.model_dir)
+        if self.model.recurrent_state_layers and (config.kv_connector.name or runs_mtp_layers
+                                                  or config.attention.kv_cache_dtype == "fp8_e4m3"):
+            # preflight names the built-in hybrid families; this covers any family with recurrent layers
+            raise ConfigError([f"{type(self.model).__name__} has recurrent layers: KV connectors, fp8 KV "
+                               "caches and multi-token-prediction layers are not run beside them yet"])
         self.capabilities = self.model.capabilities
         if self.parallel.tp_size > 1 and not self.capabilities.tensor_parallel:
             raise ConfigError([f"{type(self.model).__name__} does not split itself over tensor-parallel "
@@ -107,14 +112,20 @@ class Engine:
                                   model_drafter, self.capabilities.num_mtp_layers if runs_mtp_layers else 0,
                                   self.kv_scales, self.drafter.num_speculative_tokens if self.drafter else 0)
         kv = self.runner.kv
-        # A bidirectional model's KV depends on later tokens: no prefix of it can be reused.
-        prefix_caching = engine.enable_prefix_caching and self.capabilities.causal
+        # A bidirectional model's KV depends on later tokens: no prefix of it can be reused. Nor can a
+        # recurrent layer's state, which is kept per request, not per block.
+        recurrent = self.model.recurrent_state_layers
+        prefix_caching = engine.enable_prefix_caching and self.capabilities.causal and not recurrent
+        if recurrent and engine.enable_prefix_caching:
+            say(f"prefix caching is off: {type(self.model).__name__} has recurrent layers, whose state is "
+                "kept per request, not at block boundaries")
         # A block id covers block_size tokens on each DCP rank: dcp_size * block_size of a request.
         self.tokens_per_block = engine.block_size * self.parallel.dcp_size
         self.block_manager = BlockManager(kv.num_blocks, self.tokens_per_block, prefix_caching,
                                           kv.groups.windows,
                                           engine.prefix_hash_seed,
-                                          drop_last_hit_block=model_drafter is not None)
+                                          drop_last_hit_block=model_drafter is not None,
+                                          num_state_slots=engine.max_num_seqs if recurrent else 0)
         drafters = [self.drafter] if self.drafter else []
         connector = _kv_connector(config, self.runner, drafters)
         if connector is not None:

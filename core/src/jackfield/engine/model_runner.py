@@ -6,11 +6,14 @@ KV connector's worker side: the step's loads start before the forward, each laye
 loads before `attend` and hands its KV to the connector's save after, a model drafter's caches
 are handed over once it ran, and the saves are waited for at the step's end. Logits
 are computed only for rows that sample (the last row of each chunk that reaches the end of its
-request's known tokens); an embedding request's rows are pooled instead.
+request's known tokens); an embedding request's rows are pooled instead. A hybrid model's
+recurrent layers get the step's RecurrentMetadata (built once per step) and their state slots;
+after a verify step their state is rolled back to each request's last accepted token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -29,6 +32,7 @@ from jackfield.contracts.attention import (
 from jackfield.contracts.drafter import ModelDrafter
 from jackfield.contracts.kv_connector import ConnectorMetadata, KVConnectorWorker, TransferResult
 from jackfield.contracts.model import LayerHooks, ModelFamily
+from jackfield.contracts.recurrent import RecurrentStep
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.distributed.cp_common import parallel_state
 from jackfield.distributed.dcp import DCPLayout, dcp_metadata
@@ -36,6 +40,7 @@ from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.drafting import DraftLimits, Span, draft_in_step
 from jackfield.engine.kv_cache import KVCache
 from jackfield.engine.piecewise_graphs import PiecewiseGraphs
+from jackfield.engine.recurrent_state import RecurrentStates
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.engine.sequence import Sequence
 from jackfield.models.attention import StepContextBuilder
@@ -119,10 +124,15 @@ class ModelRunner:
         self.calibrate_at_next_step = False
         self.drafter_caches = range(len(self.kv_caches) - num_drafter_caches, len(self.kv_caches))
         self.contexts = StepContextBuilder(backends, model.kv_cache_layers, self.groups.layer_group)
+        specs = model.recurrent_state_layers
+        # one slot per running request, and one that padded rows of replayed decode steps write
+        self.recurrent = RecurrentStates(specs, engine.max_num_seqs + 1, device) if specs else None
         self.decode_graphs_off = self._decode_graphs_off_reason(engine)
         self.prefill_graphs_off = self._prefill_graphs_off_reason(engine)
+        # a hybrid model's verify steps run eagerly (per-row states for the rollback)
+        verify_rows = 1 + num_speculative_tokens if self.recurrent is None else 1
         self.graphs = (None if self.decode_graphs_off
-                       else self._capture_decode(engine, max_model_len, 1 + num_speculative_tokens, say))
+                       else self._capture_decode(engine, max_model_len, verify_rows, say))
         self.pieces = None if self.prefill_graphs_off else self._capture_pieces(engine, say)
         self.connector: KVConnectorWorker | None = None  # the KV connector's worker side (Engine sets it)
 
@@ -173,6 +183,9 @@ class ModelRunner:
         reason = self._graphs_off_reason(engine)
         if reason is None and engine.prefill_graph_max_tokens == 0:
             return "engine.prefill_graph_max_tokens = 0"
+        if reason is None and self.recurrent is not None:  # attend's output differs by layer kind
+            return (f"{type(self.model).__name__} has recurrent layers (prefill pieces are recorded for "
+                    "attention-only models)")
         return reason
 
     def _capture_decode(self, engine: EngineConfig, max_model_len: int, verify_rows: int,
@@ -180,7 +193,8 @@ class ModelRunner:
         # selection checked that the decode backend serves verify_rows rows a request
         graphs = DecodeGraphs(self.model, self.kv_caches, self.kv_scales, self.contexts,
                               len(self.groups.windows), self.kv.num_blocks, self.block_size, max_model_len,
-                              engine.max_num_seqs, self.device, query_lens=(1, verify_rows))
+                              engine.max_num_seqs, self.device, query_lens=tuple(sorted({1, verify_rows})),
+                              recurrent=self.recurrent)
         try:
             graphs.capture(say)
         except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
@@ -295,14 +309,17 @@ class ModelRunner:
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def forward(self, chunks: list[ScheduledChunk], output_rows: list[int] | None = None,
-                hooks: LayerHooks | None = None) -> torch.Tensor:
+                hooks: LayerHooks | None = None, recurrent: RecurrentStep | None = None) -> torch.Tensor:
         """Final hidden states of `output_rows` of the step's flat batch (all rows when None),
-        writing every row's KV (`hooks` around each layer's attention)."""
+        writing every row's KV (`hooks` around each layer's attention; `recurrent`: a hybrid
+        model's recurrent layers' part of the step)."""
         calibrate, self.calibrate_at_next_step = self.calibrate_at_next_step, False
         with host_single_threaded():
             per_group, input_ids, positions = self._metadata(chunks)
             context = self.contexts.build(self.kv_caches, per_group, kv_scales=self.kv_scales,
                                           calibrate_kv_scales=calibrate)
+            if recurrent is not None:
+                context = dataclasses.replace(context, recurrent=recurrent)
             rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
             ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):
@@ -315,6 +332,7 @@ class ModelRunner:
              ) -> StepResult:
         sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
         hooks = self._layer_hooks(connector_metadata)
+        recurrent = None  # a hybrid model's eager step: its recurrent layers' part (a replay has its own)
         # a calibrating step runs eagerly: its layers set their scales before writing KV
         recorded = None  # the rows a request of the graph that replays this step
         if self.graphs is not None and not self.calibrate_at_next_step:
@@ -339,7 +357,10 @@ class ModelRunner:
             # A model drafter reads every row's hidden state.
             rows = _output_rows(chunks)
             some = 0 < len(rows) < sum(c.num_tokens for c in chunks) and self.drafter is None
-            every_row = self.forward(chunks, rows if some else None, hooks)
+            if self.recurrent is not None:
+                with host_single_threaded():
+                    recurrent = self.recurrent.step(chunks)
+            every_row = self.forward(chunks, rows if some else None, hooks, recurrent)
             hidden = every_row if len(rows) == every_row.shape[0] else every_row[rows]
             hidden, embeddings, scored = self._split_rows(chunks, hidden)
         prompt_logprobs = [(c.seq, c.prompt_logprob_positions.start, self._prompt_logprobs(c, h))
@@ -372,6 +393,10 @@ class ModelRunner:
                                               [first_row[i] for i in randomly], logits, tokens, metadata)
             for i, new_tokens in zip(randomly, verified, strict=True):
                 emitted[i] = new_tokens
+        if recurrent is not None and recurrent.metadata.keep_requests.numel():
+            # the recurrent layers' state after each verify chunk's last accepted token
+            self.recurrent.roll_back(recurrent, chunks,  # type: ignore[union-attr]
+                                     [len(emitted[i]) - 1 for i, c in enumerate(sampling) if c.num_drafts])
         logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)
         if out.logprobs is not None and out.logprob_token_ids is not None:
             ids, values = out.logprob_token_ids.tolist(), out.logprobs.tolist()

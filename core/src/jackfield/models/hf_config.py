@@ -65,10 +65,28 @@ def hf_config_from_dict(data: Mapping[str, object]) -> PretrainedConfig:
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ModelFileError(f"config.json: model_type {model_type!r} is not one transformers knows")
     try:
-        return CONFIG_MAPPING[model_type].from_dict(dict(data))
+        return CONFIG_MAPPING[model_type].from_dict(_special_floats(dict(data)))
     except Exception as exc:  # as in read_hf_config: transformers' rejections come in assorted types
         raise ModelFileError(f"config.json: transformers cannot read it: "
                              f"{type(exc).__name__}: {exc}") from exc
+
+
+# Attention layers beside recurrent ones (Gated DeltaNet, Mamba2): models/qwen3_next.py, granite_hybrid.py.
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM")
+HYBRID_MODEL_TYPES = ("qwen3_next", "granitemoehybrid")
+
+
+def _special_floats(value: object) -> object:
+    """transformers writes inf and NaN into config.json as {"__float__": "Infinity"} (Granite 4.0
+    hybrid's time_step_limit): the floats again, as AutoConfig reads them."""
+    if isinstance(value, dict):
+        tag = value.get("__float__") if len(value) == 1 else None
+        if tag in ("Infinity", "-Infinity", "NaN"):
+            return float(tag.lower().replace("infinity", "inf"))  # type: ignore[union-attr]
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
 
 
 def check_builtin_family(data: Mapping[str, object]) -> None:
@@ -81,6 +99,14 @@ def check_builtin_family(data: Mapping[str, object]) -> None:
         deepseek_arch(hf_config_from_dict(data))
     elif archs[0] in GRANITE_ARCHITECTURES:
         granite_arch(hf_config_from_dict(data))
+    elif archs[0] == "Qwen3NextForCausalLM":
+        from jackfield.models.qwen3_next import qwen3_next_arch  # the family imports this module
+
+        qwen3_next_arch(hf_config_from_dict(data))
+    elif archs[0] == "GraniteMoeHybridForCausalLM":
+        from jackfield.models.granite_hybrid import granite_hybrid_arch
+
+        granite_hybrid_arch(hf_config_from_dict(data))
 
 
 def rope_parameters(hf_config: PretrainedConfig) -> dict[str, object]:
@@ -375,6 +401,8 @@ def layer_attention(cfg: Mapping[str, object]) -> LayerAttention:
     num_layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
+    if model_type in HYBRID_MODEL_TYPES:  # full attention beside recurrent layers (the family checks types)
+        return LayerAttention(windows=(None,) * num_layers, sinks=False)
     if model_type in FULL_ATTENTION_MODEL_TYPES:
         problems = unread_window_problems(cfg)
         if problems:
@@ -490,6 +518,8 @@ def granite_arch(hf_config: PretrainedConfig) -> GraniteArch:
         problems.append("quantized checkpoints (quantization_config)")
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     problems += _granite_unread_field_problems(c, arch, head_dim)
+    if "Moe" in arch and not getattr(c, "num_local_experts", 1):
+        problems.append(f"num_local_experts 0 ({arch} routes every token to experts)")
     if problems:
         raise ValueError(f"config.json ({arch}): unsupported settings: " + "; ".join(problems))
     pattern = layer_attention(c.to_dict())

@@ -26,6 +26,8 @@ from transformers import (
     GraniteForCausalLM,
     GraniteMoeConfig,
     GraniteMoeForCausalLM,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
     GraniteMoeSWAConfig,
     GraniteMoeSWAForCausalLM,
     GraniteSWAConfig,
@@ -34,6 +36,8 @@ from transformers import (
     LlamaForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from jackfield.models.embedding import pool
@@ -94,6 +98,31 @@ GRANITE_FAMILY: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], d
         **GRANITE_MULTIPLIERS, **GRANITE_SWA_LAYERS, **GRANITE_MOE, "shared_intermediate_size": 24}),
 }  # fmt: skip  # granitemoe: the older weight names
 GRANITE_CONSTANTS = ("sinks", "input_layernorm.weight", "post_attention_layernorm.weight", "norm.weight")
+
+# ---- Hybrid models: Qwen3-Next (Gated DeltaNet + gated attention + MoE), Granite 4.0 hybrid (Mamba2)
+QWEN3_NEXT = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+    linear_value_head_dim=6, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+    mlp_only_layers=[1], max_position_embeddings=128, initializer_range=0.1, tie_word_embeddings=False,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+)  # fmt: skip
+GRANITE_HYBRID = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, shared_intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    mamba_n_heads=4, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
+    position_embedding_type="rope", max_position_embeddings=128, initializer_range=0.1,
+    tie_word_embeddings=False, **GRANITE_MULTIPLIERS,
+)  # fmt: skip
+HYBRID_FAMILY: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, object]]] = {
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM, QWEN3_NEXT),
+    "granitemoehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, GRANITE_HYBRID),
+    "granitemoehybrid_dense_nope": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, {
+        **GRANITE_HYBRID, "num_local_experts": 0, "position_embedding_type": None}),
+}  # fmt: skip
+HYBRID_CONSTANTS = ("layernorm.weight", "norm.weight", "dt_bias", "A_log", ".D", "conv1d.bias")
 
 
 def randomize_constants(model: nn.Module, names: tuple[str, ...], seed: int) -> None:
@@ -176,6 +205,12 @@ def write_granite(name: str, directory: Path, seed: int = 0, **config: object) -
     return write_model(
         model_cls, config_cls(**{**LLAMA, **extra, **config}), directory, GRANITE_CONSTANTS, seed
     )
+
+
+def write_hybrid(name: str, directory: Path, seed: int = 0, **config: object) -> PreTrainedModel:
+    """A HYBRID_FAMILY model; `config` overrides its entries."""
+    config_cls, model_cls, base = HYBRID_FAMILY[name]
+    return write_model(model_cls, config_cls(**{**base, **config}), directory, HYBRID_CONSTANTS, seed)
 
 
 def greedy_reference(

@@ -1,8 +1,11 @@
 """Running a Jackfield model by hand, the way the engine does: paged caches with scattered block
-tables, hand-built AttentionMetadata, chunked prefill of a batch, then batched greedy decode."""
+tables, hand-built AttentionMetadata, chunked prefill of a batch, then batched greedy decode. A
+hybrid model's recurrent layers get a state slot per request (scattered too) and the step's
+RecurrentMetadata."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +14,10 @@ from torch import nn
 from jackfield.attention.kv_cache import allocate_kv_cache
 from jackfield.attention.torch_ref import TorchRefBackend
 from jackfield.contracts.attention import AttentionBackends, AttentionMetadata, StepContext
+from jackfield.contracts.recurrent import RecurrentStep
 from jackfield.models.attention import StepContextBuilder
+from jackfield.models.hybrid import allocate_recurrent_states
+from jackfield.ops.recurrent import recurrent_metadata
 
 TORCH_REF = AttentionBackends(prefill=TorchRefBackend, decode=TorchRefBackend)
 
@@ -35,11 +41,22 @@ class PagedRun:
         self.free = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables: list[list[int]] = []
         self.lens: list[int] = []
+        states = self.model.recurrent_state_layers
+        self.conv_states, self.states = allocate_recurrent_states(states, self.MAX_REQUESTS, "cpu")
+        for tensor in self.conv_states + self.states:  # random: a state read before written shows
+            tensor.normal_()
+        self.conv_kernels = {s.conv_kernel for s in states}
+
+    MAX_REQUESTS = 8
 
     def add(self) -> int:
         self.tables.append([])
         self.lens.append(0)
         return len(self.tables) - 1
+
+    def slot(self, request: int) -> int:
+        """The request's state slot (last first: slots and requests differ)."""
+        return self.MAX_REQUESTS - 1 - request
 
     def context(self, spans: list[tuple[int, int, int]], num_decodes: int = 0) -> StepContext:
         """The step context of rows (request, first position, count) per request, decodes first:
@@ -71,7 +88,12 @@ class PagedRun:
             num_decode_tokens=sum(count for _, _, count in spans[:num_decodes]),
             causal=self.causal,
         )
-        return self.contexts.build(self.caches, [metadata])
+        step = self.contexts.build(self.caches, [metadata])
+        if not self.states and not self.conv_states:
+            return step
+        recurrent = recurrent_metadata([count for _, _, count in spans], [self.slot(r) for r, _, _ in spans],
+                                       [start > 0 for _, start, _ in spans], [], self.conv_kernels, "cpu")
+        return dataclasses.replace(step, recurrent=RecurrentStep(recurrent, self.conv_states, self.states))
 
     def step(self, chunks: list[tuple[int, list[int]]], num_decodes: int = 0) -> torch.Tensor:
         """chunks: (request, new token ids), decodes first. Returns the hidden states [T, D]."""

@@ -1,0 +1,201 @@
+"""Triton kernels of the gated delta rule and the Mamba2 scan over a step's flat batch: the same
+contract as ops/recurrent.py's PyTorch ops (slots, zero start where `has_state` is false, the
+state after each row of kept requests), which are their reference.
+
+One program per (request, value head, block of value columns) keeps its slice of the state in
+registers and steps through the request's rows: a decode is one iteration, a prefill chunk as
+many as its rows, so one launch serves a mixed step (and chunks that continue a prompt start
+from the state the last chunk left). Everything is float32 inside; the state is read once and
+written once per step (and once per row for kept requests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jackfield.contracts.recurrent import RecurrentMetadata
+from jackfield.ops.launch import DirectLauncher
+
+VALUE_BLOCK = 32  # value columns (GDN) / head dims (Mamba2) per program: the state slice in registers
+
+
+@triton.jit
+def _gated_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, states_ptr, rows_ptr,
+                             qsl_ptr, slots_ptr, has_state_ptr, keep_ptr, scale, max_len,
+                             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                             BK: tl.constexpr, BV: tl.constexpr):
+    b, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hk = h // (HV // HK)
+    start, end = tl.load(qsl_ptr + b), tl.load(qsl_ptr + b + 1)
+    slot, keep = tl.load(slots_ptr + b).to(tl.int64), tl.load(keep_ptr + b)
+    dk = tl.arange(0, BK)
+    dv = block * BV + tl.arange(0, BV)
+    mk, mv = dk < DK, dv < DV
+    mask = mk[:, None] & mv[None, :]
+    cell = dk[:, None] * DV + dv[None, :]
+    state_at = states_ptr + (slot * HV + h) * DK * DV + cell
+    state = tl.load(state_at, mask=mask, other=0.0)
+    state = tl.where(tl.load(has_state_ptr + b) != 0, state, 0.0)  # a garbage slot never leaks in
+    for t in range(start, end):
+        q = tl.load(q_ptr + (t * HK + hk) * DK + dk, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + (t * HK + hk) * DK + dk, mask=mk, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        v = tl.load(v_ptr + (t * HV + h) * DV + dv, mask=mv, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + t * HV + h).to(tl.float32))
+        beta = tl.load(beta_ptr + t * HV + h).to(tl.float32)
+        state = state * decay
+        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+        state = state + k[:, None] * delta[None, :]
+        tl.store(out_ptr + (t * HV + h) * DV + dv, tl.sum(state * q[:, None], axis=0), mask=mv)
+        if keep >= 0:
+            row = (keep.to(tl.int64) * max_len + (t - start)) * HV + h
+            tl.store(rows_ptr + row * DK * DV + cell, state, mask=mask)
+    tl.store(state_at, state, mask=mask)
+
+
+@triton.jit
+def _mamba2_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, out_ptr, states_ptr, rows_ptr,
+                        qsl_ptr, slots_ptr, has_state_ptr, keep_ptr, dt_min, dt_max, max_len,
+                        H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                        BP: tl.constexpr, BN: tl.constexpr):
+    r, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    group = h // (H // G)
+    start, end = tl.load(qsl_ptr + r), tl.load(qsl_ptr + r + 1)
+    slot, keep = tl.load(slots_ptr + r).to(tl.int64), tl.load(keep_ptr + r)
+    p = block * BP + tl.arange(0, BP)
+    n = tl.arange(0, BN)
+    mp, mn = p < P, n < N
+    mask = mp[:, None] & mn[None, :]
+    cell = p[:, None] * N + n[None, :]
+    state_at = states_ptr + (slot * H + h) * P * N + cell
+    state = tl.load(state_at, mask=mask, other=0.0)
+    state = tl.where(tl.load(has_state_ptr + r) != 0, state, 0.0)
+    a = tl.load(a_ptr + h).to(tl.float32)
+    d = tl.load(d_ptr + h).to(tl.float32)
+    bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    for t in range(start, end):
+        dt = tl.load(dt_ptr + t * H + h).to(tl.float32) + bias
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus (PyTorch's threshold)
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        x = tl.load(x_ptr + (t * H + h) * P + p, mask=mp, other=0.0).to(tl.float32)
+        bt = tl.load(b_ptr + (t * G + group) * N + n, mask=mn, other=0.0).to(tl.float32)
+        ct = tl.load(c_ptr + (t * G + group) * N + n, mask=mn, other=0.0).to(tl.float32)
+        state = state * tl.exp(dt * a) + (dt * x)[:, None] * bt[None, :]
+        tl.store(out_ptr + (t * H + h) * P + p, tl.sum(state * ct[None, :], axis=1) + d * x, mask=mp)
+        if keep >= 0:
+            row = (keep.to(tl.int64) * max_len + (t - start)) * H + h
+            tl.store(rows_ptr + row * P * N + cell, state, mask=mask)
+    tl.store(state_at, state, mask=mask)
+
+
+@triton.jit
+def _chunk_scan_kernel(q_ptr, attend_ptr, values_ptr, corr_ptr, keys_ptr, decay_ptr, out_ptr, state_ptr,
+                       num_chunks, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, HAS_CORRECTIONS: tl.constexpr):
+    """ops.recurrent._chunk_scan for one (request, head) and BV state columns: the state slice
+    [K, BV] stays in registers from chunk to chunk; the products are tensor-core dots."""
+    bh, block = tl.program_id(0), tl.program_id(1)
+    rows, kk = tl.arange(0, C), tl.arange(0, BK)
+    vv = block * BV + tl.arange(0, BV)
+    mk, mv = kk < K, vv < V
+    state_at = state_ptr + bh.to(tl.int64) * K * V + kk[:, None] * V + vv[None, :]
+    state = tl.load(state_at, mask=mk[:, None] & mv[None, :], other=0.0)
+    for n in range(num_chunks):
+        chunk = bh.to(tl.int64) * num_chunks + n
+        at_k = chunk * C * K + rows[:, None] * K + kk[None, :]
+        at_v = chunk * C * V + rows[:, None] * V + vv[None, :]
+        queries = tl.load(q_ptr + at_k, mask=mk[None, :], other=0.0)
+        keys = tl.load(keys_ptr + at_k, mask=mk[None, :], other=0.0)
+        attend = tl.load(attend_ptr + chunk * C * C + rows[:, None] * C + rows[None, :])
+        u = tl.load(values_ptr + at_v, mask=mv[None, :], other=0.0)
+        if HAS_CORRECTIONS:
+            corrections = tl.load(corr_ptr + at_k, mask=mk[None, :], other=0.0)
+            u = u - tl.dot(corrections, state, input_precision="tf32x3")
+        out = tl.dot(queries, state, input_precision="tf32x3") + tl.dot(attend, u, input_precision="tf32x3")
+        tl.store(out_ptr + at_v, out, mask=mv[None, :])
+        decay = tl.load(decay_ptr + chunk)
+        state = decay * state + tl.dot(tl.trans(keys), u, input_precision="tf32x3")
+    tl.store(state_at, state, mask=mk[:, None] & mv[None, :])
+
+
+launch_gated_delta_rule = DirectLauncher(_gated_delta_rule_kernel)
+launch_mamba2_scan = DirectLauncher(_mamba2_scan_kernel)
+launch_chunk_scan = DirectLauncher(_chunk_scan_kernel)
+
+
+def _keep_index(meta: RecurrentMetadata) -> torch.Tensor:
+    """int32 [B]: each request's index among the kept ones, -1 for the others."""
+    index = torch.full((meta.num_reqs,), -1, dtype=torch.int32, device=meta.state_slots.device)
+    kept = meta.keep_requests.numel()
+    if kept:
+        index[meta.keep_requests] = torch.arange(kept, dtype=torch.int32, device=index.device)
+    return index
+
+
+def _row_states(meta: RecurrentMetadata, states: torch.Tensor,
+                kept: list[torch.Tensor] | None) -> torch.Tensor:
+    """The buffer the kernels write kept requests' per-row states into ([V, L, *state]), or the
+    pool itself as a never-written stand-in when nothing is kept."""
+    if kept is None or meta.keep_requests.numel() == 0:
+        return states
+    rows = torch.empty(meta.keep_requests.numel(), meta.max_query_len, *states.shape[1:],
+                       dtype=states.dtype, device=states.device)
+    kept.append(rows)
+    return rows
+
+
+def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, states: torch.Tensor, meta: RecurrentMetadata,
+                            kept: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """ops.recurrent.gated_delta_rule in one launch (its checks ran in the caller)."""
+    tokens, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    out = torch.empty(tokens, hv, dv, dtype=torch.float32, device=q.device)
+    rows = _row_states(meta, states, kept)
+    block = min(VALUE_BLOCK, triton.next_power_of_2(dv))
+    grid = (meta.num_reqs, hv, triton.cdiv(dv, block))
+    launch_gated_delta_rule(grid, q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
+                            beta.float().contiguous(), out, states, rows, meta.query_start_loc,
+                            meta.state_slots, meta.has_state, _keep_index(meta), dk**-0.5, meta.max_query_len,
+                            HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block)
+    return out
+
+
+def mamba2_scan_triton(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       c: torch.Tensor, d: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float],
+                       states: torch.Tensor, meta: RecurrentMetadata,
+                       kept: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """ops.recurrent.mamba2_scan in one launch (its checks ran in the caller)."""
+    tokens, heads, p = x.shape
+    groups, n = b.shape[1], b.shape[2]
+    out = torch.empty(tokens, heads, p, dtype=torch.float32, device=x.device)
+    rows = _row_states(meta, states, kept)
+    block = min(VALUE_BLOCK, triton.next_power_of_2(p))
+    grid = (meta.num_reqs, heads, triton.cdiv(p, block))
+    launch_mamba2_scan(grid, x.contiguous(), dt.contiguous(), a.float().contiguous(), b.contiguous(),
+                       c.contiguous(), d.contiguous(), dt_bias.contiguous(), out, states, rows,
+                       meta.query_start_loc, meta.state_slots, meta.has_state, _keep_index(meta),
+                       float(dt_limit[0]), float(dt_limit[1]), meta.max_query_len, H=heads, G=groups, P=p,
+                       N=n, BP=block, BN=triton.next_power_of_2(n))
+    return out
+
+
+def chunk_scan_triton(queries: torch.Tensor, attend: torch.Tensor, values: torch.Tensor,
+                      corrections: torch.Tensor | None, keys_to_end: torch.Tensor, last_decay: torch.Tensor,
+                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.recurrent._chunk_scan in one launch: returns (out [B, H, n, C, V], the final state)."""
+    batch, heads, chunks, rows, k = queries.shape
+    v = values.shape[-1]
+    state = state.float().contiguous().clone()
+    out = torch.empty(batch, heads, chunks, rows, v, dtype=torch.float32, device=values.device)
+    inputs = [t.float().contiguous() for t in (queries, attend, values, keys_to_end, last_decay)]
+    corr = inputs[0] if corrections is None else corrections.float().contiguous()  # unread without
+    block = max(16, min(VALUE_BLOCK, triton.next_power_of_2(v)))  # tl.dot takes 16 or more
+    launch_chunk_scan((batch * heads, triton.cdiv(v, block)), inputs[0], inputs[1], inputs[2], corr,
+                      inputs[3], inputs[4], out, state, chunks, K=k, V=v, C=rows,
+                      BK=max(16, triton.next_power_of_2(k)), BV=block,
+                      HAS_CORRECTIONS=corrections is not None)
+    return out, state
