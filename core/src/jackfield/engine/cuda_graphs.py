@@ -12,6 +12,7 @@ Python values are upper bounds fixed at capture (max_seq_len = max_model_len), w
 backends that declare `cuda_graph` support (their decode path reads lengths from the device
 tensors, never syncs, and accepts rows with no KV) are captured; the engine runs the rest eagerly.
 The slots a replay writes are checked on the host (the kernels' own per-call check would sync).
+A drafter's taps (layer inputs, `LayerTaps`) are recorded as further outputs of each graph.
 A model with several KV cache groups (sliding-window layers beside full ones) has a slot and
 block-table buffer per group; lengths and positions are shared.
 """
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from jackfield.contracts.attention import AttentionMetadata, StepContext
-from jackfield.contracts.model import ModelFamily
+from jackfield.contracts.model import LayerTaps, ModelFamily
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import StepContextBuilder
 from jackfield.ops.staging import CpuGpuBuffer, async_tensor_h2d
@@ -42,11 +43,13 @@ class DecodeGraphs:
     def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor],
                  kv_scales: list[torch.Tensor | None], contexts: StepContextBuilder, num_groups: int,
                  num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                 device: torch.device) -> None:
+                 device: torch.device, tap_layers: tuple[int, ...] = ()) -> None:
         """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's;
         `kv_scales`: the fp8 caches' scales (read by address: later values reach every replay);
-        `num_groups`: the model's KV cache groups."""
+        `num_groups`: the model's KV cache groups; `tap_layers`: layers whose inputs each replay
+        also gives (a drafter's taps)."""
         self.model, self.kv_caches, self.kv_scales, self.contexts = model, kv_caches, kv_scales, contexts
+        self.tap_layers = tap_layers
         self.block_size, self.max_model_len = block_size, max_model_len
         self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
         self.sizes = capture_sizes(max_num_seqs)
@@ -58,7 +61,8 @@ class DecodeGraphs:
         self.slot_mapping = [CpuGpuBuffer(largest, dtype=torch.int64, device=device) for _ in groups]
         self.block_table = [torch.zeros(largest, width, dtype=torch.int32, device=device) for _ in groups]
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per size: the graph, its final hidden states and its tapped layer inputs (output buffers)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor | None]]] = {}
 
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -74,9 +78,10 @@ class DecodeGraphs:
             self.model(ids, self.positions.gpu[:size], context)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
+            taps = LayerTaps(self.tap_layers, self.model.capabilities.num_layers)
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(ids, self.positions.gpu[:size], context)
-            self.graphs[size] = (graph, hidden)
+                hidden = self.model(ids, self.positions.gpu[:size], context, taps=taps)
+            self.graphs[size] = (graph, hidden, taps.states)
         torch.cuda.synchronize()
 
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
@@ -87,13 +92,18 @@ class DecodeGraphs:
             c.num_tokens == 1 and c.samples and c.seq.pooling is None for c in chunks
         )
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], taps: LayerTaps | None = None) -> torch.Tensor:
         """The step's final hidden states [len(chunks), D] (a view of the graph's output buffer,
-        valid until the next replay)."""
+        valid until the next replay); `taps` (of the recorded `tap_layers`) gets the tapped
+        layers' inputs, views of the graph's buffers too."""
         size = next(s for s in self.sizes if s >= len(chunks))
         self._fill(chunks, size)
-        graph, hidden = self.graphs[size]
+        graph, hidden, states = self.graphs[size]
         graph.replay()
+        if taps is not None:
+            for layer, state in zip(self.tap_layers, states, strict=True):
+                assert state is not None, "the forward offers every layer's input"
+                taps.offer(layer, state[: len(chunks)])
         return hidden[: len(chunks)]
 
     def _fill(self, chunks: list[ScheduledChunk], size: int) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from jackfield.config import ConfigError, JackfieldConfig
-from jackfield.contracts.attention import AttentionBackends
+from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec
 from jackfield.contracts.drafter import (
     Drafter,
     DrafterOptions,
@@ -92,10 +92,17 @@ class Engine:
                                f"max_model_len {self.capabilities.max_model_len}"])
         self.max_model_len = engine.max_model_len or self.capabilities.max_model_len
         model_drafter = self.drafter if isinstance(self.drafter, ModelDrafter) else None
+        drafter_kv_layers: list[AttentionLayerSpec] = []
+        if model_drafter is not None:  # its own layers, if any (a draft checkpoint's)
+            try:
+                drafter_kv_layers = model_drafter.load(self.model, backends, config.attention.kv_cache_dtype,
+                                                       len(self.model.kv_cache_layers))
+            except (ValueError, FileNotFoundError) as exc:
+                raise ConfigError([f"speculative.method {config.speculative.method!r}: {exc}"]) from None
         self.kv_scales = checked.kv_scales
         self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say,
                                   model_drafter, self.capabilities.num_mtp_layers if runs_mtp_layers else 0,
-                                  self.kv_scales)
+                                  self.kv_scales, tuple(drafter_kv_layers))
         kv = self.runner.kv
         # A bidirectional model's KV depends on later tokens: no prefix of it can be reused.
         prefix_caching = engine.enable_prefix_caching and self.capabilities.causal
@@ -340,7 +347,7 @@ def _kv_connector(config: JackfieldConfig, runner: ModelRunner, drafters: list[D
     context = KVConnectorContext(
         options=config.kv_connector.options, block_size=block_size,
         coverage=tuple(KVCoverageSpec(block_size, window) for window in kv.groups.windows),
-        lookahead_tokens=combined_lookahead(drafters), layers=tuple(runner.model.kv_cache_layers),
+        lookahead_tokens=combined_lookahead(drafters), layers=tuple(runner.kv_layers),
         layer_group=kv.groups.layer_group, kv_caches=tuple(kv.layer_caches), device=runner.device)
     try:
         parts = resolve_factory(entry.spec.factory)(context)  # type: ignore[operator]
