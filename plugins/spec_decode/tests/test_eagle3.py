@@ -7,7 +7,6 @@ refused at start-up and by `jackfield doctor`, naming the file and field."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,71 +15,21 @@ from jackfield import LLM, SamplingParams
 from jackfield.cli import main
 from jackfield.config import ConfigError
 from jackfield.testing.checkpoints import write_deepseek, write_granite
+from jackfield_spec_decode.testing import write_eagle3
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 K = 3
 BASE = {"engine.device": "cpu", "attention.backend": "torch_ref", "model.dtype": "float32"}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, EPS, THETA = 4, 2, 8, 48, 1e-5, 10000.0
+HEADS, KV_HEADS, HEAD_DIM, EPS, THETA = 4, 2, 8, 1e-5, 10000.0  # write_eagle3's defaults
+
+
 
 
 def eagle3(model: Path, k: int = K) -> dict[str, object]:
     return {"speculative.method": "eagle3", "speculative.num_speculative_tokens": k,
             "speculative.model": str(model)}
-
-
-def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | None,
-                 draft_vocab: int | None = None, own_embedding: bool = False,
-                 norm_before_residual: bool = False,
-                 **config: object) -> dict[str, torch.Tensor]:
-    """A random head for the target in `target` (its config.json), in the published layout; the
-    draft vocabulary (if smaller) is a random subset of the target's. Returns its tensors."""
-    target_config = json.loads((target / "config.json").read_text())
-    hidden, vocab = target_config["hidden_size"], target_config["vocab_size"]
-    draft_vocab = draft_vocab or vocab
-    g = torch.Generator().manual_seed(seed)
-
-    def weight(*shape: int, scale: float = 0.3) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale
-
-    def norm() -> torch.Tensor:
-        return 1 + weight(hidden, scale=0.1)
-
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    tensors = {
-        "fc.weight": weight(hidden, 3 * hidden, scale=0.2),
-        "midlayer.input_layernorm.weight": norm(),
-        "midlayer.hidden_norm.weight": norm(),
-        "midlayer.self_attn.q_proj.weight": weight(q, 2 * hidden),
-        "midlayer.self_attn.k_proj.weight": weight(kv, 2 * hidden),
-        "midlayer.self_attn.v_proj.weight": weight(kv, 2 * hidden),
-        "midlayer.self_attn.o_proj.weight": weight(hidden, q),
-        "midlayer.post_attention_layernorm.weight": norm(),
-        "midlayer.mlp.gate_proj.weight": weight(INTERMEDIATE, hidden),
-        "midlayer.mlp.up_proj.weight": weight(INTERMEDIATE, hidden),
-        "midlayer.mlp.down_proj.weight": weight(hidden, INTERMEDIATE),
-        "norm.weight": norm(),
-        "lm_head.weight": weight(draft_vocab, hidden, scale=1.0),
-    }
-    target_ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
-    tensors["d2t"] = target_ids - torch.arange(draft_vocab)
-    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, target_ids, True)
-    if own_embedding:
-        tensors["embed_tokens.weight"] = weight(vocab, hidden, scale=1.0)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "model.safetensors"))
-    data: dict[str, object] = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": INTERMEDIATE, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM, "num_hidden_layers": 1, "rms_norm_eps": EPS, "rope_theta": THETA,
-        "max_position_embeddings": 512, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
-        "tie_word_embeddings": False, "norm_before_residual": norm_before_residual,
-    }
-    if taps is not None:
-        data["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": taps}
-    (directory / "config.json").write_text(json.dumps({**data, **config}))
-    return tensors
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +181,38 @@ def test_chunked_prefill_and_prefix_cache_keep_the_tokens(dirs: dict[str, Path],
     assert [o.token_ids for o in spec.generate(batch, GREEDY)] == want
     again = spec.generate(batch, GREEDY)
     assert [o.token_ids for o in again] == want and sum(o.num_cached_tokens for o in again) > 0
+
+
+def test_piecewise_pieces_hand_the_drafter_the_eager_taps(dirs: dict[str, Path], rng_seed: int) -> None:
+    """The piecewise path (its pieces run unrecorded over the same static buffers, as a replay
+    does) gives the drafter the layer inputs the eager forward does: the same drafts, drawn from
+    the same distributions, step after step."""
+    from jackfield.engine.piecewise_graphs import PiecewiseGraphs
+
+    settings = {**BASE, **eagle3(dirs["head"]), "engine.max_num_batched_tokens": 48}
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=rng_seed % 1000)
+
+    def drafts(llm: LLM, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+        engine = llm.engine
+        seq = engine.add_request(prompt, params)
+        probs = []
+        while seq.finish_time is None:
+            engine.step()
+            if seq.draft_probs is not None:
+                probs.append(seq.draft_probs.clone())
+        return seq.token_ids, probs
+
+    eager = LLM(str(dirs["llama"]), **settings)
+    replayed = LLM(str(dirs["llama"]), **settings)
+    pieces = PiecewiseGraphs(replayed.engine.model, 48, replayed.engine.device, record=False)
+    pieces.capture()
+    replayed.engine.runner.pieces = pieces
+    for prompt in prompts(eager.engine.capabilities.vocab_size, rng_seed):
+        want_tokens, want = drafts(eager, prompt)
+        got_tokens, got = drafts(replayed, prompt)
+        assert got_tokens == want_tokens and len(got) == len(want) > 0
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(dirs: dict[str, Path], rng_seed: int) -> None:
