@@ -7,6 +7,7 @@ refused at start-up and by `jackfield doctor`, naming the file and field."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,17 @@ def test_piecewise_pieces_hand_the_drafter_the_eager_taps(dirs: dict[str, Path],
         assert got_tokens == want_tokens and len(got) == len(want) > 0
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
+def test_run_json_reports_the_eagle3_drafts(dirs: dict[str, Path],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["run", "--model", str(dirs["llama"]), "--attention-backend", "torch_ref", "--device", "cpu",
+            "--speculative-method", "eagle3", "--speculative-model", str(dirs["head"]),
+            "--num-speculative-tokens", "2", "--max-tokens", "10", "--temperature", "0",
+            "--prompt-token-ids", "5,6,7,8", "--json"]
+    assert main(args) == 0
+    spec = json.loads(capsys.readouterr().out)["summary"]["speculative"]
+    assert spec["method"] == "eagle3" and spec["drafts"] > 0 and len(spec["accepted_per_position"]) == 2
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(dirs: dict[str, Path], rng_seed: int) -> None:
