@@ -307,3 +307,13 @@ def test_a_tensor_of_the_wrong_shape_names_the_checkpoint(dirs: dict[str, Path],
     with pytest.raises(ConfigError, match=r"fc\.weight: checkpoint \(32, 64\), model \(32, 96\)") as raised:
         LLM(str(dirs["llama"]), **BASE, **eagle3(directory))
     assert str(directory) in str(raised.value)
+
+
+def test_a_drafter_backend_kv_connector_or_fp8_cache_beside_eagle3_is_refused(dirs: dict[str, Path]) -> None:
+    settings = {**BASE, **eagle3(dirs["head"])}
+    with pytest.raises(ConfigError, match=r"drafter_backend 'torch_ref': .*target's attention backends"):
+        LLM(str(dirs["llama"]), **settings, **{"attention.drafter_backend": "torch_ref"})
+    with pytest.raises(ConfigError, match=r"'cpu_offload' with speculative.method 'eagle3' is not run yet"):
+        LLM(str(dirs["llama"]), **settings, **{"kv_connector.name": "cpu_offload"})
+    with pytest.raises(ConfigError, match=r"'fp8_e4m3' with speculative.method 'eagle3' is not run yet"):
+        LLM(str(dirs["llama"]), **settings, **{"attention.kv_cache_dtype": "fp8_e4m3"})

@@ -253,9 +253,15 @@ class Eagle3Drafter(ModelDrafter):
         names = {name: file for file in files for name in _names(file)}
         device = next(target.parameters()).device
         own_embedding = "embed_tokens.weight" in names or "model.embed_tokens.weight" in names
-        with torch.device(device):
-            head = Eagle3Head(c, backends, kv_cache_dtype, first_cache,
-                              max(c.max_position_embeddings, caps.max_model_len), own_embedding, caps.dtype)
+        max_positions = max(c.max_position_embeddings, caps.max_model_len)
+        try:
+            with torch.device(device):
+                head = Eagle3Head(c, backends, kv_cache_dtype, first_cache, max_positions, own_embedding,
+                                  caps.dtype)
+        except ValueError as exc:  # e.g. an MLA-only backend asked for the head's GQA layer
+            raise ValueError(f"{c.path}: the head's attention layer ({c.num_heads} query heads, "
+                             f"{c.num_kv_heads} KV heads of {c.head_dim}) on the target's attention "
+                             f"backends: {exc}") from None
         try:
             load_weights(dict(head.named_parameters()), iter_checkpoint(model_dir), EAGLE3_WEIGHTS)
         except ValueError as exc:
