@@ -65,6 +65,7 @@ TEMPLATES = (
     "What questions do people often ask about {}?", "Give five keywords related to {} and explain each.",
     "Write a dialogue between two friends discussing {}.", "What is the future of {}?",
 )
+STYLES = ("", " Keep it short.", " Answer in detail.", " Use a list.")
 HELD_OUT = (
     "How do airplanes stay in the air?", "Write a recipe for a simple tomato soup.",
     "What is the difference between weather and climate?",
@@ -89,8 +90,8 @@ class Settings:
     batch_sizes: tuple[int, ...]
 
 
-FULL = Settings(train_prompts=len(SUBJECTS) * len(TEMPLATES), answer_tokens=256, steps=3000, batch=32,
-                eval_prompts=len(HELD_OUT), eval_tokens=128, batch_sizes=(1, 4, 16))
+FULL = Settings(train_prompts=len(SUBJECTS) * len(TEMPLATES) * len(STYLES), answer_tokens=256, steps=3000,
+                batch=32, eval_prompts=len(HELD_OUT), eval_tokens=128, batch_sizes=(1, 4, 16))
 QUICK = Settings(train_prompts=8, answer_tokens=24, steps=4, batch=4, eval_prompts=2, eval_tokens=16,
                  batch_sizes=(1,))
 
@@ -102,9 +103,11 @@ def chat_ids(llm: LLM, question: str) -> list[int]:
 
 
 def training_questions(count: int) -> list[str]:
-    """Every (subject, template) pair, interleaved so a prefix covers many of both."""
+    """Every (subject, template, style), interleaved so a prefix covers many subjects and templates."""
     n, m = len(SUBJECTS), len(TEMPLATES)
-    return [TEMPLATES[(i // n + i) % m].format(SUBJECTS[i % n]) for i in range(min(count, n * m))]
+    questions = [TEMPLATES[(i // n + i) % m].format(SUBJECTS[i % n]) + style
+                 for style in STYLES for i in range(n * m)]
+    return questions[:count]
 
 
 class Head(nn.Module):
@@ -287,7 +290,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens at evaluation")
     parser.add_argument("--ttt-steps", type=int, default=4, help="unrolled steps in training")
     parser.add_argument("--draft-vocab", type=int, default=16384)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--steps", type=int, help="training steps (default: 3000, --quick: 4)")
     parser.add_argument("--max-train-seconds", type=float, default=240.0)
     parser.add_argument("--seed", type=int, default=0)
