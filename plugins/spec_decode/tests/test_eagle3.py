@@ -15,6 +15,7 @@ import torch
 from jackfield import LLM, SamplingParams
 from jackfield.cli import main
 from jackfield.config import ConfigError
+from jackfield.engine.block_manager import max_request_blocks
 from jackfield.testing.checkpoints import write_deepseek, write_granite
 from jackfield_spec_decode.testing import write_eagle3
 from safetensors.torch import load_file, save_file
@@ -172,16 +173,26 @@ def test_greedy_tokens_equal_the_engine_without_drafts(dirs: dict[str, Path], ta
     assert all(o.speculative is not None and o.speculative.drafts > 0 for o in got)
 
 
-def test_chunked_prefill_and_prefix_cache_keep_the_tokens(dirs: dict[str, Path], rng_seed: int) -> None:
+def test_preemption_chunked_prefill_and_prefix_cache_keep_the_tokens(dirs: dict[str, Path],
+                                                                     rng_seed: int) -> None:
+    """Prefill in 8-token chunks; a pool too small for the batch (preemption and recompute with
+    drafts and the head's lookahead in flight); a second run served from the prefix cache."""
     directory = str(dirs["llama"])
     plain = LLM(directory, **BASE)
     batch = prompts(plain.engine.capabilities.vocab_size, rng_seed)
     want = [o.token_ids for o in plain.generate(batch, GREEDY)]
-    small = {"engine.max_num_batched_tokens": 8, "engine.block_size": 4}
-    spec = LLM(directory, **BASE, **eagle3(dirs["head_d2t"]), **small)
+    small = {**BASE, **eagle3(dirs["head_d2t"]), "engine.max_num_batched_tokens": 8, "engine.block_size": 4}
+    spec = LLM(directory, **small)
     assert [o.token_ids for o in spec.generate(batch, GREEDY)] == want
     again = spec.generate(batch, GREEDY)
     assert [o.token_ids for o in again] == want and sum(o.num_cached_tokens for o in again) > 0
+    kv = spec.engine.runner.kv
+    block_bytes = sum(t.numel() * t.element_size() for t in kv.layer_caches) // kv.num_blocks
+    longest = max_request_blocks(kv.groups.windows, 4, max(map(len, batch)) + GREEDY.max_tokens, 8)
+    budget = (longest * 4 // 3 + 1) * block_bytes / 2**30  # the longest request fits, not all three
+    preempted = LLM(directory, **small, **{"engine.cpu_kv_cache_gib": budget}).generate(batch, GREEDY)
+    assert [o.token_ids for o in preempted] == want
+    assert sum(o.num_preemptions for o in preempted) > 0, "the pool was meant to be too small for the batch"
 
 
 def test_piecewise_pieces_hand_the_drafter_the_eager_taps(dirs: dict[str, Path], rng_seed: int) -> None:
