@@ -224,6 +224,7 @@ class Eagle3Head(nn.Module):
         self.layer = Eagle3Layer(c, self.spec, backends, cache, dtype)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, dtype)
+        # the checkpoint's own embedding table [vocab, H] (a Linear's weight has that layout)
         self.embed_tokens = Linear(c.hidden_size, c.vocab_size, dtype) if own_embedding else None
         inv_freq, scaling = rope_inv_freq(hf_config_from_dict({"model_type": "llama", **c.data}), c.head_dim)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions, interleaved=False)
