@@ -37,6 +37,12 @@ PLUGIN_SURFACE = (
     "jackfield.attention",
     "jackfield.ops",
     "jackfield.testing",
+    # the building blocks of jackfield.models, for a plugin that builds a model (a family, or a
+    # draft model such as spec_decode's EAGLE-3 head)
+    "jackfield.models.layers",
+    "jackfield.models.weights",
+    "jackfield.models.hf_config",
+    "jackfield.models.attention",
 )
 
 

@@ -69,7 +69,7 @@ def preflight(config: JackfieldConfig, registry: Registry | None = None) -> Pref
             checkpoint_files(checkpoint_dir(config.model.path))
         except FileNotFoundError as exc:
             problems.append(str(exc))
-    problems += _mtp_layer_problems(config, registry, hf_config)
+    problems += _model_drafter_problems(config, registry, hf_config)
     problems += _recurrent_layer_problems(config, hf_config)
     attention, block_size, kv_scales = None, config.engine.block_size, None
     att = config.attention
@@ -185,18 +185,22 @@ def prefix_cache_note(config: JackfieldConfig, hf_config: Mapping[str, object]) 
             "cannot be resumed; every prompt is computed")
 
 
-def _mtp_layer_problems(config: JackfieldConfig, registry: Registry,
-                        hf_config: Mapping[str, object]) -> list[str]:
-    """A drafter that runs the checkpoint's multi-token-prediction layers needs a checkpoint that
-    has them: config.json's num_nextn_predict_layers, and their tensors in the files."""
+def _model_drafter_problems(config: JackfieldConfig, registry: Registry,
+                            hf_config: Mapping[str, object]) -> list[str]:
+    """A drafter with layers of the engine's (the checkpoint's multi-token-prediction layers, or
+    a draft checkpoint's) runs them on the target's backends beside its KV caches; the checkpoint
+    it needs must have them (config.json's num_nextn_predict_layers and their tensors), a draft
+    checkpoint must pass the drafter's own check."""
     method = config.speculative.method
     drafter = registry.entries.get("drafter", {}).get(method or "")
-    if drafter is None or not drafter.spec.mtp_layers:  # a missing drafter is reported already
-        return []
+    if drafter is None or not (drafter.spec.mtp_layers or drafter.spec.check_model is not None):
+        return []  # a missing drafter is reported already
     from jackfield.models.hf_config import mtp_layers_problem  # imports transformers: only when needed
 
     config_json = Path(config.model.path) / "config.json" if config.model.path else "default config.json"
-    needs = f"speculative.method {method!r} runs the checkpoint's multi-token-prediction layers"
+    layers = "the checkpoint's multi-token-prediction layers" if drafter.spec.mtp_layers else \
+        "a draft checkpoint's layers"
+    needs = f"speculative.method {method!r} runs {layers}"
     backend = config.attention.drafter_backend
     if backend is not None:
         return [f"attention.drafter_backend {backend!r}: {needs}, on the target's attention backends "
@@ -204,11 +208,14 @@ def _mtp_layer_problems(config: JackfieldConfig, registry: Registry,
     connector = registry.entries.get("kv_connector", {}).get(config.kv_connector.name or "")
     if connector is not None and not connector.spec.model_drafters:  # KVConnectorSpec.model_drafters
         return [f"kv_connector.name {config.kv_connector.name!r} with speculative.method {method!r} is not "
-                "run yet: the connector does not declare model_drafters (its keys name a prefix, not "
-                "the token after it, which the multi-token-prediction layers' KV depends on)"]
+                f"run yet: the connector does not declare model_drafters (its keys name a prefix, not "
+                f"the token after it, which the KV of {layers} depends on)"]
     if config.attention.kv_cache_dtype == "fp8_e4m3":  # the scale plan covers the target's layers
         return [f"attention.kv_cache_dtype 'fp8_e4m3' with speculative.method {method!r} is not run yet: "
-                "the multi-token-prediction layers' KV caches have no fp8 scales"]
+                f"the KV caches of {layers} have no fp8 scales"]
+    if drafter.spec.check_model is not None:
+        return [f"speculative.method {method!r}: {problem}"
+                for problem in drafter.spec.check_model(config.speculative.model, hf_config)]
     problem = mtp_layers_problem(hf_config)
     if problem is not None:
         return [f"{needs}; {config_json}: {problem}"]

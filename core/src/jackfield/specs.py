@@ -50,8 +50,8 @@ def _check_fields(spec: object) -> None:
             problems.append(f"factory must be a 'module:Attribute' string or a class, got {value!r}")
         elif field.name == "capabilities" and not isinstance(value, AttentionCapabilities):
             problems.append(f"capabilities must be an AttentionCapabilities, got {type(value).__name__}")
-        elif field.name == "check_options" and not (value is None or callable(value)):
-            problems.append(f"check_options must be a callable or None, got {value!r}")
+        elif field.name in ("check_options", "check_model") and not (value is None or callable(value)):
+            problems.append(f"{field.name} must be a callable or None, got {value!r}")
         elif field.name == "availability" and not callable(value):
             problems.append(f"availability must be a callable probe, got {value!r}")
         elif field.name == "mtp_layers" and not isinstance(value, bool):
@@ -98,6 +98,10 @@ class DrafterSpec(_CheckedSpec):
     # Runs the target checkpoint's multi-token-prediction layers (DeepSeek's MTP): start-up
     # refuses a checkpoint without them and loads them (they are skipped otherwise).
     mtp_layers: bool = False
+    # Runs a draft checkpoint's layers (`ModelDrafter.load`): ([speculative] model, the target's
+    # config.json) -> every problem, each naming the file and field; run by `jackfield doctor`
+    # and at start-up before anything loads (None: the drafter has no draft checkpoint).
+    check_model: Callable[[str | None, Mapping[str, object]], list[str]] | None = None
 
 
 @dataclass(frozen=True)

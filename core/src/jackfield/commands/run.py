@@ -29,6 +29,7 @@ CONFIG_FLAGS = (
     ("--max-model-len", "engine.max_model_len", int),
     ("--speculative-method", "speculative.method", str),
     ("--num-speculative-tokens", "speculative.num_speculative_tokens", int),
+    ("--speculative-model", "speculative.model", str),
 )
 # Sampling flags: SamplingParams' own defaults, so the CLI and the Python API agree.
 SAMPLING_FLAGS = (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jackfield.contracts.attention import StepContext
+from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
 from jackfield.contracts.model import ModelFamily
 
 
@@ -103,6 +103,8 @@ class DraftContext(ABC):
 
     model: ModelFamily
     verified: DraftRows
+    # per `ModelDrafter.tap_layers` entry: that target layer's input over the verified rows
+    taps: tuple[torch.Tensor, ...]
     last_rows: torch.Tensor  # int64 [num_drafting]: rows of `verified`
     max_drafts: list[int]
 
@@ -130,7 +132,22 @@ class DraftContext(ABC):
 class ModelDrafter(Drafter):
     """A drafter that runs layers on the engine's device, called by the model runner inside the
     step (see `DraftContext`). Its spec's `mtp_layers` says whether it runs the target
-    checkpoint's multi-token-prediction layers (the engine then loads them)."""
+    checkpoint's multi-token-prediction layers (the engine then loads them); a drafter with
+    layers of its own (a draft checkpoint's) builds them in `load`."""
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the drafter reads (`DraftContext.taps`, collected by
+        the target's forward through `LayerTaps`); none by default. Known once `load` ran."""
+        return ()
+
+    def load(self, target: ModelFamily, backends: AttentionBackends, kv_cache_dtype: KVCacheDType,
+             first_cache: int) -> list[AttentionLayerSpec]:
+        """Build and load the drafter's own layers on the target's device (the engine calls it
+        once, after the target loaded) and return the specs of the KV caches they write: the
+        engine allocates them after the target's, cache `first_cache + j` in `StepContext`. A
+        ValueError names the file and field that rule it out. Default: no layers of its own."""
+        return []
 
     @abstractmethod
     def propose(self, context: DraftContext) -> DraftProposal:

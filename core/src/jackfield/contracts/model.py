@@ -62,8 +62,14 @@ class ModelCapabilities:
     @property
     def eagle3_tap_layers(self) -> tuple[int, ...]:
         """The layers whose inputs EAGLE-3 drafts from by default: early, middle and late."""
-        n = self.num_layers
-        return tuple(sorted({min(2, n - 1), n // 2, max(n - 3, 0)}))
+        return eagle3_tap_layers(self.num_layers)
+
+
+def eagle3_tap_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default taps of a target with `num_layers` layers: the inputs of layers 2, L // 2
+    and L - 3 (the published recipe), fewer when a small model makes them coincide."""
+    n = num_layers
+    return tuple(sorted({min(2, n - 1), n // 2, max(n - 3, 0)}))
 
 
 class LayerTaps:

@@ -12,6 +12,7 @@ Python values are upper bounds fixed at capture (max_seq_len = max_model_len), w
 backends that declare `cuda_graph` support (their decode path reads lengths from the device
 tensors, never syncs, and accepts rows with no KV) are captured; the engine runs the rest eagerly.
 The slots a replay writes are checked on the host (the kernels' own per-call check would sync).
+A drafter's taps (layer inputs, `LayerTaps`) are recorded as further outputs of each graph.
 A model with several KV cache groups (sliding-window layers beside full ones) has a slot and
 block-table buffer per group; lengths and positions are shared.
 
@@ -36,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from jackfield.contracts.attention import AttentionMetadata, StepContext
-from jackfield.contracts.model import ModelFamily
+from jackfield.contracts.model import LayerTaps, ModelFamily
 from jackfield.engine.recurrent_state import RecurrentStates
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import StepContextBuilder
@@ -58,15 +59,18 @@ class DecodeGraphs:
                  kv_scales: list[torch.Tensor | None], contexts: StepContextBuilder, num_groups: int,
                  num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  device: torch.device, query_lens: tuple[int, ...] = (1,),
-                 recurrent: RecurrentStates | None = None) -> None:
+                 recurrent: RecurrentStates | None = None, tap_layers: tuple[int, ...] = ()) -> None:
         """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's;
         `kv_scales`: the fp8 caches' scales (read by address: later values reach every replay);
         `num_groups`: the model's KV cache groups; `query_lens`: the rows a request to record;
-        `recurrent`: a hybrid model's state pool (then q = 1 only)."""
+        `recurrent`: a hybrid model's state pool (then q = 1 only); `tap_layers`: layers whose
+        inputs each replay also gives (a drafter's taps)."""
         if recurrent is not None and set(query_lens) != {1}:
             raise ValueError(f"a hybrid model's verify steps run eagerly: record q = 1 only, "
                              f"not {query_lens}")
+        self.tap_layers = tap_layers
         self.model, self.kv_caches, self.kv_scales, self.contexts = model, kv_caches, kv_scales, contexts
+        self.tap_layers = tap_layers
         self.block_size, self.max_model_len = block_size, max_model_len
         self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
         self.sizes = capture_sizes(max_num_seqs)
@@ -85,7 +89,10 @@ class DecodeGraphs:
         self.recurrent = recurrent
         self.state_slots = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
         self.has_state = CpuGpuBuffer(largest, dtype=torch.bool, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per (batch size, rows a request): the graph, its final hidden states and its tapped
+        # layer inputs (output buffers)
+        self.graphs: dict[tuple[int, int],
+                          tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor | None]]] = {}
 
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -103,9 +110,10 @@ class DecodeGraphs:
                 self.model(ids, self.positions.gpu[: size * q], context)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
+                taps = LayerTaps(self.tap_layers, self.model.capabilities.num_layers)
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(ids, self.positions.gpu[: size * q], context)
-                self.graphs[size, q] = (graph, hidden)
+                    hidden = self.model(ids, self.positions.gpu[: size * q], context, taps=taps)
+                self.graphs[size, q] = (graph, hidden, taps.states)
         torch.cuda.synchronize()
 
     def query_len(self, chunks: list[ScheduledChunk]) -> int | None:
@@ -123,16 +131,23 @@ class DecodeGraphs:
             return None
         return q
 
-    def run(self, chunks: list[ScheduledChunk], q: int) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], q: int, taps: LayerTaps | None = None) -> torch.Tensor:
         """The hidden states of the step's rows, request by request ([sum of num_tokens, D]; with
-        q = 1 a view of the graph's output buffer, valid until the next replay)."""
+        q = 1 a view of the graph's output buffer, valid until the next replay); `taps` (of the
+        recorded `tap_layers`) gets the tapped layers' inputs of the same rows."""
         size = next(s for s in self.sizes if s >= len(chunks))
         total = self._fill(chunks, size, q)
-        graph, hidden = self.graphs[size, q]
+        graph, hidden, states = self.graphs[size, q]
         graph.replay()
-        if q == 1:
-            return hidden[: len(chunks)]
-        return hidden.index_select(0, self.real_rows.gpu[:total])
+
+        def real(rows: torch.Tensor) -> torch.Tensor:
+            return rows[: len(chunks)] if q == 1 else rows.index_select(0, self.real_rows.gpu[:total])
+
+        if taps is not None:
+            for layer, state in zip(self.tap_layers, states, strict=True):
+                assert state is not None, "the forward offers every layer's input"
+                taps.offer(layer, real(state))
+        return real(hidden)
 
     def _fill(self, chunks: list[ScheduledChunk], size: int, q: int) -> int:
         """Write the step's rows into the static buffers (q rows a request); rows past the batch

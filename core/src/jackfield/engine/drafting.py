@@ -112,10 +112,11 @@ def verified_rows(chunks: list[ScheduledChunk], emitted: list[list[int]],
 
 
 class RunnerDraftContext(DraftContext):
-    """`hidden`: the target's final hidden states of every row of the step."""
+    """`hidden`: the target's final hidden states of every row of the step; `taps`: the inputs
+    of the drafter's tapped layers over every row of the step."""
 
     def __init__(self, model: ModelFamily, sampler: Sampler, attention: AttentionFor, found: VerifiedRows,
-                 hidden: torch.Tensor) -> None:
+                 hidden: torch.Tensor, taps: Sequence[torch.Tensor] = ()) -> None:
         self.model, self.sampler, self.attention = model, sampler, attention
         self.drafting, self.max_drafts = found.drafting, found.max_drafts
         device = hidden.device
@@ -123,6 +124,7 @@ class RunnerDraftContext(DraftContext):
         index = torch.tensor(found.rows, dtype=torch.int64, device=device)
         self.verified = DraftRows(torch.tensor(found.input_ids, dtype=torch.int64, device=device), positions,
                                   hidden[index], step)
+        self.taps = tuple(state[index] for state in taps)
         self.last_rows = torch.tensor(found.last_rows, dtype=torch.int64, device=device)
 
     def draft_rows(self, requests: Sequence[int], draft: int, input_ids: torch.Tensor,
@@ -164,13 +166,15 @@ class RunnerDraftContext(DraftContext):
 
 def draft_in_step(drafter: ModelDrafter, model: ModelFamily, sampler: Sampler, attention: AttentionFor,
                   limits: DraftLimits, chunks: list[ScheduledChunk], hidden: torch.Tensor,
-                  emitted: list[list[int]]) -> list[tuple[list[int], torch.Tensor | None]]:
+                  emitted: list[list[int]], taps: Sequence[torch.Tensor] = (),
+                  ) -> list[tuple[list[int], torch.Tensor | None]]:
     """The drafter's layers over the step's verified rows, then per sampling, non-pooling chunk
-    (in order) its drafts and their probabilities (None: greedy, or certain drafts)."""
+    (in order) its drafts and their probabilities (None: greedy, or certain drafts). `taps`: the
+    drafter's tapped layer inputs over every row of the step."""
     found = verified_rows(chunks, emitted, limits)
     proposal = None
     if found.spans:
-        proposal = drafter.propose(RunnerDraftContext(model, sampler, attention, found, hidden))
+        proposal = drafter.propose(RunnerDraftContext(model, sampler, attention, found, hidden, taps))
     index = {seq: i for i, (seq, _) in enumerate(found.drafting)}
     drafts: list[tuple[list[int], torch.Tensor | None]] = []
     for chunk in chunks:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from jackfield.config import ConfigError, JackfieldConfig
-from jackfield.contracts.attention import AttentionBackends
+from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec
 from jackfield.contracts.drafter import (
     Drafter,
     DrafterOptions,
@@ -88,11 +88,12 @@ class Engine:
         self.model = load_model(self.model_dir, backends, dtype, self.device, config.attention.kv_cache_dtype)
         if runs_mtp_layers:  # preflight checked the checkpoint has them
             self.model.load_mtp_layers(self.model_dir)
-        if self.model.recurrent_state_layers and (config.kv_connector.name or runs_mtp_layers
+        if self.model.recurrent_state_layers and (config.kv_connector.name
+                                                  or isinstance(self.drafter, ModelDrafter)
                                                   or config.attention.kv_cache_dtype == "fp8_e4m3"):
             # preflight names the built-in hybrid families; this covers any family with recurrent layers
             raise ConfigError([f"{type(self.model).__name__} has recurrent layers: KV connectors, fp8 KV "
-                               "caches and multi-token-prediction layers are not run beside them yet"])
+                               "caches and model drafters (MTP, EAGLE-3) are not run beside them yet"])
         self.capabilities = self.model.capabilities
         if self.parallel.tp_size > 1 and not self.capabilities.tensor_parallel:
             raise ConfigError([f"{type(self.model).__name__} does not split itself over tensor-parallel "
@@ -107,10 +108,18 @@ class Engine:
                                f"max_model_len {self.capabilities.max_model_len}"])
         self.max_model_len = engine.max_model_len or self.capabilities.max_model_len
         model_drafter = self.drafter if isinstance(self.drafter, ModelDrafter) else None
+        drafter_kv_layers: list[AttentionLayerSpec] = []
+        if model_drafter is not None:  # its own layers, if any (a draft checkpoint's)
+            try:
+                drafter_kv_layers = model_drafter.load(self.model, backends, config.attention.kv_cache_dtype,
+                                                       len(self.model.kv_cache_layers))
+            except (ValueError, FileNotFoundError) as exc:
+                raise ConfigError([f"speculative.method {config.speculative.method!r}: {exc}"]) from None
         self.kv_scales = checked.kv_scales
         self.runner = ModelRunner(self.model, backends, sampler, engine, self.max_model_len, self.device, say,
                                   model_drafter, self.capabilities.num_mtp_layers if runs_mtp_layers else 0,
-                                  self.kv_scales, self.drafter.num_speculative_tokens if self.drafter else 0)
+                                  self.kv_scales, tuple(drafter_kv_layers),
+                                  self.drafter.num_speculative_tokens if self.drafter else 0)
         kv = self.runner.kv
         # A bidirectional model's KV depends on later tokens: no prefix of it can be reused. Nor can a
         # recurrent layer's state, which is kept per request, not per block.
@@ -364,7 +373,7 @@ def _kv_connector(config: JackfieldConfig, runner: ModelRunner, drafters: list[D
     context = KVConnectorContext(
         options=config.kv_connector.options, block_size=block_size,
         coverage=tuple(KVCoverageSpec(block_size, window) for window in kv.groups.windows),
-        lookahead_tokens=combined_lookahead(drafters), layers=tuple(runner.model.kv_cache_layers),
+        lookahead_tokens=combined_lookahead(drafters), layers=tuple(runner.kv_layers),
         layer_group=kv.groups.layer_group, kv_caches=tuple(kv.layer_caches), device=runner.device)
     try:
         parts = resolve_factory(entry.spec.factory)(context)  # type: ignore[operator]

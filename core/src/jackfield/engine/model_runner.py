@@ -31,7 +31,7 @@ from jackfield.contracts.attention import (
 )
 from jackfield.contracts.drafter import ModelDrafter
 from jackfield.contracts.kv_connector import ConnectorMetadata, KVConnectorWorker, TransferResult
-from jackfield.contracts.model import LayerHooks, ModelFamily
+from jackfield.contracts.model import LayerHooks, LayerTaps, ModelFamily
 from jackfield.contracts.recurrent import RecurrentStep
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.distributed.cp_common import parallel_state
@@ -98,14 +98,18 @@ class ModelRunner:
                  engine: EngineConfig, max_model_len: int, device: torch.device,
                  say: Callable[[str], None], drafter: ModelDrafter | None = None,
                  num_drafter_caches: int = 0, kv_scales: KVScalePlan | None = None,
+                 drafter_kv_layers: tuple[AttentionLayerSpec, ...] = (),
                  num_speculative_tokens: int = 0) -> None:
         """`drafter`: a model drafter, run inside each step (a token drafter is the engine's);
-        `num_drafter_caches`: the KV caches it writes, the last of the model's (its MTP layers').
-        `kv_scales`: the fp8 caches' scales (preflight's plan; None: no fp8 cache).
+        `num_drafter_caches`: the KV caches it writes among the model's, the last ones (its MTP
+        layers'); `drafter_kv_layers`: those of its own layers (`ModelDrafter.load`), allocated
+        after the model's. `kv_scales`: the fp8 caches' scales (preflight's plan; None: no fp8 cache).
         `num_speculative_tokens`: the drafter's k, any kind (0: none); verify steps of k + 1 rows
         a request get CUDA graphs of their own."""
         self.model, self.backends, self.sampler, self.device = model, backends, sampler, device
         self.drafter = drafter
+        # the target layers whose inputs the drafter reads, collected by every forward
+        self.tap_layers = drafter.tap_layers if drafter is not None else ()
         if drafter is not None:
             assert engine.block_size is not None  # the Engine resolves it first
             self.draft_limits = DraftLimits(drafter.num_speculative_tokens, max_model_len, engine.block_size)
@@ -115,15 +119,17 @@ class ModelRunner:
         self.dcp = (DCPLayout(groups.dcp_rank, groups.dcp_size, groups.dcp_interleave)
                     if groups.dcp_size > 1 else None)
         self.dcp_prefill_metadata = backends.prefill.metadata_builder()  # a DCP step's prefill requests
-        self.kv = KVCache.allocate(model.kv_cache_layers, engine, max_model_len, self.capabilities.dtype,
-                                   device, groups.dcp_size)
+        self.kv_layers = [*model.kv_cache_layers, *drafter_kv_layers]  # every KV cache, in StepContext order
+        num_drafter_caches += len(drafter_kv_layers)
+        self.kv = KVCache.allocate(self.kv_layers, engine, max_model_len, self.capabilities.dtype, device,
+                                   groups.dcp_size)
         self.kv_caches, self.block_size, self.groups = self.kv.layer_caches, engine.block_size, self.kv.groups
         # Per KV cache: an fp8 cache's scales, static tensors written in place (CUDA graphs read
         # them by address); the Engine arms calibration once start-up's own steps are done.
-        self.kv_scales = fp8_kv_scales(model.kv_cache_layers, kv_scales, self.capabilities.num_layers, device)
+        self.kv_scales = fp8_kv_scales(self.kv_layers, kv_scales, self.capabilities.num_layers, device)
         self.calibrate_at_next_step = False
         self.drafter_caches = range(len(self.kv_caches) - num_drafter_caches, len(self.kv_caches))
-        self.contexts = StepContextBuilder(backends, model.kv_cache_layers, self.groups.layer_group)
+        self.contexts = StepContextBuilder(backends, self.kv_layers, self.groups.layer_group)
         specs = model.recurrent_state_layers
         # one slot per running request, and one that padded rows of replayed decode steps write
         self.recurrent = RecurrentStates(specs, engine.max_num_seqs + 1, device) if specs else None
@@ -194,7 +200,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv_caches, self.kv_scales, self.contexts,
                               len(self.groups.windows), self.kv.num_blocks, self.block_size, max_model_len,
                               engine.max_num_seqs, self.device, query_lens=tuple(sorted({1, verify_rows})),
-                              recurrent=self.recurrent)
+                              recurrent=self.recurrent, tap_layers=self.tap_layers)
         try:
             graphs.capture(say)
         except RuntimeError as exc:  # e.g. a host sync in a backend's decode path
@@ -309,10 +315,11 @@ class ModelRunner:
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def forward(self, chunks: list[ScheduledChunk], output_rows: list[int] | None = None,
-                hooks: LayerHooks | None = None, recurrent: RecurrentStep | None = None) -> torch.Tensor:
+                hooks: LayerHooks | None = None, recurrent: RecurrentStep | None = None,
+                taps: LayerTaps | None = None) -> torch.Tensor:
         """Final hidden states of `output_rows` of the step's flat batch (all rows when None),
         writing every row's KV (`hooks` around each layer's attention; `recurrent`: a hybrid
-        model's recurrent layers' part of the step)."""
+        model's recurrent layers' part of the step; `taps` collects layer inputs over every row)."""
         calibrate, self.calibrate_at_next_step = self.calibrate_at_next_step, False
         with host_single_threaded():
             per_group, input_ids, positions = self._metadata(chunks)
@@ -323,9 +330,9 @@ class ModelRunner:
             rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
             ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):
-            hidden = self.pieces.run(ids, pos, context, hooks)  # every row (a graph has no row choice)
+            hidden = self.pieces.run(ids, pos, context, hooks, taps)  # every row (a graph has no row choice)
             return hidden if rows is None else hidden[rows]
-        return self.model(ids, pos, context, rows, hooks=hooks)
+        return self.model(ids, pos, context, rows, taps=taps, hooks=hooks)
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk], connector_metadata: ConnectorMetadata | None = None,
@@ -333,6 +340,7 @@ class ModelRunner:
         sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
         hooks = self._layer_hooks(connector_metadata)
         recurrent = None  # a hybrid model's eager step: its recurrent layers' part (a replay has its own)
+        taps = LayerTaps(self.tap_layers, self.capabilities.num_layers) if self.tap_layers else None
         # a calibrating step runs eagerly: its layers set their scales before writing KV
         recorded = None  # the rows a request of the graph that replays this step
         if self.graphs is not None and not self.calibrate_at_next_step:
@@ -344,7 +352,7 @@ class ModelRunner:
                 hooks.before_attend(layer)  # type: ignore[union-attr]
             with host_single_threaded():  # the replay itself is GPU work
                 # every row is a sampling decode or verify row (query_len() checked it)
-                every_row = hidden = self.graphs.run(chunks, recorded)
+                every_row = hidden = self.graphs.run(chunks, recorded, taps)
             for layer in layers:
                 hooks.after_attend(layer)  # type: ignore[union-attr]
             embeddings: list[torch.Tensor] = []
@@ -360,13 +368,13 @@ class ModelRunner:
             if self.recurrent is not None:
                 with host_single_threaded():
                     recurrent = self.recurrent.step(chunks)
-            every_row = self.forward(chunks, rows if some else None, hooks, recurrent)
+            every_row = self.forward(chunks, rows if some else None, hooks, recurrent, taps)
             hidden = every_row if len(rows) == every_row.shape[0] else every_row[rows]
             hidden, embeddings, scored = self._split_rows(chunks, hidden)
         prompt_logprobs = [(c.seq, c.prompt_logprob_positions.start, self._prompt_logprobs(c, h))
                            for c, h in scored]
         if not sampling:
-            drafts = self._draft(chunks, every_row, [])
+            drafts = self._draft(chunks, every_row, [], taps)
             self._end_saves(connector_metadata)
             return StepResult([], [], embeddings, prompt_logprobs, drafts)
         logits = self.model.compute_logits(hidden)  # one row per sampled position
@@ -411,7 +419,7 @@ class ModelRunner:
                 logprobs[i] = [{**dict(zip(ids[r][:k], values[r][:k], strict=True)), token: next(chosen)}
                                for r, token in zip(range(first_row[i], first_row[i] + len(emitted[i])),
                                                    emitted[i], strict=True)]
-        drafts = self._draft(chunks, every_row, emitted)
+        drafts = self._draft(chunks, every_row, emitted, taps)
         self._end_saves(connector_metadata)
         return StepResult(emitted, logprobs, embeddings, prompt_logprobs, drafts)
 
@@ -425,13 +433,14 @@ class ModelRunner:
                 self.connector.save_kv_layer(cache, self.kv_caches[cache], metadata)
         self.connector.wait_for_save()
 
-    def _draft(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
-               emitted: list[list[int]]) -> list[tuple[list[int], torch.Tensor | None]] | None:
-        """The model drafter's part of the step (engine/drafting.py; `hidden`: every row's)."""
+    def _draft(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, emitted: list[list[int]],
+               taps: LayerTaps | None) -> list[tuple[list[int], torch.Tensor | None]] | None:
+        """The model drafter's part of the step (engine/drafting.py; `hidden` and `taps`: every row's)."""
         if self.drafter is None:
             return None
+        states = [] if taps is None else [s for s in taps.states if s is not None]
         return draft_in_step(self.drafter, self.model, self.sampler, self._draft_attention, self.draft_limits,
-                             chunks, hidden, emitted)
+                             chunks, hidden, emitted, states)
 
     def _rejection_verify(self, chunks: list[ScheduledChunk], first_rows: list[int], logits: torch.Tensor,
                           sampled: torch.Tensor, metadata: SamplingMetadata) -> list[list[int]]:

@@ -29,7 +29,7 @@ from functools import partial
 import torch
 
 from jackfield.contracts.attention import StepContext
-from jackfield.contracts.model import LayerHooks, ModelFamily
+from jackfield.contracts.model import LayerHooks, LayerTaps, ModelFamily
 
 
 def piece_sizes(max_tokens: int) -> list[int]:
@@ -125,10 +125,11 @@ class PiecewiseGraphs:
         return 0 < num_tokens <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
-            hooks: LayerHooks | None = None) -> torch.Tensor:
+            hooks: LayerHooks | None = None, taps: LayerTaps | None = None) -> torch.Tensor:
         """Final hidden states [T, D] of the step's T rows (a view of a static buffer, valid until
         the next replay). input_ids and positions are the step's device tensors; `hooks` run
-        around each (eager) attention call."""
+        around each (eager) attention call; `taps` gets copies of its layers' inputs (piece i
+        leaves layer i's input in a residual buffer that piece i + 2 overwrites)."""
         num_tokens = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num_tokens)
         self.input_ids[:num_tokens].copy_(input_ids)
@@ -142,6 +143,9 @@ class PiecewiseGraphs:
         *before_attention, last = pieces
         for i, piece in enumerate(before_attention):
             piece()
+            if taps is not None and i in taps.layers:
+                assert self.residual is not None
+                taps.offer(i, self.residual[i % 2][:num_tokens].clone())
             inputs = tuple(t[:num_tokens] for t in self.attn_inputs)
             if hooks is not None:
                 hooks.before_attend(i)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from jackfield.hookspecs import hookimpl
 from jackfield.specs import DrafterSpec
 
@@ -22,4 +24,17 @@ def register_drafters() -> list[DrafterSpec]:
             description="DeepSeek multi-token prediction: the target checkpoint's MTP layers",
             mtp_layers=True,
         ),
+        DrafterSpec(
+            name="eagle3",
+            factory="jackfield_spec_decode.eagle3:Eagle3Drafter",
+            description="EAGLE-3: a draft head over three of the target's layers ([speculative] model)",
+            check_model=check_eagle3_model,
+        ),
     ]
+
+
+def check_eagle3_model(model: str | None, target_config: Mapping[str, object]) -> list[str]:
+    """The eagle3 draft checkpoint's problems (imports torch only when a config names eagle3)."""
+    from jackfield_spec_decode.eagle3 import check_eagle3_model as check
+
+    return check(model, target_config)

@@ -17,7 +17,9 @@ follow); checkpoints published so far have n = 1.
 from __future__ import annotations
 
 import torch
-from jackfield.contracts.drafter import DraftContext, DraftProposal, ModelDrafter
+from jackfield.contracts.drafter import DraftContext, DraftProposal, DraftRows, ModelDrafter
+
+from jackfield_spec_decode.chain import draft_chain
 
 
 class MTPDrafter(ModelDrafter):
@@ -29,34 +31,10 @@ class MTPDrafter(ModelDrafter):
         for layer in range(num_layers - 1, -1, -1):  # layer 0 last: its output drafts
             out = model.mtp_forward(layer, verified.step, verified.input_ids, verified.positions,
                                     verified.hidden)
-        requests = list(range(context.num_drafting))
-        if not requests:
-            return DraftProposal([], [])
-        hidden = out[context.last_rows]
-        tokens, probs = context.sample(model.mtp_logits(0, hidden), requests, 0)
-        drafts: list[list[int]] = [[] for _ in requests]
-        chosen: list[list[torch.Tensor]] = [[] for _ in requests]
-        for draft in range(self.num_speculative_tokens):
-            if draft:
-                rows = context.draft_rows(requests, draft, tokens, hidden)
-                layer = draft % num_layers
-                hidden = model.mtp_forward(layer, rows.step, rows.input_ids, rows.positions, rows.hidden)
-                tokens, probs = context.sample(model.mtp_logits(layer, hidden), requests, draft)
-            keep = []
-            for i, (r, token) in enumerate(zip(requests, tokens.tolist(), strict=True)):
-                if token < 0:  # no finite logit: this request drafts no further
-                    continue
-                drafts[r].append(token)
-                if probs is not None:
-                    chosen[r].append(probs[i])
-                if draft + 1 < context.max_drafts[r]:
-                    keep.append(i)
-            if not keep:
-                break
-            if len(keep) < len(requests):
-                index = torch.tensor(keep, device=hidden.device)
-                requests, tokens, hidden = [requests[i] for i in keep], tokens[index], hidden[index]
-        # A greedy request's rows may lack probabilities (a step of greedy rows only has none): it needs none.
-        probabilities = [torch.stack(rows) if rows and len(rows) == len(d) else None
-                         for rows, d in zip(chosen, drafts, strict=True)]
-        return DraftProposal(drafts, probabilities)
+
+        def forward(draft: int, rows: DraftRows) -> torch.Tensor:
+            layer = draft % num_layers
+            return model.mtp_forward(layer, rows.step, rows.input_ids, rows.positions, rows.hidden)
+
+        return draft_chain(context, self.num_speculative_tokens, out[context.last_rows],
+                           lambda draft, hidden: model.mtp_logits(draft % num_layers, hidden), forward)

@@ -1,0 +1,64 @@
+"""Random EAGLE-3 draft heads in the published layout, for tests (as jackfield.testing writes
+target checkpoints): config.json + model.safetensors with `fc`, `midlayer.*`, `norm`, `lm_head`,
+`d2t` and `t2d`, and `embed_tokens` when asked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | None,
+                 draft_vocab: int | None = None, own_embedding: bool = False,
+                 norm_before_residual: bool = False, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
+                 intermediate: int = 48, **config: object) -> dict[str, torch.Tensor]:
+    """A random head for the target in `target` (its config.json), in the published layout; the
+    draft vocabulary (if smaller) is a random subset of the target's. Returns its tensors."""
+    target_config = json.loads((target / "config.json").read_text())
+    hidden, vocab = target_config["hidden_size"], target_config["vocab_size"]
+    draft_vocab = draft_vocab or vocab
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int, scale: float = 0.3) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    def norm() -> torch.Tensor:
+        return 1 + weight(hidden, scale=0.1)
+
+    q, kv = heads * head_dim, kv_heads * head_dim
+    tensors = {
+        "fc.weight": weight(hidden, 3 * hidden, scale=0.2),
+        "midlayer.input_layernorm.weight": norm(),
+        "midlayer.hidden_norm.weight": norm(),
+        "midlayer.self_attn.q_proj.weight": weight(q, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": weight(kv, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": weight(kv, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": weight(hidden, q),
+        "midlayer.post_attention_layernorm.weight": norm(),
+        "midlayer.mlp.gate_proj.weight": weight(intermediate, hidden),
+        "midlayer.mlp.up_proj.weight": weight(intermediate, hidden),
+        "midlayer.mlp.down_proj.weight": weight(hidden, intermediate),
+        "norm.weight": norm(),
+        "lm_head.weight": weight(draft_vocab, hidden, scale=1.0),
+    }
+    target_ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    tensors["d2t"] = target_ids - torch.arange(draft_vocab)
+    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, target_ids, True)
+    if own_embedding:
+        tensors["embed_tokens.weight"] = weight(vocab, hidden, scale=1.0)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    data: dict[str, object] = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 512, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+        "tie_word_embeddings": False, "norm_before_residual": norm_before_residual,
+    }
+    if taps is not None:
+        data["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": taps}
+    (directory / "config.json").write_text(json.dumps({**data, **config}))
+    return tensors
