@@ -9,21 +9,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 from jackfield.contracts.drafter import DrafterOptions, DraftProposal, TokenDrafter
 
 
 def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The draft after `token_ids` (see the module docstring); [] when nothing matches."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    """The draft after `token_ids` (see the module docstring); [] when nothing matches.
+
+    Only the earlier positions holding the last token can end a match, so the suffixes are
+    compared there alone. This runs for every decoding request every step, on the host between
+    GPU steps: list scans and slice comparisons (C loops) cost 3-5x less here than NumPy's
+    per-call overhead on a few hundred tokens (0.3 against 1-3 ms for 16 requests)."""
+    tokens = list(token_ids)
     length = len(tokens)
+    ends = []  # e: where an earlier occurrence of the suffix would end
+    e = -1
+    while True:
+        try:
+            e = tokens.index(tokens[-1], e + 1, length - 1)
+        except ValueError:
+            break
+        ends.append(e)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # Windows starting at 0 .. length - n - 1: every occurrence that ends before the suffix does.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return tokens[start : start + k].tolist()
+        suffix = tokens[length - n :]
+        for e in ends:  # in order: the earliest occurrence wins
+            if e >= n - 1 and tokens[e - n + 1 : e + 1] == suffix:
+                return tokens[e + 1 : e + 1 + k]
     return []
 
 
