@@ -5,7 +5,8 @@ One step (docs/architecture.md, "The step loop"): the scheduler picks this step'
 attention metadata once, runs the forward, and samples (or pools) -> the engine appends tokens,
 commits full blocks to the prefix cache and finishes requests. Speculative verification, KV
 connector loads/saves and tensor parallelism enter at those points, nowhere else: a KV
-connector's report is read at the start of a step, its metadata built once after scheduling.
+connector's report is read at the start of a step (and right after a step with in-step loads),
+its metadata built once after scheduling.
 """
 
 from __future__ import annotations
