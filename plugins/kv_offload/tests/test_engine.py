@@ -262,15 +262,17 @@ def test_run_json_reports_the_connector(model_dirs: dict[str, Path],
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["deepseek", "granite_swa"])
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
 def test_greedy_identical_on_cuda_with_hits_from_pinned_memory(model_dirs: dict[str, Path],
-                                                               family: str) -> None:
-    """The CUDA path: pinned host pool, copies on their own streams, overlapped with the forward.
-    The device pool is capped by max_num_seqs x max_model_len, so the fillers evict the prefix."""
+                                                               family: str, load_mode: str) -> None:
+    """The CUDA path: pinned host pool, copies on their own streams, overlapped with the forward
+    (layerwise: each layer's attention waits on its copy's event). The device pool is capped by
+    max_num_seqs x max_model_len, so the fillers evict the prefix."""
     vocab = 256 if family == "deepseek" else 97
     rounds = workload(vocab, seed=17)
     cuda = {**BASE, "engine.device": "cuda", "engine.max_model_len": 88}
     expected = run(LLM(model_dirs[family], **cuda), rounds)
-    llm = LLM(model_dirs[family], **cuda, **offload(2 if family == "deepseek" else 1))
+    llm = LLM(model_dirs[family], **cuda, **offload(2 if family == "deepseek" else 1, load_mode=load_mode))
     assert run(llm, rounds) == expected
     stats = llm.engine.kv_connector_stats()
     assert stats is not None and stats["hit_tokens"] > 0 and stats["failed_loads"] == 0
