@@ -1,6 +1,16 @@
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
+import pytest
 from jackfield import SamplingParams
+from jackfield.contracts.kv_connector import (
+    ConnectorMetadata,
+    ConnectorRequest,
+    KVConnectorScheduler,
+    ScheduledRequest,
+    TransferResult,
+)
 from jackfield.engine.block_manager import BlockManager
 from jackfield.engine.scheduler import Scheduler
 from jackfield.engine.sequence import Sequence, Status
@@ -73,3 +83,62 @@ def test_lookahead_is_reserved_for_running_requests_only_and_never_preempts() ->
     step = s.schedule()  # b's decode fits its 4 blocks; its lookahead would need a 5th: skipped
     assert [c.seq for c in step] == [a, b] and s.num_preemptions == 0
     assert len(b.block_table) == 4
+
+
+class OfferingConnector(KVConnectorScheduler):
+    """Offers the first `offer` tokens of every request longer than that, loaded asynchronously
+    or in-step."""
+
+    def __init__(self, offer: int, load_async: bool) -> None:
+        self.offer, self.load_async = offer, load_async
+        self.allocated: list[tuple[int, int]] = []  # (device hit, external) per admission
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> tuple[int, bool]:
+        offered = self.offer - num_computed if request.num_tokens > self.offer else 0
+        return max(offered, 0), self.load_async
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Seq[Seq[int]],
+                                 num_computed: int, num_external: int) -> None:
+        self.allocated.append((num_computed, num_external))
+
+    def build_connector_meta(self, scheduled: Seq[ScheduledRequest]) -> ConnectorMetadata:
+        return ConnectorMetadata({})
+
+    def update_connector_output(self, result: TransferResult) -> None:
+        pass
+
+    def request_finished(self, request_id: str, block_ids: Seq[Seq[int]]) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_a_connector_load_waits_or_runs_in_the_same_step(load_async: bool) -> None:
+    """Async: the request waits (no budget) until the report names it loaded. In-step: the loaded
+    tokens count as computed at once and the rest is scheduled in that step, outside the budget."""
+    connector = OfferingConnector(offer=8, load_async=load_async)
+    s = Scheduler(BlockManager(64, 4, False), max_num_seqs=8, max_num_batched_tokens=10, connector=connector)
+    a, b = _seq(1, 14), _seq(2, 3)
+    s.add(a)
+    s.add(b)
+    step = s.schedule()
+    assert connector.allocated[0] == (0, 8)
+    assert len(a.block_table) == (2 if load_async else 4)  # the loaded tokens' blocks (and the rest's)
+    if load_async:
+        assert [(c.seq, c.num_tokens) for c in step] == [(b, 3)] and a.status is Status.LOADING
+        assert s.update_from_connector(TransferResult(loaded=frozenset({"1"}))) == set()
+        assert a.num_computed == 8 and a.status is Status.RUNNING
+    else:
+        assert [(c.seq, c.num_tokens) for c in step] == [(a, 6), (b, 3)] and a.num_computed == 8
+        assert step[0].samples  # its first token comes out of the loading step
+        assert s.update_from_connector(TransferResult()) == set() and not s.loaded_in_step
+
+
+def test_a_failed_in_step_load_sends_the_request_back_to_its_device_hit() -> None:
+    connector = OfferingConnector(offer=8, load_async=False)
+    s = Scheduler(BlockManager(64, 4, False), max_num_seqs=8, max_num_batched_tokens=100, connector=connector)
+    a = _seq(1, 14)
+    s.add(a)
+    assert [(c.seq, c.num_tokens) for c in s.schedule()] == [(a, 6)]
+    assert s.update_from_connector(TransferResult(failed_loads=frozenset({"1"}))) == {1}
+    assert a.num_computed == 0 and a.status is Status.RUNNING and len(a.block_table) == 4
+    assert [(c.seq, c.num_tokens) for c in s.schedule()] == [(a, 14)]  # recomputed, blocks kept

@@ -82,12 +82,16 @@ def test_greedy_identical_with_hits_from_the_cpu_tier(model_dirs: dict[str, Path
     assert not llm.engine.scheduler.has_work() and not llm.engine.scheduler.held
 
 
-def test_a_failed_load_is_recomputed_never_read(model_dirs: dict[str, Path], monkeypatch) -> None:
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_a_failed_load_is_recomputed_never_read(model_dirs: dict[str, Path], monkeypatch,
+                                                load_mode: str) -> None:
+    """Layerwise: the step that loads the request computes over the half-loaded blocks; the
+    engine drops that step's output and the request computes its prefix again."""
     from jackfield_kv_offload import transfer
 
     rounds = workload(256, seed=11)
     expected = run(make_llm(model_dirs["deepseek"], "deepseek"), rounds)
-    llm = make_llm(model_dirs["deepseek"], "deepseek", **offload(2))
+    llm = make_llm(model_dirs["deepseek"], "deepseek", **offload(2, load_mode=load_mode))
     real_load = transfer.HostPool.load_layer
     calls = {"n": 0}
 
@@ -123,15 +127,50 @@ def test_a_failed_store_frees_its_chunks(model_dirs: dict[str, Path], monkeypatc
     assert stats["hit_tokens"] == 0 and stats["cpu_chunks_held"] == 0  # nothing half-written is served
 
 
+@pytest.mark.parametrize(("family", "blocks_per_chunk"), [("deepseek", 2), ("granite_swa", 1)])
+@pytest.mark.parametrize(("load_mode", "steps_to_first_token"), [("layerwise", 1), ("async", 2)])
+def test_a_cpu_hit_is_loaded_in_the_step_that_computes_it(model_dirs: dict[str, Path], family: str,
+                                                          blocks_per_chunk: int, load_mode: str,
+                                                          steps_to_first_token: int) -> None:
+    """Layerwise: the request's first token comes out of the step that loads its prefix from the
+    CPU tier; async: that step only loads, the next computes."""
+    from jackfield.engine.sequence import Status
+
+    vocab = 256 if family == "deepseek" else 97
+    rounds = workload(vocab, seed=19)
+    reference = make_llm(model_dirs[family], family)
+    expected = run(reference, rounds[:-2])
+    first = reference.generate(rounds[-2], GREEDY)[0].token_ids
+    llm = make_llm(model_dirs[family], family, **offload(blocks_per_chunk, load_mode=load_mode))
+    assert run(llm, rounds[:-2]) == expected  # the prefix is now on the CPU tier only
+    engine = llm.engine
+    stats = engine.kv_connector_stats()
+    assert stats is not None
+    hits_before = stats["hit_tokens"]
+    seq = engine.add_request(rounds[-2][0], GREEDY)
+    for _ in range(steps_to_first_token - 1):
+        engine.step()
+        assert seq.status == Status.LOADING and not seq.output_ids
+    engine.step()
+    assert len(seq.output_ids) == 1 and seq.first_token_time is not None
+    stats = engine.kv_connector_stats()
+    assert stats is not None and stats["hit_tokens"] > hits_before and stats["failed_loads"] == 0
+    assert seq.num_cached_prefix == 0  # nothing of it was on the device: the hit came from the CPU
+    while engine.scheduler.has_work():
+        engine.step()
+    assert seq.output_ids == first
+
+
 def test_a_loading_request_waits_without_blocking_others(model_dirs: dict[str, Path]) -> None:
-    """The worker's report of a finished load is held back for a few steps: the request stays
-    loading (no compute, its blocks held) while a request admitted after it runs to the end."""
+    """Async loads: the worker's report of a finished load is held back for a few steps: the
+    request stays loading (no compute, its blocks held) while a request admitted after it runs
+    to the end."""
     from jackfield.contracts.kv_connector import TransferResult
     from jackfield.engine.sequence import Status
 
     rounds = workload(256, seed=13)
     expected = run(make_llm(model_dirs["deepseek"], "deepseek"), rounds[:-2])
-    llm = make_llm(model_dirs["deepseek"], "deepseek", **offload(2))
+    llm = make_llm(model_dirs["deepseek"], "deepseek", **offload(2, load_mode="async"))
     assert run(llm, rounds[:-2]) == expected  # the prefix is now on the CPU tier only
     engine, worker = llm.engine, llm.engine.runner.connector
     assert worker is not None
@@ -182,6 +221,7 @@ def test_two_engines_with_one_seed_share_keys(model_dirs: dict[str, Path]) -> No
     ({"blocks_per_chunk": 0}, "kv_connector.options.blocks_per_chunk"),
     ({"cpu_bytes": 1000}, "kv_connector.options.cpu_bytes"),
     ({"store_threshold": 0}, "kv_connector.options.store_threshold"),
+    ({"load_mode": "sync"}, "kv_connector.options.load_mode"),
     ({"colour": "red"}, "kv_connector.options.colour"),
 ])
 def test_bad_options_fail_at_start_up_naming_the_field(model_dirs: dict[str, Path],
@@ -222,15 +262,17 @@ def test_run_json_reports_the_connector(model_dirs: dict[str, Path],
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["deepseek", "granite_swa"])
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
 def test_greedy_identical_on_cuda_with_hits_from_pinned_memory(model_dirs: dict[str, Path],
-                                                               family: str) -> None:
-    """The CUDA path: pinned host pool, copies on their own streams, overlapped with the forward.
-    The device pool is capped by max_num_seqs x max_model_len, so the fillers evict the prefix."""
+                                                               family: str, load_mode: str) -> None:
+    """The CUDA path: pinned host pool, copies on their own streams, overlapped with the forward
+    (layerwise: each layer's attention waits on its copy's event). The device pool is capped by
+    max_num_seqs x max_model_len, so the fillers evict the prefix."""
     vocab = 256 if family == "deepseek" else 97
     rounds = workload(vocab, seed=17)
     cuda = {**BASE, "engine.device": "cuda", "engine.max_model_len": 88}
     expected = run(LLM(model_dirs[family], **cuda), rounds)
-    llm = LLM(model_dirs[family], **cuda, **offload(2 if family == "deepseek" else 1))
+    llm = LLM(model_dirs[family], **cuda, **offload(2 if family == "deepseek" else 1, load_mode=load_mode))
     assert run(llm, rounds) == expected
     stats = llm.engine.kv_connector_stats()
     assert stats is not None and stats["hit_tokens"] > 0 and stats["failed_loads"] == 0

@@ -54,7 +54,7 @@ def first_token_request(request_id: str, seed: int) -> ConnectorRequest:
 def load(scheduler, worker, ctx, request: ConnectorRequest, tables, timeout_s: float):  # noqa: ANN001, ANN201
     """Admit `request` with the producer's blocks expected, then step the connector until its
     load ends; returns (TransferResult, seconds waited)."""
-    assert scheduler.get_num_new_matched_tokens(request, 0) == RESUME
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (RESUME, True)  # async
     scheduler.update_state_after_alloc(request, tables, 0, RESUME)
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -122,7 +122,7 @@ def test_a_producer_killed_mid_transfer_fails_the_load_in_time_and_writes_nothin
         assert stats["cpu_chunks_held"] == 0 and stats["aborted_transfers"] == 1
         # the stream is gone: a later request expects nothing and loads nothing
         later = ConnectorRequest("8", request.block_hashes, request.num_tokens)
-        assert scheduler.get_num_new_matched_tokens(later, 0) == 0
+        assert scheduler.get_num_new_matched_tokens(later, 0)[0] == 0
     finally:
         assert producer.wait(timeout=60) == 3
 

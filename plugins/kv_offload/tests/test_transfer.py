@@ -8,7 +8,8 @@ import pytest
 import torch
 from jackfield.attention.kv_cache import allocate_kv_cache
 from jackfield.contracts.attention import AttentionLayerSpec
-from jackfield.contracts.kv_connector import KVConnectorContext, KVCoverageSpec
+from jackfield.contracts.kv_connector import ConnectorMetadata, KVConnectorContext, KVCoverageSpec
+from jackfield_kv_offload.connector import CpuOffloadWorker, TransferJob
 from jackfield_kv_offload.transfer import HostPool
 
 MLA = AttentionLayerSpec(num_heads=4, head_size=40, scale=0.1, kv_lora_rank=32, qk_rope_head_dim=8,
@@ -86,3 +87,35 @@ def test_chunk_bytes_count_each_shared_tensor_once() -> None:
     ctx = context(MHA, torch.bfloat16, 3, "cpu", seed=33)
     per_block = 2 * BLOCK * MHA.num_kv_heads * MHA.head_size * 2  # key and value, bf16
     assert HostPool.chunk_bytes(ctx, BPC) == 2 * per_block * BPC  # two distinct tensors
+
+
+@pytest.mark.gpu
+def test_a_layer_reads_its_blocks_only_after_its_copy_on_cuda() -> None:
+    """Layerwise loads on a real stream: a sleep kernel queued on the load stream ahead of the
+    copies holds them back, so a compute-stream read that did not wait for its layer's event
+    would see the old bytes; after `wait_for_layer_load(layer)` it sees the loaded ones."""
+    seed = 34
+    print(f"seed={seed}")
+    ctx = context(MHA, torch.bfloat16, 1, "cuda", seed)
+    pool = HostPool(ctx, BPC, num_slots=6)
+    worker = CpuOffloadWorker(pool, ctx.layer_group, layerwise=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    for host in pool.host:  # the chunks to load: random bytes
+        raw = host.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+    targets = (torch.randperm(NUM_BLOCKS - 1, generator=g)[: 2 * BPC] + 1).tolist()
+    pairs = tuple(enumerate(targets))  # host rows 0.. -> scattered device blocks
+    ids = torch.tensor(targets, device="cuda")
+    expected = [[host[: len(targets)].clone().cuda() for host in pool.host[pool.cache.layer_tensor[layer]]]
+                for layer in range(len(ctx.layers))]
+    metadata = ConnectorMetadata({"loads": [TransferJob("0", (pairs,))], "stores": []})
+    with torch.cuda.stream(pool.load_stream):
+        torch.cuda._sleep(1 << 28)  # a few hundred ms: the copies queued next start late
+    worker.start_load_kv(metadata, ctx.kv_caches)
+    read = []
+    for layer in range(len(ctx.layers)):  # as the forward goes: wait, then attend (read)
+        worker.wait_for_layer_load(layer)
+        read.append([plane.index_select(0, ids) for plane in pool.cache.of_layer(layer)])
+    torch.cuda.synchronize()
+    for layer, (got, want) in enumerate(zip(read, expected, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), layer

@@ -103,14 +103,21 @@ class KVConnectorContext:
 
 
 class KVConnectorScheduler(ABC):
-    """Runs in the scheduler. Loads are asynchronous: an admitted request whose KV is loading
-    waits (holding its blocks) until `TransferResult.loaded` or `failed_loads` names it, while
-    the others run."""
+    """Runs in the scheduler. A load is either asynchronous or in-step, as
+    `get_num_new_matched_tokens` says per request.
+
+    Asynchronous (KV arriving from elsewhere, in its own time): the admitted request waits
+    (holding its blocks) until `TransferResult.loaded` or `failed_loads` names it, while the
+    others run. In-step (KV already in local memory): the request computes its remaining tokens
+    in the step that loads it; the worker has each layer's blocks in place before that layer
+    reads them (`wait_for_layer_load`), and must know of a failure by the `get_finished` call the
+    engine makes right after the step (it then discards the request's step and recomputes)."""
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> int:
-        """Tokens past `num_computed` (the device prefix hit) whose KV can be loaded: whole blocks,
-        never the request's last token. Must not change state: the engine may not admit it."""
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> tuple[int, bool]:
+        """(tokens, load_async): the tokens past `num_computed` (the device prefix hit) whose KV can
+        be loaded, whole blocks, never the request's last token; and whether that load is
+        asynchronous (else in-step). Must not change state: the engine may not admit it."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[Sequence[int]],
@@ -142,11 +149,13 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def start_load_kv(self, metadata: ConnectorMetadata, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Before the forward: start the step's loads (they may finish in a later step)."""
+        """Before the forward: start the step's loads (asynchronous ones may finish in a later
+        step; in-step ones are waited for layer by layer)."""
 
     @abstractmethod
     def wait_for_layer_load(self, layer: int) -> None:
-        """Before `layer` reads its cache."""
+        """Before `layer` reads its cache: the step's in-step loads of `layer` are in place once
+        this returns or, on a GPU, once the device's current stream reaches this point."""
 
     @abstractmethod
     def save_kv_layer(self, layer: int, kv_cache: torch.Tensor, metadata: ConnectorMetadata) -> None:

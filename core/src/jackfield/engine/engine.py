@@ -5,7 +5,8 @@ One step (docs/architecture.md, "The step loop"): the scheduler picks this step'
 attention metadata once, runs the forward, and samples (or pools) -> the engine appends tokens,
 commits full blocks to the prefix cache and finishes requests. Speculative verification, KV
 connector loads/saves and tensor parallelism enter at those points, nowhere else: a KV
-connector's report is read at the start of a step, its metadata built once after scheduling.
+connector's report is read at the start of a step (and right after a step with in-step loads),
+its metadata built once after scheduling.
 """
 
 from __future__ import annotations
@@ -253,6 +254,10 @@ class Engine:
             self.runner.transfer(metadata)  # only loads in flight: they finish in a later step
             return []
         result = self.runner.step(chunks, metadata)
+        samples = [chunk.samples for chunk in chunks]  # they read num_computed: before any update
+        # An in-step load's failure is known once its step ran: that request's output is dropped.
+        dropped = (self.scheduler.update_from_connector(self.runner.connector_finished())
+                   if self.scheduler.loaded_in_step else set())
         now = time.perf_counter()
         for seq, first, entries in result.prompt_logprobs:  # by position: a recomputed prefill rewrites
             assert seq.prompt_logprobs is not None
@@ -261,10 +266,16 @@ class Engine:
         sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
         drafted = iter(result.drafts) if result.drafts is not None else None
         pooled = iter(result.embeddings)
-        for chunk in chunks:
-            seq, samples = chunk.seq, chunk.samples  # `samples` reads num_computed: before the update
+        for chunk, chunk_samples in zip(chunks, samples, strict=True):
+            seq = chunk.seq
             seq.draft_ids, seq.draft_probs = [], None
-            if not samples:
+            if seq.request_id in dropped:  # it read blocks whose load failed: it computes again
+                if chunk_samples:
+                    next(sampled)
+                    if drafted is not None:
+                        next(drafted)
+                continue
+            if not chunk_samples:
                 seq.num_computed += chunk.num_tokens
                 self.block_manager.commit(seq)
                 continue

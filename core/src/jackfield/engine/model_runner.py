@@ -76,16 +76,22 @@ def greedy(logits: torch.Tensor) -> SamplerOutput:
 
 class ConnectorLayers(LayerHooks):
     """The KV connector's per-layer calls for one step: decoder layer i reads and writes the KV
-    caches j < num_forward_caches with j % num_layers == i (contracts/model.py); the caches after
-    those are a model drafter's, written after the forward (`ModelRunner.step` saves them then)."""
+    caches j < drafter_caches.start with j % num_layers == i (contracts/model.py); `drafter_caches`
+    are a model drafter's, read and written after the forward (`ModelRunner.step` waits for their
+    loads before it drafts and saves them after)."""
 
     def __init__(self, worker: KVConnectorWorker, metadata: ConnectorMetadata, kv_caches: list[torch.Tensor],
-                 num_layers: int, num_forward_caches: int) -> None:
+                 num_layers: int, drafter_caches: range) -> None:
         self.worker, self.metadata, self.kv_caches = worker, metadata, kv_caches
-        self.caches = [range(i, num_forward_caches, num_layers) for i in range(num_layers)]
+        self.caches = [range(i, drafter_caches.start, num_layers) for i in range(num_layers)]
+        self.drafter_caches = drafter_caches
 
     def before_attend(self, layer: int) -> None:
         for cache in self.caches[layer]:
+            self.worker.wait_for_layer_load(cache)
+
+    def before_drafter(self) -> None:
+        for cache in self.drafter_caches:
             self.worker.wait_for_layer_load(cache)
 
     def after_attend(self, layer: int) -> None:
@@ -158,7 +164,7 @@ class ModelRunner:
             return None
         self.connector.start_load_kv(metadata, self.kv_caches)
         return ConnectorLayers(self.connector, metadata, self.kv_caches, self.capabilities.num_layers,
-                               self.drafter_caches.start)
+                               self.drafter_caches)
 
     def _graphs_off_reason(self, engine: EngineConfig) -> str | None:
         """What rules out every CUDA graph of the model's forward."""
@@ -374,7 +380,7 @@ class ModelRunner:
         prompt_logprobs = [(c.seq, c.prompt_logprob_positions.start, self._prompt_logprobs(c, h))
                            for c, h in scored]
         if not sampling:
-            drafts = self._draft(chunks, every_row, [], taps)
+            drafts = self._draft(chunks, every_row, [], taps, hooks)
             self._end_saves(connector_metadata)
             return StepResult([], [], embeddings, prompt_logprobs, drafts)
         logits = self.model.compute_logits(hidden)  # one row per sampled position
@@ -419,7 +425,7 @@ class ModelRunner:
                 logprobs[i] = [{**dict(zip(ids[r][:k], values[r][:k], strict=True)), token: next(chosen)}
                                for r, token in zip(range(first_row[i], first_row[i] + len(emitted[i])),
                                                    emitted[i], strict=True)]
-        drafts = self._draft(chunks, every_row, emitted, taps)
+        drafts = self._draft(chunks, every_row, emitted, taps, hooks)
         self._end_saves(connector_metadata)
         return StepResult(emitted, logprobs, embeddings, prompt_logprobs, drafts)
 
@@ -434,10 +440,13 @@ class ModelRunner:
         self.connector.wait_for_save()
 
     def _draft(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, emitted: list[list[int]],
-               taps: LayerTaps | None) -> list[tuple[list[int], torch.Tensor | None]] | None:
+               taps: LayerTaps | None, hooks: ConnectorLayers | None,
+               ) -> list[tuple[list[int], torch.Tensor | None]] | None:
         """The model drafter's part of the step (engine/drafting.py; `hidden` and `taps`: every row's)."""
         if self.drafter is None:
             return None
+        if hooks is not None:
+            hooks.before_drafter()
         states = [] if taps is None else [s for s in taps.states if s is not None]
         return draft_in_step(self.drafter, self.model, self.sampler, self._draft_attention, self.draft_limits,
                              chunks, hidden, emitted, states)

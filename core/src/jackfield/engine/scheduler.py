@@ -8,10 +8,13 @@ recomputed (prompt and generated tokens) later. Before any of that, running requ
 the sliding-window blocks their next queries no longer see.
 
 With a KV connector, an admitted request whose prefix the connector can load past the device
-prefix hit gets blocks for it and waits in `loading` (taking no token budget) until the
-connector's report says the load finished (it then resumes after the loaded tokens) or failed
-(it recomputes them); the others run meanwhile. A finished request's blocks stay held while the
-connector still reads them.
+prefix hit gets blocks for it. An asynchronous load waits in `loading` (taking no token budget)
+until the connector's report says the load finished (it then resumes after the loaded tokens) or
+failed (it recomputes them); the others run meanwhile. An in-step load counts its tokens as
+computed at once and the request computes the rest in the same step (the worker loads each
+layer's blocks before the layer reads them); if the report read right after that step names the
+load failed, the engine drops the request's step and it recomputes from its device hit. A
+finished request's blocks stay held while the connector still reads them.
 
 A model drafter writes KV past a step's rows (its draft rows); a running request's blocks then
 also cover `lookahead` slots past them where the pool has them (never at the cost of another
@@ -74,6 +77,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []  # admitted, their prefix's KV coming from the connector
+        # admitted this step with an in-step load: (request, tokens loaded, counted as computed)
+        self.loaded_in_step: list[tuple[Sequence, int]] = []
         self.held: dict[str, Sequence] = {}  # finished or aborted, blocks kept while the connector reads them
         self.num_preemptions = 0
 
@@ -95,11 +100,22 @@ class Scheduler:
                                                    c.seq.num_tokens))
                 for c in chunks if c.seq.pooling is None]
 
-    def update_from_connector(self, result: TransferResult) -> None:
+    def update_from_connector(self, result: TransferResult) -> set[int]:
         """The worker's report: loaded requests resume after their loaded tokens, failed loads
-        recompute them (the blocks are overwritten, never read), held blocks are freed."""
+        recompute them (the blocks are overwritten, never read), held blocks are freed. Read right
+        after a step with in-step loads, it returns the ids of the requests whose in-step load
+        failed: their step read invalid blocks, so the engine drops its output, and they compute
+        again from their device prefix hit."""
         assert self.connector is not None
         self.connector.update_connector_output(result)
+        failed_in_step: set[int] = set()
+        for seq, loaded in self.loaded_in_step:
+            if str(seq.request_id) in result.failed_loads:
+                seq.num_computed -= loaded
+                failed_in_step.add(seq.request_id)
+            else:  # as below: window blocks before the loaded window go before the commit
+                self.blocks.trim(seq)
+        self.loaded_in_step = []
         for seq in list(self.loading):
             rid = str(seq.request_id)
             if rid not in result.loaded and rid not in result.failed_loads:
@@ -121,6 +137,7 @@ class Scheduler:
             held = self.held.pop(rid, None)
             if held is not None:
                 self.blocks.release(held)
+        return failed_in_step
 
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks, single-token chunks (decodes) first."""
@@ -159,8 +176,8 @@ class Scheduler:
             hits = (self.blocks.match_prefix(seq) if seq.reads_prefix_cache
                     else [[] for _ in self.blocks.windows])
             cached = len(hits[0]) * self.blocks.block_size
-            external = self._external_tokens(seq, cached)
-            count = 0 if external else min(seq.num_tokens - cached, budget)
+            external, load_async = self._external_tokens(seq, cached)
+            count = 0 if external and load_async else min(seq.num_tokens - cached - external, budget)
             if ((seq.pooling is not None and count < seq.num_tokens)
                     or not self.blocks.can_admit(external + count, hits)):
                 break  # first come first served: nobody overtakes the head of the queue
@@ -172,10 +189,13 @@ class Scheduler:
             if self.connector is not None and seq.pooling is None:
                 request = self.connector_request(seq)
                 self.connector.update_state_after_alloc(request, seq.block_tables, cached, external)
-            if external:  # it waits for its load; the budget goes to the next request
+            if external and load_async:  # it waits for its load; the budget goes to the next request
                 seq.status, seq.num_loading = Status.LOADING, external
                 self.loading.append(seq)
                 continue
+            if external:  # loaded in this step, layer by layer: it computes after the loaded tokens
+                seq.num_computed += external
+                self.loaded_in_step.append((seq, external))
             seq.status = Status.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, count))
@@ -183,15 +203,16 @@ class Scheduler:
         chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first, FCFS within each kind
         return chunks
 
-    def _external_tokens(self, seq: Sequence, cached: int) -> int:
-        """Tokens past the device prefix hit that the connector can load (0 without one)."""
+    def _external_tokens(self, seq: Sequence, cached: int) -> tuple[int, bool]:
+        """Tokens past the device prefix hit that the connector can load (0 without one), and
+        whether their load is asynchronous."""
         if self.connector is None or not seq.reads_prefix_cache:
-            return 0
-        external = self.connector.get_num_new_matched_tokens(self.connector_request(seq), cached)
+            return 0, True
+        external, load_async = self.connector.get_num_new_matched_tokens(self.connector_request(seq), cached)
         if external < 0 or external % self.blocks.block_size or cached + external >= seq.num_tokens:
             raise RuntimeError(f"KV connector offered {external} tokens past {cached} of a "
                                f"{seq.num_tokens}-token request: whole blocks, short of the last token")
-        return external
+        return external, load_async
 
     def _with_lookahead(self, seq: Sequence, num_tokens: int) -> int:
         """The slots to hold: `num_tokens` and the lookahead past them, where the pool has it."""

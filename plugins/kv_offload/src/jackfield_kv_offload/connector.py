@@ -7,10 +7,16 @@ metadata. Each step, chunks a scheduled request has completed (verified tokens o
 future request can reach are stored, all-or-nothing per request and step. The worker's reports
 complete loads (references dropped) and stores (chunks made ready, or freed when a copy failed).
 
-Worker side: loads start before the forward and finish in a later step (the request waits);
-stores are queued layer by layer as each layer writes its KV. A copy that raises fails its
-request's transfer: a failed load's blocks are recomputed by the engine, a failed store's chunks
-are freed, never read.
+Worker side: loads are queued layer by layer on the load stream before the forward. With
+`load_mode = "layerwise"` (the default) they are in-step: the request computes its new tokens in
+the same step, and each layer's attention waits for that layer's copies only (the compute stream
+waits on the layer's event; a CPU-only engine copied everything before the forward), so a
+layer's compute overlaps the later layers' copies. With "async" the request waits for a step
+whose start finds the load finished, and nothing else waits on the copy. Stores are queued layer
+by layer as each layer writes its KV. A copy that raises fails its request's transfer: a failed
+load's blocks are recomputed by the engine (a failed in-step load also fails the request's stores
+of that step, computed over the blocks it could not load), a failed store's chunks are freed,
+never read.
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ class CpuOffloadScheduler(KVConnectorScheduler):
         return [[c for c in ch.needed_chunks(segments) if (c + 1) * ch.tokens_per_chunk > num_computed]
                 for ch in self.chunkings]
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> int:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> tuple[int, bool]:
+        load_async = self.options.load_mode == "async"
         aligned = self.chunkings[0].aligned_tokens
         usable = request.num_tokens - 1  # the last token is always computed
         keys = self._keys(request, usable)
@@ -81,8 +88,8 @@ class CpuOffloadScheduler(KVConnectorScheduler):
             needed = self._needed(keys, segments, num_computed)
             if all(self.manager.lookup([k[c] for c in chunks]) == len(chunks)
                    for k, chunks in zip(keys, needed, strict=True)):
-                return segments * aligned - num_computed
-        return 0
+                return segments * aligned - num_computed, load_async
+        return 0, load_async
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[Sequence[int]],
                                  num_computed: int, num_external: int) -> None:
@@ -179,8 +186,10 @@ class CpuOffloadScheduler(KVConnectorScheduler):
 
 
 class CpuOffloadWorker(KVConnectorWorker):
-    def __init__(self, pool: HostPool, layer_group: tuple[int, ...]) -> None:
-        self.pool, self.layer_group = pool, layer_group
+    def __init__(self, pool: HostPool, layer_group: tuple[int, ...], layerwise: bool) -> None:
+        """layerwise: the step's loads are in-step (each layer waits for its own copies)."""
+        self.pool, self.layer_group, self.layerwise = pool, layer_group, layerwise
+        self.layer_loaded: list[torch.cuda.Event | None] = []  # this step's in-step loads, per layer
         self.in_flight_loads: list[tuple[torch.cuda.Event | None, str]] = []
         self.in_flight_saves: list[tuple[torch.cuda.Event | None, set[str]]] = []
         self.failed_loads: set[str] = set()
@@ -189,25 +198,33 @@ class CpuOffloadWorker(KVConnectorWorker):
 
     def start_load_kv(self, metadata: ConnectorMetadata, kv_caches: Sequence[torch.Tensor]) -> None:
         jobs: list[TransferJob] = metadata.payload["loads"]  # type: ignore[assignment]
+        self.layer_loaded = []
         for layer, group in enumerate(self.layer_group):  # layer by layer, as the forward goes
             for job in jobs:
                 if job.request_id not in self.failed_loads:
                     self._copy(self.pool.load_layer, layer, job.pairs[group], job.request_id,
                                self.failed_loads)
+            if self.layerwise and jobs:
+                self.layer_loaded.append(self.pool.record(self.pool.load_stream))
         self.pool.end_step()
         event = self.pool.record(self.pool.load_stream)
         self.in_flight_loads += [(event, job.request_id) for job in jobs
                                  if job.request_id not in self.failed_loads]
 
     def wait_for_layer_load(self, layer: int) -> None:
-        """Nothing to wait for: a request whose chunks are loading is not in any step until its
-        load has finished (the scheduler keeps it waiting), so no layer reads a block in flight."""
+        """In-step loads: the compute stream waits for this layer's copies (on a CPU-only engine
+        they are done). Asynchronous loads need no wait: their request is in no step until its
+        load has finished, so no layer reads a block in flight."""
+        if layer < len(self.layer_loaded):
+            self.pool.wait(self.layer_loaded[layer])
 
     def save_kv_layer(self, layer: int, kv_cache: torch.Tensor, metadata: ConnectorMetadata) -> None:
         jobs: list[TransferJob] = metadata.payload["stores"]  # type: ignore[assignment]
         group = self.layer_group[layer]
         for job in jobs:
             self.step_saves.add(job.request_id)
+            if self.layerwise and job.request_id in self.failed_loads:
+                self.failed_saves.add(job.request_id)  # its KV was computed over blocks never loaded
             if job.request_id not in self.failed_saves:
                 self._copy(self.pool.store_layer, layer, job.pairs[group], job.request_id, self.failed_saves)
 
@@ -263,4 +280,4 @@ def make_cpu_offload(context: KVConnectorContext) -> tuple[CpuOffloadScheduler, 
     manager = OffloadManager(num_slots, make_policy(options.eviction_policy, num_slots))
     pool = HostPool(context, bpc, num_slots)
     return (CpuOffloadScheduler(options, chunkings, manager, context.block_size),
-            CpuOffloadWorker(pool, context.layer_group))
+            CpuOffloadWorker(pool, context.layer_group, layerwise=options.load_mode == "layerwise"))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 PREFIX = "kv_connector.options"
 POLICIES = ("lru", "arc")
+LOAD_MODES = ("layerwise", "async")
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,10 @@ class OffloadOptions:
     blocks_per_chunk: int = 4  # engine KV blocks per stored chunk (the unit of lookup and transfer)
     eviction_policy: str = "lru"
     store_threshold: int = 1  # store a chunk once requests have looked it up this many times
+    # "layerwise": a hit is loaded in the step that computes the request's new tokens, each layer
+    # waiting for its own copy (time to first token); "async": the request waits a step for its
+    # load while the others run without waiting on the copy
+    load_mode: str = "layerwise"
 
 
 def _integer(value: object) -> bool:
@@ -49,7 +54,7 @@ def _budget_bytes(options: Mapping[str, object]) -> int:
 def check_options(options: Mapping[str, object]) -> list[str]:
     """Every problem of `options` that shows without the model (the CPU budget against one
     chunk's size is checked when the connector is built)."""
-    known = {"cpu_bytes", "cpu_gib", "blocks_per_chunk", "eviction_policy", "store_threshold"}
+    known = {"cpu_bytes", "cpu_gib", "blocks_per_chunk", "eviction_policy", "store_threshold", "load_mode"}
     problems = _unknown(options, known) + _budget_problems(options)
     blocks = options.get("blocks_per_chunk", 4)
     if not (_integer(blocks) and blocks >= 1):  # type: ignore[operator]
@@ -61,6 +66,9 @@ def check_options(options: Mapping[str, object]) -> list[str]:
     threshold = options.get("store_threshold", 1)
     if not (_integer(threshold) and threshold >= 1):  # type: ignore[operator]
         problems.append(f"{PREFIX}.store_threshold must be an integer >= 1, got {threshold!r}")
+    mode = options.get("load_mode", "layerwise")
+    if mode not in LOAD_MODES:
+        problems.append(f"{PREFIX}.load_mode must be one of {', '.join(map(repr, LOAD_MODES))}, got {mode!r}")
     return problems
 
 
@@ -71,7 +79,8 @@ def parse_options(options: Mapping[str, object]) -> OffloadOptions:
         raise ValueError("\n".join(problems))
     return OffloadOptions(_budget_bytes(options), int(options.get("blocks_per_chunk", 4)),  # type: ignore[call-overload]
                           str(options.get("eviction_policy", "lru")),
-                          int(options.get("store_threshold", 1)))  # type: ignore[call-overload]
+                          int(options.get("store_threshold", 1)),  # type: ignore[call-overload]
+                          str(options.get("load_mode", "layerwise")))
 
 
 PD_ROLES = ("producer", "consumer")

@@ -96,4 +96,4 @@ def make_pd(context: KVConnectorContext) -> tuple[KVConnectorScheduler, KVConnec
     # Registered after the launcher's own exit handler, so it runs first: it stops the producer.
     atexit.register(receiver.join, options.timeout_s)
     return (PDConsumerScheduler(landing, chunkings, context.block_size, options.timeout_s),
-            PDConsumerWorker(pool, context.layer_group))
+            PDConsumerWorker(pool, context.layer_group, layerwise=False))

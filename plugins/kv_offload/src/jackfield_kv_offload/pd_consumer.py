@@ -44,7 +44,8 @@ class PDConsumerScheduler(CpuOffloadScheduler):
 
     def __init__(self, landing: Landing, chunkings: list[GroupChunking], block_size: int,
                  timeout_s: float) -> None:
-        options = OffloadOptions(cpu_bytes=landing.pool.nbytes, blocks_per_chunk=1)
+        # asynchronous loads: a request may wait for blocks still on their way from the producer
+        options = OffloadOptions(cpu_bytes=landing.pool.nbytes, blocks_per_chunk=1, load_mode="async")
         super().__init__(options, chunkings, landing.manager, block_size)
         self.landing, self.timeout_s = landing, timeout_s
         self.seen: set[str] = set()  # admitted before: only its first admission expects the producer
@@ -77,10 +78,10 @@ class PDConsumerScheduler(CpuOffloadScheduler):
             return 0
         return resume - num_computed
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> int:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> tuple[int, bool]:
         with self.landing.lock:
             expected = self._expected(request, num_computed)
-            return expected or super().get_num_new_matched_tokens(request, num_computed)
+            return (expected, True) if expected else super().get_num_new_matched_tokens(request, num_computed)
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[Sequence[int]],
                                  num_computed: int, num_external: int) -> None:

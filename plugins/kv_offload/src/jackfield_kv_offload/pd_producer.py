@@ -41,8 +41,8 @@ class PDProducerScheduler(KVConnectorScheduler):
         self.next_chunk: dict[str, list[int]] = {}  # request id -> per group, the next block to consider
         self.counts = {"exported_blocks": 0, "exported_requests": 0}
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> int:
-        return 0  # the producer computes every prompt
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed: int) -> tuple[int, bool]:
+        return 0, True  # the producer computes every prompt
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[Sequence[int]],
                                  num_computed: int, num_external: int) -> None:

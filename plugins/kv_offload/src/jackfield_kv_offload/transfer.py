@@ -163,6 +163,11 @@ class HostPool:
         event.record(stream)
         return event
 
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """Later compute-stream work waits for `event` (a GPU-side wait, no host sync)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
     def order_compute_after_stores(self) -> None:
         """Later compute-stream work (which may overwrite a stored block) waits for the stores."""
         if self.store_stream is not None:
