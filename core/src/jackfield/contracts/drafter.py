@@ -121,6 +121,15 @@ class DraftContext(ABC):
         requests' reserved lookahead slots (a rejected draft's KV is overwritten by a later step)."""
 
     @abstractmethod
+    def block_attention(self, requests: Sequence[int], sizes: Sequence[int]) -> tuple[StepContext, torch.Tensor]:
+        """A drafter that drafts in one block (`ModelDrafter.drafts_in_one_block`): the attention
+        and positions (int64 [sum(sizes)] on the device) of one block of `sizes[i]` rows per
+        request `requests[i]`, at positions N - 1 .. N - 2 + sizes[i] of a request with N tokens
+        (its newest token, then the positions of its drafts), every row seeing every key of its
+        request up to the block's end (non-causal). Their KV goes into the requests' reserved
+        lookahead slots and the newest token's slot (overwritten by a later step)."""
+
+    @abstractmethod
     def sample(self, logits: torch.Tensor, requests: Sequence[int], draft: int,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft token `draft` of each of `requests` from its row of float32 `logits`: at the
@@ -134,6 +143,14 @@ class ModelDrafter(Drafter):
     step (see `DraftContext`). Its spec's `mtp_layers` says whether it runs the target
     checkpoint's multi-token-prediction layers (the engine then loads them); a drafter with
     layers of its own (a draft checkpoint's) builds them in `load`."""
+
+    @property
+    def drafts_in_one_block(self) -> bool:
+        """True: the drafter drafts all its tokens from one non-causal block of rows at positions
+        N - 1 .. N - 1 + d (`DraftContext.block_attention`; DFlash) rather than a chain of
+        rows at N + j - 2 (`DraftContext.draft_rows`), which bounds its drafts by its KV slots
+        differently. Its `lookahead_tokens` cover the block."""
+        return False
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
