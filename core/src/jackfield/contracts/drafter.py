@@ -121,7 +121,8 @@ class DraftContext(ABC):
         requests' reserved lookahead slots (a rejected draft's KV is overwritten by a later step)."""
 
     @abstractmethod
-    def block_attention(self, requests: Sequence[int], sizes: Sequence[int]) -> tuple[StepContext, torch.Tensor]:
+    def block_attention(self, requests: Sequence[int],
+                        sizes: Sequence[int]) -> tuple[StepContext, torch.Tensor]:
         """A drafter that drafts in one block (`ModelDrafter.drafts_in_one_block`): the attention
         and positions (int64 [sum(sizes)] on the device) of one block of `sizes[i]` rows per
         request `requests[i]`, at positions N - 1 .. N - 2 + sizes[i] of a request with N tokens

@@ -137,9 +137,11 @@ class RunnerDraftContext(DraftContext):
         step, positions = self.attention(spans, len(spans), True)
         return DraftRows(input_ids, positions, hidden, step)
 
-    def block_attention(self, requests: Sequence[int], sizes: Sequence[int]) -> tuple[StepContext, torch.Tensor]:
+    def block_attention(self, requests: Sequence[int],
+                        sizes: Sequence[int]) -> tuple[StepContext, torch.Tensor]:
         if any(not 2 <= size <= self.max_drafts[r] + 1 for r, size in zip(requests, sizes, strict=True)):
-            raise ValueError(f"blocks of {list(sizes)} rows are beyond what requests {list(requests)} may draft")
+            raise ValueError(f"blocks of {list(sizes)} rows are beyond what requests {list(requests)} "
+                             "may draft")
         spans = [Span(self.drafting[r][0], self.drafting[r][1] - 1, size) for r, size in zip(requests, sizes,
                                                                                               strict=True)]
         return self.attention(spans, len(spans), False)

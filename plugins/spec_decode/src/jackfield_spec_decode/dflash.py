@@ -146,7 +146,8 @@ def _dflash_config(path: Path, data: dict[str, object], target: TargetShape,
     if data.get("is_causal") is True:
         raise ValueError("is_causal is true; a DFlash draft attends its block non-causally")
     types = data.get("layer_types")
-    if data.get("use_sliding_window") or (isinstance(types, list) and any(t != "full_attention" for t in types)):
+    sliding = isinstance(types, list) and any(t != "full_attention" for t in types)
+    if data.get("use_sliding_window") or sliding:
         raise ValueError(f"sliding-window layers (use_sliding_window {data.get('use_sliding_window')!r}, "
                          f"layer_types {types!r}) are not run: every layer must be full_attention")
     layers = int_field(data, "num_hidden_layers")
@@ -270,11 +271,12 @@ class DFlashDrafter(ModelDrafter):
              first_cache: int) -> list[AttentionLayerSpec]:
         caps = target.capabilities
         k = self.num_speculative_tokens
-        c = read_dflash_config(self.options.model, TargetShape(caps.vocab_size, caps.hidden_size, caps.num_layers),
-                               k)
+        shape = TargetShape(caps.vocab_size, caps.hidden_size, caps.num_layers)
+        c = read_dflash_config(self.options.model, shape, k)
         device = next(target.parameters()).device
         backend = backends.decode  # the block's rows run as decode rows
-        if not (backend.capabilities.non_causal and backend.supports_non_causal(device, kv_cache_dtype, k + 1)):
+        if not (backend.capabilities.non_causal
+                and backend.supports_non_causal(device, kv_cache_dtype, k + 1)):
             raise ValueError(f"{c.path}: a DFlash draft attends its block of {k + 1} rows non-causally; the "
                              f"attention backend {backend.name!r} does not on {device} with kv_cache_dtype "
                              f"{kv_cache_dtype!r}: choose one that does (torch_ref does)")
