@@ -11,7 +11,8 @@ the new tokens, the drafter gets:
   row that drafts its first token and how many it may draft.
 Draft token j (0-based) of a request with N tokens after this step sits at position N + j; the
 row that drafts token j >= 1 sits at position N + j - 2 (it pairs token j - 1 with the hidden
-state that drafted it) and writes its KV there, inside the slots the scheduler reserved.
+state that drafted it) and writes its KV there, inside the slots the scheduler reserved. A
+drafter that drafts in one block (DFlash) runs rows at N - 1 .. N - 1 + d instead, non-causally.
 """
 
 from __future__ import annotations
