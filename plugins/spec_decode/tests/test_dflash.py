@@ -196,9 +196,10 @@ def test_run_json_reports_the_dflash_drafts(dirs: dict[str, Path],
     ("missing", "speculative.model {dir}: no such directory"),
     ("hidden", "{dir}/config.json: hidden_size 48 differs from the target model's 32"),
     ("vocab", "{dir}/config.json: vocab_size 98 differs from the target model's 97"),
-    ("architecture", "{dir}/config.json: architectures ['LlamaForCausalLM'] is not a DFlash draft model"),
+    ("architecture", "{dir}/config.json: architectures ['LlamaForCausalLM'] is not a dflash draft model "
+                     "(DFlashDraftModel)"),
     ("layer_ids", "{dir}/config.json: dflash_config.target_layer_ids [0, 3] must name distinct layers of "
-                  "the target's 4 whose outputs feed a further layer (0 .. 2)"),
+                  "the target's 4 whose outputs feed a further layer (0 .. 2; -1: the embedding)"),
     ("mask", "{dir}/config.json: dflash_config.mask_token_id 97 must be a token id of the target's "
              "vocabulary"),
     ("causal", "{dir}/config.json: is_causal is true"),

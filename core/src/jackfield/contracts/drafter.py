@@ -123,12 +123,12 @@ class DraftContext(ABC):
     @abstractmethod
     def block_attention(self, requests: Sequence[int],
                         sizes: Sequence[int]) -> tuple[StepContext, torch.Tensor]:
-        """A drafter that drafts in one block (`ModelDrafter.drafts_in_one_block`): the attention
+        """A drafter that drafts in one block (`ModelDrafter.extra_block_rows` set): the attention
         and positions (int64 [sum(sizes)] on the device) of one block of `sizes[i]` rows per
         request `requests[i]`, at positions N - 1 .. N - 2 + sizes[i] of a request with N tokens
-        (its newest token, then the positions of its drafts), every row seeing every key of its
-        request up to the block's end (non-causal). Their KV goes into the requests' reserved
-        lookahead slots and the newest token's slot (overwritten by a later step)."""
+        (its newest token's, then the next ones), every row seeing every key of its request up
+        to the block's end (non-causal). Their KV goes into the newest token's slot and the
+        requests' reserved lookahead slots (overwritten by a later step)."""
 
     @abstractmethod
     def sample(self, logits: torch.Tensor, requests: Sequence[int], draft: int,
@@ -146,12 +146,13 @@ class ModelDrafter(Drafter):
     layers of its own (a draft checkpoint's) builds them in `load`."""
 
     @property
-    def drafts_in_one_block(self) -> bool:
-        """True: the drafter drafts all its tokens from one non-causal block of rows at positions
-        N - 1 .. N - 1 + d (`DraftContext.block_attention`; DFlash) rather than a chain of
-        rows at N + j - 2 (`DraftContext.draft_rows`), which bounds its drafts by its KV slots
-        differently. Its `lookahead_tokens` cover the block."""
-        return False
+    def extra_block_rows(self) -> int | None:
+        """None (the default): the drafter drafts a chain of rows, draft j >= 1 from a row at
+        N + j - 2 (`DraftContext.draft_rows`). An int e >= 0: it drafts its d tokens from one
+        non-causal block of d + e rows at positions N - 1 .. N - 2 + d + e
+        (`DraftContext.block_attention`; DFlash: e = 1, DSpark: e = 0), which bounds d by its
+        KV slots differently. Its `lookahead_tokens` cover the block."""
+        return None
 
     @property
     def tap_layers(self) -> tuple[int, ...]:

@@ -51,16 +51,17 @@ class DraftLimits:
     num_speculative_tokens: int
     max_model_len: int
     block_size: int
-    one_block: bool = False  # `ModelDrafter.drafts_in_one_block`
+    extra_block_rows: int | None = None  # `ModelDrafter.extra_block_rows`
 
     def max_drafts(self, seq: Request, new_tokens: int) -> int:
         """Drafts `seq` may make after `new_tokens` more tokens: the verify step emits up to
         drafts + 1 tokens, and the row of draft j >= 1 writes KV at position N + j - 2 (a
-        block's row of draft j at N + j)."""
+        block of d + e rows writes up to N - 2 + d + e)."""
         num_tokens = seq.num_tokens + new_tokens
         left = seq.params.max_tokens - len(seq.output_ids) - new_tokens
         room = min(left, self.max_model_len - num_tokens) - 1
-        slots = len(seq.block_tables[0]) * self.block_size - num_tokens + (0 if self.one_block else 2)
+        past = 2 if self.extra_block_rows is None else 1 - self.extra_block_rows
+        slots = len(seq.block_tables[0]) * self.block_size - num_tokens + past
         return max(0, min(self.num_speculative_tokens, room, slots))
 
 
@@ -140,7 +141,7 @@ class RunnerDraftContext(DraftContext):
 
     def block_attention(self, requests: Sequence[int],
                         sizes: Sequence[int]) -> tuple[StepContext, torch.Tensor]:
-        if any(not 2 <= size <= self.max_drafts[r] + 1 for r, size in zip(requests, sizes, strict=True)):
+        if any(not 1 <= size <= self.max_drafts[r] + 1 for r, size in zip(requests, sizes, strict=True)):
             raise ValueError(f"blocks of {list(sizes)} rows are beyond what requests {list(requests)} "
                              "may draft")
         spans = [Span(self.drafting[r][0], self.drafting[r][1] - 1, size) for r, size in zip(requests, sizes,

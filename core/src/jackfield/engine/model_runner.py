@@ -113,7 +113,7 @@ class ModelRunner:
         if drafter is not None:
             assert engine.block_size is not None  # the Engine resolves it first
             self.draft_limits = DraftLimits(drafter.num_speculative_tokens, max_model_len, engine.block_size,
-                                            drafter.drafts_in_one_block)
+                                            drafter.extra_block_rows)
         self.capabilities = model.capabilities
         groups = parallel_state()
         # Under decode context parallel this rank holds 1/dcp of each request's KV (dcp.py).

@@ -36,6 +36,13 @@ def register_drafters() -> list[DrafterSpec]:
             description="DFlash: a block of drafts from one non-causal draft forward ([speculative] model)",
             check_model=check_dflash_model,
         ),
+        DrafterSpec(
+            name="dspark",
+            factory="jackfield_spec_decode.dspark:DSparkDrafter",
+            description="DSpark: DFlash plus a Markov head, the block sampled left to right "
+                        "([speculative] model)",
+            check_model=check_dspark_model,
+        ),
     ]
 
 
@@ -49,5 +56,12 @@ def check_eagle3_model(model: str | None, target_config: Mapping[str, object]) -
 def check_dflash_model(model: str | None, target_config: Mapping[str, object]) -> list[str]:
     """The dflash draft checkpoint's problems (imports torch only when a config names dflash)."""
     from jackfield_spec_decode.dflash import check_dflash_model as check
+
+    return check(model, target_config)
+
+
+def check_dspark_model(model: str | None, target_config: Mapping[str, object]) -> list[str]:
+    """The dspark draft checkpoint's problems (imports torch only when a config names dspark)."""
+    from jackfield_spec_decode.dspark import check_dspark_model as check
 
     return check(model, target_config)

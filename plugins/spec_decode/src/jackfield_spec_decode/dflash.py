@@ -47,8 +47,10 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
 from jackfield.contracts.drafter import DraftContext, DrafterOptions, DraftProposal, ModelDrafter
 from jackfield.contracts.model import ModelFamily
@@ -60,19 +62,31 @@ from torch import nn
 
 from jackfield_spec_decode.eagle3 import TargetShape, int_field, target_shape
 
-ARCHITECTURE = "DFlashDraftModel"  # the authors' class, as their checkpoints name it
-
 _PREFIX = r"(?:model\.)?"
-DFLASH_WEIGHTS = WeightMapper(
-    rules=(
-        Rule(_PREFIX + r"layers\.(?P<i>\d+)\.mlp\.gate_proj\.weight", "layers.{i}.mlp.gate_up_proj.weight",
-             shard=(0, 2)),
-        Rule(_PREFIX + r"layers\.(?P<i>\d+)\.mlp\.up_proj\.weight", "layers.{i}.mlp.gate_up_proj.weight",
-             shard=(1, 2)),
-        Rule(_PREFIX + r"(?P<name>.+)", "{name}"),
-    ),
-    ignore=(r".*rotary_emb\.inv_freq",),
+DRAFT_RULES = (
+    Rule(_PREFIX + r"layers\.(?P<i>\d+)\.mlp\.gate_proj\.weight", "layers.{i}.mlp.gate_up_proj.weight",
+         shard=(0, 2)),
+    Rule(_PREFIX + r"layers\.(?P<i>\d+)\.mlp\.up_proj\.weight", "layers.{i}.mlp.gate_up_proj.weight",
+         shard=(1, 2)),
+    Rule(_PREFIX + r"(?P<name>.+)", "{name}"),
 )
+
+
+@dataclass(frozen=True)
+class DraftKind:
+    """What tells DFlash and DSpark drafts apart (dspark.py describes DSpark)."""
+
+    method: str  # the [speculative] method
+    architectures: tuple[str, ...]  # config.json's architectures, as the authors' classes name them
+    # block rows past the drafts: DFlash's newest-token row drafts nothing (1), DSpark's drafts
+    # the token after it (0)
+    extra_block_rows: int
+    markov: bool  # a Markov head adds a previous-token bias to each draft's logits
+    weights: WeightMapper
+
+
+DFLASH = DraftKind("dflash", ("DFlashDraftModel",), 1, False,
+                   WeightMapper(rules=DRAFT_RULES, ignore=(r".*rotary_emb\.inv_freq",)))
 
 
 @dataclass(frozen=True)
@@ -91,14 +105,18 @@ class DFlashConfig:
     max_position_embeddings: int
     block_size: int  # the block the draft was trained on: [newest token, MASK x (block_size - 1)]
     mask_token_id: int
-    target_layer_ids: tuple[int, ...]  # the target layers whose outputs fc reads, in its column order
+    # the target layers whose outputs fc reads, in its column order (-1: the embedding's)
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int  # 0: no Markov head
 
 
-def read_dflash_config(model: str | None, target: TargetShape, num_speculative_tokens: int) -> DFlashConfig:
+def read_dflash_config(model: str | None, target: TargetShape, num_speculative_tokens: int,
+                       kind: DraftKind = DFLASH) -> DFlashConfig:
     """The draft checkpoint's config, checked against the target and k; a ValueError names the
     file and field of the first problem (`speculative.model` when there is no directory)."""
     if model is None:
-        raise ValueError("speculative.model: dflash drafts with a draft checkpoint directory; none is set")
+        raise ValueError(f"speculative.model: {kind.method} drafts with a draft checkpoint directory; "
+                         "none is set")
     path = Path(model) / "config.json"
     if not Path(model).is_dir():
         raise ValueError(f"speculative.model {model}: no such directory")
@@ -109,7 +127,7 @@ def read_dflash_config(model: str | None, target: TargetShape, num_speculative_t
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a JSON object")
     try:
-        return _dflash_config(path, data, target, num_speculative_tokens)
+        return _dflash_config(path, data, target, num_speculative_tokens, kind)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
 
@@ -122,11 +140,12 @@ def _draft_field(data: dict[str, object], name: str) -> tuple[str, object]:
     return name, data.get(name)
 
 
-def _dflash_config(path: Path, data: dict[str, object], target: TargetShape,
-                   num_speculative_tokens: int) -> DFlashConfig:
+def _dflash_config(path: Path, data: dict[str, object], target: TargetShape, num_speculative_tokens: int,
+                   kind: DraftKind) -> DFlashConfig:
     archs = data.get("architectures")
-    if archs != [ARCHITECTURE]:
-        raise ValueError(f"architectures {archs!r} is not a DFlash draft model ({ARCHITECTURE})")
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in kind.architectures:
+        raise ValueError(f"architectures {archs!r} is not a {kind.method} draft model "
+                         f"({' or '.join(kind.architectures)})")
     hidden = int_field(data, "hidden_size")
     if hidden != target.hidden_size:
         raise ValueError(f"hidden_size {hidden} differs from the target model's {target.hidden_size}")
@@ -156,24 +175,32 @@ def _dflash_config(path: Path, data: dict[str, object], target: TargetShape,
         raise ValueError(f"num_target_layers {count!r} differs from the target model's {target.num_layers}")
     field, ids = _draft_field(data, "target_layer_ids")
     if (not isinstance(ids, list) or not ids or len(set(ids)) != len(ids)
-            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < target.num_layers - 1
+            or not all(isinstance(i, int) and not isinstance(i, bool) and -1 <= i < target.num_layers - 1
                        for i in ids)):
         raise ValueError(f"{field} {ids!r} must name distinct layers of the target's {target.num_layers} "
-                         f"whose outputs feed a further layer (0 .. {target.num_layers - 2})")
+                         f"whose outputs feed a further layer (0 .. {target.num_layers - 2}; -1: the "
+                         "embedding)")
     field, mask = _draft_field(data, "mask_token_id")
     if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
         raise ValueError(f"{field} {mask!r} must be a token id of the target's vocabulary "
                          f"(0 .. {target.vocab_size - 1})")
     field, block = _draft_field(data, "block_size")
     block = int_field({field: 16 if block is None else block}, field)  # the reference's default
-    if num_speculative_tokens + 1 > block:
+    if num_speculative_tokens + kind.extra_block_rows > block:
         raise ValueError(f"{field} {block} is too small for num_speculative_tokens {num_speculative_tokens}: "
                          f"the block holds the newest token and the drafts")
+    markov_rank = 0
+    if kind.markov:
+        markov_rank = int_field(data, "markov_rank")
+        head = data.get("markov_head_type", "vanilla")
+        if head != "vanilla":
+            raise ValueError(f"markov_head_type {head!r} is not run: only the vanilla Markov head (an "
+                             "Embedding(V, r) and an r -> V projection) is")
     return DFlashConfig(
         path=path, data=data, hidden_size=hidden, intermediate_size=int_field(data, "intermediate_size"),
         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=float(eps),
         max_position_embeddings=int_field(data, "max_position_embeddings", 2048), block_size=block,
-        mask_token_id=mask, target_layer_ids=tuple(ids),
+        mask_token_id=mask, target_layer_ids=tuple(ids), markov_rank=markov_rank,
     )
 
 
@@ -229,11 +256,23 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MarkovHead(nn.Module):
+    """DSpark's previous-token bias over the vocabulary: markov_w2(markov_w1[previous token])."""
+
+    def __init__(self, vocab_size: int, rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.markov_w1 = Linear(rank, vocab_size, dtype)  # the Embedding(V, r) table [V, r]
+        self.markov_w2 = Linear(rank, vocab_size, dtype)
+
+    def forward(self, previous: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(F.embedding(previous, self.markov_w1.weight))
+
+
 class DFlashModel(nn.Module):
     """The draft's parameters, named as the published checkpoints name them (gate ‖ up fused)."""
 
     def __init__(self, c: DFlashConfig, backends: AttentionBackends, kv_cache_dtype: KVCacheDType,
-                 first_cache: int, max_positions: int, dtype: torch.dtype) -> None:
+                 first_cache: int, max_positions: int, vocab_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.spec = AttentionLayerSpec(num_heads=c.num_heads, head_size=c.head_dim, scale=c.head_dim**-0.5,
                                        num_kv_heads=c.num_kv_heads, kv_cache_dtype=kv_cache_dtype)
@@ -242,12 +281,14 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(c, self.spec, backends, first_cache + i, dtype)
                                     for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.markov_head = MarkovHead(vocab_size, c.markov_rank, dtype) if c.markov_rank else None
         inv_freq, scaling = rope_inv_freq(hf_config_from_dict({**c.data, "model_type": "qwen3"}), c.head_dim)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions, interleaved=False)
 
 
 class DFlashDrafter(ModelDrafter):
     name = "dflash"
+    kind: ClassVar[DraftKind] = DFLASH
 
     def __init__(self, options: DrafterOptions) -> None:
         super().__init__(options)
@@ -257,11 +298,11 @@ class DFlashDrafter(ModelDrafter):
 
     @property
     def lookahead_tokens(self) -> int:
-        return self.num_speculative_tokens + 1  # the block: the newest token's slot and k drafts'
+        return self.num_speculative_tokens + self.kind.extra_block_rows  # the block's slots past N - 1
 
     @property
-    def drafts_in_one_block(self) -> bool:
-        return True
+    def extra_block_rows(self) -> int:
+        return self.kind.extra_block_rows
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -272,12 +313,14 @@ class DFlashDrafter(ModelDrafter):
         caps = target.capabilities
         k = self.num_speculative_tokens
         shape = TargetShape(caps.vocab_size, caps.hidden_size, caps.num_layers)
-        c = read_dflash_config(self.options.model, shape, k)
+        c = read_dflash_config(self.options.model, shape, k, self.kind)
         device = next(target.parameters()).device
         backend = backends.decode  # the block's rows run as decode rows
         if not (backend.capabilities.non_causal
-                and backend.supports_non_causal(device, kv_cache_dtype, k + 1)):
-            raise ValueError(f"{c.path}: a DFlash draft attends its block of {k + 1} rows non-causally; the "
+                and backend.supports_non_causal(device, kv_cache_dtype, k + self.kind.extra_block_rows)):
+            rows = k + self.kind.extra_block_rows
+            raise ValueError(f"{c.path}: a {self.kind.method} draft attends its block of {rows} rows "
+                             f"non-causally; the "
                              f"attention backend {backend.name!r} does not on {device} with kv_cache_dtype "
                              f"{kv_cache_dtype!r}: choose one that does (torch_ref does)")
         model_dir = c.path.parent
@@ -285,13 +328,14 @@ class DFlashDrafter(ModelDrafter):
         max_positions = max(c.max_position_embeddings, caps.max_model_len)
         try:
             with torch.device(device):
-                model = DFlashModel(c, backends, kv_cache_dtype, first_cache, max_positions, caps.dtype)
+                model = DFlashModel(c, backends, kv_cache_dtype, first_cache, max_positions, caps.vocab_size,
+                                    caps.dtype)
         except ValueError as exc:  # e.g. an MLA-only backend asked for the draft's GQA layers
             raise ValueError(f"{c.path}: the draft's attention layers ({c.num_heads} query heads, "
                              f"{c.num_kv_heads} KV heads of {c.head_dim}) on the target's attention "
                              f"backends: {exc}") from None
         try:
-            load_weights(dict(model.named_parameters()), iter_checkpoint(model_dir), DFLASH_WEIGHTS)
+            load_weights(dict(model.named_parameters()), iter_checkpoint(model_dir), self.kind.weights)
         except ValueError as exc:
             raise ValueError(f"{model_dir}: {exc}") from None
         self.model, self.mask_token_id = model.eval(), c.mask_token_id
@@ -307,7 +351,8 @@ class DFlashDrafter(ModelDrafter):
         requests = list(range(context.num_drafting))
         if not requests:
             return DraftProposal([], [])
-        sizes = [d + 1 for d in context.max_drafts]
+        extra = self.kind.extra_block_rows
+        sizes = [d + extra for d in context.max_drafts]
         step, positions = context.block_attention(requests, sizes)
         device = positions.device
         starts = torch.tensor([0, *sizes], device=device).cumsum(0)[:-1]
@@ -320,13 +365,18 @@ class DFlashDrafter(ModelDrafter):
         out = model.norm(x)
         drafts: list[list[int]] = [[] for _ in requests]
         chosen: list[list[torch.Tensor]] = [[] for _ in requests]
+        previous = newest  # per request: the token before its next draft (the Markov head's input)
         live = list(requests)  # requests still drafting (none of their drafts lacked a finite logit)
-        for draft in range(max(context.max_drafts)):
+        for draft in range(max(context.max_drafts)):  # left to right: each draft sees the one before
             rows = [r for r in live if context.max_drafts[r] > draft]
             if not rows:
                 break
-            index = starts[torch.tensor(rows, device=device)] + 1 + draft
-            tokens, probs = context.sample(context.model.compute_logits(out[index]).float(), rows, draft)
+            at = torch.tensor(rows, device=device)
+            logits = context.model.compute_logits(out[starts[at] + extra + draft]).float()
+            if model.markov_head is not None:
+                logits = logits + model.markov_head(previous[at]).float()
+            tokens, probs = context.sample(logits, rows, draft)
+            previous = previous.index_copy(0, at, tokens.clamp(min=0))
             for i, (r, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
                 if token < 0:  # no finite logit: this request's later drafts are dropped too
                     live.remove(r)
@@ -340,7 +390,8 @@ class DFlashDrafter(ModelDrafter):
         return DraftProposal(drafts, probabilities)
 
 
-def check_dflash_model(model: str | None, target_config: Mapping[str, object]) -> list[str]:
+def check_dflash_model(model: str | None, target_config: Mapping[str, object],
+                       kind: DraftKind = DFLASH) -> list[str]:
     """`DrafterSpec.check_model`: the draft checkpoint's problems against the target's config.json
     (what shows without reading tensors; a block too small for k shows at start-up, where k is
     known)."""
@@ -349,7 +400,7 @@ def check_dflash_model(model: str | None, target_config: Mapping[str, object]) -
     except ValueError as exc:
         return [f"the target's config.json: {exc}"]
     try:
-        read_dflash_config(model, shape, 1)
+        read_dflash_config(model, shape, 1, kind)
         checkpoint_files(model)  # type: ignore[arg-type]  # read_dflash_config refused None
     except (ValueError, FileNotFoundError) as exc:
         return [str(exc)]
