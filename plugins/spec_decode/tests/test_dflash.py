@@ -28,8 +28,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 HEADS, KV_HEADS, HEAD_DIM, EPS, THETA = 4, 2, 8, 1e-5, 10000.0  # write_dflash's defaults
 
 
-def dflash(model: Path, k: int = K) -> dict[str, object]:
-    return {"speculative.method": "dflash", "speculative.num_speculative_tokens": k,
+def dflash(model: Path, k: int = K, method: str = "dflash") -> dict[str, object]:
+    return {"speculative.method": method, "speculative.num_speculative_tokens": k,
             "speculative.model": str(model)}
 
 
@@ -43,6 +43,11 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_dflash(root / "draft_granite", root / "granite", 2, target_layer_ids=[1], mask_token_id=3,
                  layers=1)
     write_dflash(root / "draft_deepseek", root / "deepseek", 3, target_layer_ids=[1, 0], mask_token_id=7)
+    write_dflash(root / "spark", root / "llama", 4, target_layer_ids=[0, 2], mask_token_id=96, markov_rank=8)
+    write_dflash(root / "spark_granite", root / "granite", 5, target_layer_ids=[-1, 1], mask_token_id=3,
+                 markov_rank=4, layers=1)
+    write_dflash(root / "spark_deepseek", root / "deepseek", 6, target_layer_ids=[1], mask_token_id=7,
+                 markov_rank=8)
     return {p.name: p for p in root.iterdir()}
 
 
@@ -78,19 +83,23 @@ def key_value(w: dict[str, torch.Tensor], p: str, h: torch.Tensor,
 
 def reference_draft_probabilities(target: PreTrainedModel, tensors: dict[str, torch.Tensor],
                                   layer_ids: list[int], mask_token_id: int, tokens: list[int],
-                                  num_drafts: int, temperature: float) -> torch.Tensor:
-    """q [num_drafts, vocab] after `tokens` (the prompt and the first sampled token): the context
+                                  drafts: list[int], temperature: float,
+                                  dspark: bool = False) -> torch.Tensor:
+    """q [len(drafts), vocab] after `tokens` (the prompt and the first sampled token): the context
     from one transformers forward over the prompt (hidden_states[i + 1]: layer i's output), then
-    one non-causal block [newest token, MASK x num_drafts] attending it."""
+    one non-causal block attending it: DFlash's [newest token, MASK x d] (row j + 1 drafts j), or
+    DSpark's [newest token, MASK x (d - 1)] (row j drafts j, its logits plus the Markov bias of
+    the token before it: the newest token, then the drafts)."""
     w = {name: t.double() for name, t in tensors.items()}
+    num_drafts = len(drafts)
     with torch.no_grad():
         states = target(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
     context = rms_norm(torch.cat([states[i + 1][0].double() for i in layer_ids], -1) @ w["fc.weight"].T,
                        w["hidden_norm.weight"])
-    n = len(tokens)
-    block = [tokens[-1]] + [mask_token_id] * num_drafts
+    n, extra = len(tokens), 0 if dspark else 1
+    block = [tokens[-1]] + [mask_token_id] * (num_drafts - 1 + extra)
     x = target.get_input_embeddings().weight.double()[block]
-    context_positions, block_positions = torch.arange(n - 1), torch.arange(n - 1, n + num_drafts)
+    context_positions, block_positions = torch.arange(n - 1), torch.arange(n - 1, n - 1 + len(block))
     num_layers = sum(1 for name in w if name.endswith("input_layernorm.weight"))
     for i in range(num_layers):
         p = f"layers.{i}."
@@ -108,55 +117,64 @@ def reference_draft_probabilities(target: PreTrainedModel, tensors: dict[str, to
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"])
         gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    out = rms_norm(x[1:], w["norm.weight"])
+    out = rms_norm(x[extra:], w["norm.weight"])
     logits = out @ target.get_output_embeddings().weight.double().T
+    if dspark:
+        previous = [tokens[-1], *drafts[:-1]]
+        logits = logits + w["markov_head.markov_w1.weight"][previous] @ w["markov_head.markov_w2.weight"].T
     return (logits / temperature).softmax(-1)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_draft_distributions_match_a_float64_reference(dirs: dict[str, Path], tmp_path: Path,
+@pytest.mark.parametrize(("method", "temperature"), [("dflash", 1.0), ("dflash", 0.7), ("dspark", 1.0),
+                                                     ("dspark", 0.7)])
+def test_draft_distributions_match_a_float64_reference(dirs: dict[str, Path], tmp_path: Path, method: str,
                                                        temperature: float, rng_seed: int) -> None:
-    layer_ids = [2, 0]  # not sorted: fc's columns follow the config's order
+    layer_ids = [2, 0, -1]  # not sorted: fc's columns follow the config's order; -1: the embedding
     g = torch.Generator().manual_seed(rng_seed)
     mask = int(torch.randint(0, 97, (1,), generator=g))
     print(f"seed {rng_seed}: mask_token_id {mask}")
     tensors = write_dflash(tmp_path / "draft", dirs["llama"], rng_seed, target_layer_ids=layer_ids,
-                           mask_token_id=mask)
+                           mask_token_id=mask, markov_rank=8 if method == "dspark" else 0)
     target = AutoModelForCausalLM.from_pretrained(dirs["llama"]).double().eval()
-    engine = LLM(str(dirs["llama"]), **BASE, **dflash(tmp_path / "draft")).engine
+    engine = LLM(str(dirs["llama"]), **BASE, **dflash(tmp_path / "draft", method=method)).engine
     for prompt in prompts(engine.capabilities.vocab_size, rng_seed):
         seq = engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=8,
                                                         seed=rng_seed % 1000, ignore_eos=True))
         engine.step()  # the prefill: the first token, then K drafts
         assert len(seq.draft_ids) == K and seq.draft_probs is not None
-        want = reference_draft_probabilities(target, tensors, layer_ids, mask, seq.token_ids, K, temperature)
+        want = reference_draft_probabilities(target, tensors, layer_ids, mask, seq.token_ids, seq.draft_ids,
+                                             temperature, dspark=method == "dspark")
         torch.testing.assert_close(seq.draft_probs.double(), want, atol=2e-6, rtol=1e-4)
         while seq.finish_time is None:
             engine.step()
 
 
-@pytest.mark.parametrize(("target", "draft"), [
-    ("llama", "draft"), ("granite", "draft_granite"), ("deepseek", "draft_deepseek"),
+@pytest.mark.parametrize(("target", "draft", "method"), [
+    ("llama", "draft", "dflash"), ("granite", "draft_granite", "dflash"),
+    ("deepseek", "draft_deepseek", "dflash"), ("llama", "spark", "dspark"),
+    ("granite", "spark_granite", "dspark"), ("deepseek", "spark_deepseek", "dspark"),
 ])
 def test_greedy_tokens_equal_the_engine_without_drafts(dirs: dict[str, Path], target: str, draft: str,
-                                                       rng_seed: int) -> None:
+                                                       method: str, rng_seed: int) -> None:
     plain = LLM(str(dirs[target]), **BASE)
     batch = prompts(plain.engine.capabilities.vocab_size, rng_seed)
     want = [o.token_ids for o in plain.generate(batch, GREEDY)]
-    got = LLM(str(dirs[target]), **BASE, **dflash(dirs[draft])).generate(batch, GREEDY)
+    got = LLM(str(dirs[target]), **BASE, **dflash(dirs[draft], method=method)).generate(batch, GREEDY)
     assert [o.token_ids for o in got] == want
     assert all(o.speculative is not None and o.speculative.drafts > 0 for o in got)
 
 
-def test_preemption_chunked_prefill_and_prefix_cache_keep_the_tokens(dirs: dict[str, Path],
-                                                                     rng_seed: int) -> None:
+@pytest.mark.parametrize(("draft", "method"), [("draft", "dflash"), ("spark", "dspark")])
+def test_preemption_chunked_prefill_and_prefix_cache_keep_the_tokens(dirs: dict[str, Path], draft: str,
+                                                                     method: str, rng_seed: int) -> None:
     """Prefill in 8-token chunks; a pool too small for the batch (preemption and recompute with
     drafts and the block's lookahead in flight); a second run served from the prefix cache."""
     directory = str(dirs["llama"])
     plain = LLM(directory, **BASE)
     batch = prompts(plain.engine.capabilities.vocab_size, rng_seed)
     want = [o.token_ids for o in plain.generate(batch, GREEDY)]
-    small = {**BASE, **dflash(dirs["draft"]), "engine.max_num_batched_tokens": 8, "engine.block_size": 4}
+    small = {**BASE, **dflash(dirs[draft], method=method), "engine.max_num_batched_tokens": 8,
+             "engine.block_size": 4}
     spec = LLM(directory, **small)
     assert [o.token_ids for o in spec.generate(batch, GREEDY)] == want
     again = spec.generate(batch, GREEDY)
@@ -170,8 +188,10 @@ def test_preemption_chunked_prefill_and_prefix_cache_keep_the_tokens(dirs: dict[
     assert sum(o.num_preemptions for o in preempted) > 0, "the pool was meant to be too small for the batch"
 
 
-def test_seeded_sampling_is_the_same_alone_and_in_a_batch(dirs: dict[str, Path], rng_seed: int) -> None:
-    spec = LLM(str(dirs["llama"]), **BASE, **dflash(dirs["draft"]))
+@pytest.mark.parametrize(("draft", "method"), [("draft", "dflash"), ("spark", "dspark")])
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(dirs: dict[str, Path], draft: str, method: str,
+                                                          rng_seed: int) -> None:
+    spec = LLM(str(dirs["llama"]), **BASE, **dflash(dirs[draft], method=method))
     batch = prompts(spec.engine.capabilities.vocab_size, rng_seed)
     params = SamplingParams(temperature=0.8, top_k=30, max_tokens=24, ignore_eos=True, seed=rng_seed % 1000)
     greedy_too = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -269,3 +289,37 @@ def test_a_drafter_backend_kv_connector_or_fp8_cache_beside_dflash_is_refused(di
         LLM(str(dirs["llama"]), **settings, **{"attention.drafter_backend": "torch_ref"})
     with pytest.raises(ConfigError, match=r"'fp8_e4m3' with speculative.method 'dflash' is not run yet"):
         LLM(str(dirs["llama"]), **settings, **{"attention.kv_cache_dtype": "fp8_e4m3"})
+
+
+@pytest.mark.parametrize(("case", "reason"), [
+    ("architecture", "{dir}/config.json: architectures ['DFlashDraftModel'] is not a dspark draft model "
+                     "(Qwen3DSparkModel or DSparkDraftModel)"),
+    ("head_type", "{dir}/config.json: markov_head_type 'gated' is not run"),
+    ("rank", "{dir}/config.json: markov_rank must be an integer >= 1, got None"),
+    ("block", "{dir}/config.json: block_size 1 is too small for num_speculative_tokens 2"),
+])
+def test_bad_dspark_checkpoints_are_refused(dirs: dict[str, Path], tmp_path: Path, case: str, reason: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    directory = tmp_path / case
+    overrides: dict[str, object] = {
+        "architecture": {"architectures": ["DFlashDraftModel"]}, "head_type": {"markov_head_type": "gated"},
+        "rank": {}, "block": {"block_size": 1},
+    }[case]
+    write_dflash(directory, dirs["llama"], 7, target_layer_ids=[0, 2], mask_token_id=9, markov_rank=4,
+                 **overrides)  # type: ignore[arg-type]
+    if case == "rank":
+        data = json.loads((directory / "config.json").read_text())
+        del data["markov_rank"]
+        (directory / "config.json").write_text(json.dumps(data))
+    reason = reason.format(dir=directory)
+    with pytest.raises(ConfigError) as raised:
+        LLM(str(dirs["llama"]), **BASE, **dflash(directory, k=2, method="dspark"))
+    assert f"speculative.method 'dspark': {reason}" in str(raised.value)
+    if case == "block":  # k is known at start-up only
+        return
+    config = tmp_path / "jackfield.toml"
+    config.write_text(f'[model]\npath = "{dirs["llama"]}"\n[attention]\nbackend = "torch_ref"\n'
+                      '[engine]\ndevice = "cpu"\n[speculative]\nmethod = "dspark"\n'
+                      f'num_speculative_tokens = 2\nmodel = "{directory}"\n')
+    assert main(["doctor", "--config", str(config)]) == 2
+    assert reason in capsys.readouterr().out

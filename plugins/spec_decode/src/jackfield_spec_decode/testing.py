@@ -66,10 +66,12 @@ def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | Non
 
 def write_dflash(directory: Path, target: Path, seed: int, target_layer_ids: list[int], mask_token_id: int,
                  block_size: int = 8, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
-                 intermediate: int = 48, **config: object) -> dict[str, torch.Tensor]:
+                 intermediate: int = 48, markov_rank: int = 0, **config: object) -> dict[str, torch.Tensor]:
     """A random DFlash draft for the target in `target` (its config.json), in the published
     layout (`fc`, `hidden_norm`, `layers.{i}.*` with q/k norms, `norm`; `dflash_config` holding
-    `block_size`, `mask_token_id` and `target_layer_ids`). Returns its tensors."""
+    `block_size`, `mask_token_id` and `target_layer_ids`), or with `markov_rank` > 0 a DSpark
+    draft in DeepSpec's layout (those fields at the top level, `markov_head.markov_w{1,2}`, and
+    copies of the target's embedding and head). Returns its tensors."""
     target_config = json.loads((target / "config.json").read_text())
     hidden, vocab = target_config["hidden_size"], target_config["vocab_size"]
     g = torch.Generator().manual_seed(seed)
@@ -98,16 +100,24 @@ def write_dflash(directory: Path, target: Path, seed: int, target_layer_ids: lis
             p + "mlp.up_proj.weight": weight(intermediate, hidden),
             p + "mlp.down_proj.weight": weight(hidden, intermediate),
         }
+    draft_fields: dict[str, object] = {"block_size": block_size, "mask_token_id": mask_token_id,
+                                       "target_layer_ids": target_layer_ids}
+    if markov_rank:
+        tensors |= {"markov_head.markov_w1.weight": weight(vocab, markov_rank, scale=1.0),
+                    "markov_head.markov_w2.weight": weight(vocab, markov_rank, scale=1.0),
+                    "embed_tokens.weight": weight(vocab, hidden), "lm_head.weight": weight(vocab, hidden)}
+        draft_fields = {"architectures": ["Qwen3DSparkModel"], **draft_fields, "markov_rank": markov_rank,
+                        "markov_head_type": "vanilla", "enable_confidence_head": False, "num_anchors": 512}
+    else:
+        draft_fields = {"architectures": ["DFlashDraftModel"], "dflash_config": draft_fields}
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "model.safetensors"))
     data: dict[str, object] = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+        "model_type": "qwen3", "hidden_size": hidden,
         "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": head_dim, "num_hidden_layers": layers, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "max_position_embeddings": 512, "vocab_size": vocab, "attention_bias": False,
-        "num_target_layers": target_config["num_hidden_layers"], "tie_word_embeddings": False,
-        "dflash_config": {"block_size": block_size, "mask_token_id": mask_token_id,
-                          "target_layer_ids": target_layer_ids},
+        "num_target_layers": target_config["num_hidden_layers"], "tie_word_embeddings": False, **draft_fields,
     }
     (directory / "config.json").write_text(json.dumps({**data, **config}))
     return tensors
