@@ -15,7 +15,9 @@ What this relies on, read from the authors' reference (github.com/z-lab/dflash, 
   head), `post_attention_layernorm`, `mlp.{gate,up,down}_proj`}, `norm`; the embedding and the
   LM head are the target's.
 - `target_layer_ids` i index the target's hidden states as transformers returns them with
-  offset 1: the OUTPUT of layer i, which is the input of layer i + 1 (what `LayerTaps` gives).
+  offset 1: the OUTPUT of layer i, which is the input of layer i + 1 (what `LayerTaps` gives;
+  -1, which DeepSpec allows, is the embedding's output, layer 0's input). The last layer's
+  output is not offered (transformers returns it after the final norm).
 
 The equations, for a request whose newest token t sits at position N - 1 (no KV yet):
 
@@ -38,7 +40,8 @@ the request's temperature from the drafting noise stream (argmax where greedy), 
 whole vocabulary (the head is the target's: no draft-to-target map), their probabilities kept so
 the rejection rule's q is exact. The embedding is `ModelFamily.embed` and the head
 `compute_logits`, the target's own (Granite's multipliers included; published drafts are for
-Qwen3, Llama and gpt-oss targets, which have none).
+Qwen3, Llama and gpt-oss targets, which have none). The block layout, the Markov head and the
+config's architecture are a `DraftKind`'s: DFLASH here, DSPARK in dspark.py.
 """
 
 from __future__ import annotations
