@@ -1,4 +1,4 @@
-"""The `dflash` drafter on a GPU (bf16, a Llama target with a random draft): the context K/V and
+"""The `dflash` and `dspark` drafters on a GPU (bf16, a Llama target with a random draft): the context K/V and
 the non-causal block through cuda_attn's kernels, CUDA graphs on for the target. Greedy tokens are
 those of the run without drafts up to rounding; the drafts' distributions on cuda_attn are those
 torch_ref gives on the same GPU while the tokens agree (a kernel that ignored the non-causal
@@ -22,16 +22,18 @@ SETTINGS = {"engine.device": "cuda", "model.dtype": "bfloat16", "engine.gpu_memo
 Checkpoints = tuple[str, dict[str, object]]  # the target's directory, the [speculative] settings
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+@pytest.fixture(scope="module", params=["dflash", "dspark"])
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Checkpoints:
     from jackfield.testing.checkpoints import write_granite
     from jackfield_spec_decode.testing import write_dflash
 
     root = tmp_path_factory.mktemp("gpu_dflash")
     write_granite("llama", root / "target", **GPU_LLAMA)
+    method = request.param
     write_dflash(root / "draft", root / "target", 11, target_layer_ids=[1, 3, 5], mask_token_id=4095,
-                 block_size=8, layers=2, heads=16, kv_heads=4, head_dim=64, intermediate=2048)
-    speculative = {"speculative.method": "dflash", "speculative.num_speculative_tokens": 3,
+                 block_size=8, layers=2, heads=16, kv_heads=4, head_dim=64, intermediate=2048,
+                 markov_rank=64 if method == "dspark" else 0)
+    speculative = {"speculative.method": method, "speculative.num_speculative_tokens": 3,
                    "speculative.model": str(root / "draft")}
     return str(root / "target"), speculative
 
