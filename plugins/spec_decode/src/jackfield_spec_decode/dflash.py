@@ -30,6 +30,11 @@ The equations, for a request whose newest token t sits at position N - 1 (no KV 
                x = x + mlp(post_attention_layernorm(x))
     logits of block row j + 1 = the target's head over norm(x): draft j at position N + j
 
+The block is k + 1 rows (fewer where a request may draft fewer), not the trained `block_size`:
+the reference runs shorter blocks the same way at the end of a generation, and the MASK rows'
+mutual attention then spans fewer rows, so a draft trained on blocks of 16 drafts best with
+k = 15; `block_size` bounds k.
+
 The context K/V go into the drafter's own KV cache layers (one per draft layer), written for
 every verified position every step (`DraftContext.verified`), so the block attends them as a
 prefix; the block's K/V land in the newest token's slot and the reserved lookahead
