@@ -16,8 +16,11 @@ from jackfield.contracts.drafter import (
 )
 from jackfield.contracts.sampler import SamplingParams
 from jackfield.engine.block_manager import BlockManager
+from jackfield.engine.drafting import DraftLimits
 from jackfield.engine.scheduler import Scheduler
 from jackfield.engine.sequence import Sequence
+from jackfield_spec_decode.dflash import DFlashDrafter
+from jackfield_spec_decode.dspark import DSparkDrafter
 from jackfield_spec_decode.mtp import MTPDrafter
 
 
@@ -62,3 +65,24 @@ def test_backoff_and_reservation_follow_the_combined_lookahead() -> None:
     seq.num_computed, seq.token_ids = 6, seq.token_ids + [7]
     scheduler.schedule()  # a decode of position 6: slots up to 7 + 3 = 10 held
     assert len(seq.block_table) == 3
+
+
+@pytest.mark.parametrize("extra_block_rows", [None, 1, 0])
+def test_drafts_are_bounded_by_the_slots_their_rows_write(extra_block_rows: int | None) -> None:
+    """A chain drafter's last row (draft d - 1) sits at N + d - 3; a block drafter's block of
+    d + e rows ends at N - 2 + d + e (DFlash e = 1, DSpark e = 0): each may draft exactly as
+    many tokens as keep that row inside the request's blocks."""
+    block_size, blocks = 4, [0, 1, 2]
+    limits = DraftLimits(num_speculative_tokens=16, max_model_len=1024, block_size=block_size,
+                         extra_block_rows=extra_block_rows)
+    seq = Sequence(0, 6, list(range(6)), SamplingParams(max_tokens=100), seed=0)
+    seq.block_tables = [blocks]
+    d = limits.max_drafts(seq, new_tokens=1)
+    n = seq.num_tokens + 1
+    last_row = n + d - 3 if extra_block_rows is None else n - 2 + d + extra_block_rows
+    assert last_row == len(blocks) * block_size - 1  # the last slot the request holds, no further
+    if extra_block_rows is not None:
+        kind = {1: DFlashDrafter, 0: DSparkDrafter}[extra_block_rows]
+        drafter = kind(DrafterOptions(num_speculative_tokens=3))
+        assert drafter.extra_block_rows == extra_block_rows
+        assert drafter.lookahead_tokens == 3 + extra_block_rows

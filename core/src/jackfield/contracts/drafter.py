@@ -121,6 +121,16 @@ class DraftContext(ABC):
         requests' reserved lookahead slots (a rejected draft's KV is overwritten by a later step)."""
 
     @abstractmethod
+    def block_attention(self, requests: Sequence[int],
+                        sizes: Sequence[int]) -> tuple[StepContext, torch.Tensor]:
+        """A drafter that drafts in one block (`ModelDrafter.extra_block_rows` set): the attention
+        and positions (int64 [sum(sizes)] on the device) of one block of `sizes[i]` rows per
+        request `requests[i]`, at positions N - 1 .. N - 2 + sizes[i] of a request with N tokens
+        (its newest token's, then the next ones), every row seeing every key of its request up
+        to the block's end (non-causal). Their KV goes into the newest token's slot and the
+        requests' reserved lookahead slots (overwritten by a later step)."""
+
+    @abstractmethod
     def sample(self, logits: torch.Tensor, requests: Sequence[int], draft: int,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft token `draft` of each of `requests` from its row of float32 `logits`: at the
@@ -134,6 +144,15 @@ class ModelDrafter(Drafter):
     step (see `DraftContext`). Its spec's `mtp_layers` says whether it runs the target
     checkpoint's multi-token-prediction layers (the engine then loads them); a drafter with
     layers of its own (a draft checkpoint's) builds them in `load`."""
+
+    @property
+    def extra_block_rows(self) -> int | None:
+        """None (the default): the drafter drafts a chain of rows, draft j >= 1 from a row at
+        N + j - 2 (`DraftContext.draft_rows`). An int e >= 0: it drafts its d tokens from one
+        non-causal block of d + e rows at positions N - 1 .. N - 2 + d + e
+        (`DraftContext.block_attention`; DFlash: e = 1, DSpark: e = 0), which bounds d by its
+        KV slots differently. Its `lookahead_tokens` cover the block."""
+        return None
 
     @property
     def tap_layers(self) -> tuple[int, ...]:

@@ -11,7 +11,8 @@ the new tokens, the drafter gets:
   row that drafts its first token and how many it may draft.
 Draft token j (0-based) of a request with N tokens after this step sits at position N + j; the
 row that drafts token j >= 1 sits at position N + j - 2 (it pairs token j - 1 with the hidden
-state that drafted it) and writes its KV there, inside the slots the scheduler reserved.
+state that drafted it) and writes its KV there, inside the slots the scheduler reserved. A
+drafter that drafts in one block (DFlash) runs rows at N - 1 .. N - 1 + d instead, non-causally.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class Span:
     count: int
 
 
-# (spans, how many of them are decodes (first)) -> (the step context, positions [T] on the device)
-AttentionFor = Callable[[list[Span], int], tuple[StepContext, torch.Tensor]]
+# (spans, how many of them are decodes (first), causal) -> (the step context, positions [T] on the device)
+AttentionFor = Callable[[list[Span], int, bool], tuple[StepContext, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,17 @@ class DraftLimits:
     num_speculative_tokens: int
     max_model_len: int
     block_size: int
+    extra_block_rows: int | None = None  # `ModelDrafter.extra_block_rows`
 
     def max_drafts(self, seq: Request, new_tokens: int) -> int:
         """Drafts `seq` may make after `new_tokens` more tokens: the verify step emits up to
-        drafts + 1 tokens, and the row of draft j >= 1 writes KV at position N + j - 2."""
+        drafts + 1 tokens, and the row of draft j >= 1 writes KV at position N + j - 2 (a
+        block of d + e rows writes up to N - 2 + d + e)."""
         num_tokens = seq.num_tokens + new_tokens
         left = seq.params.max_tokens - len(seq.output_ids) - new_tokens
         room = min(left, self.max_model_len - num_tokens) - 1
-        slots = len(seq.block_tables[0]) * self.block_size - num_tokens + 2
+        past = 2 if self.extra_block_rows is None else 1 - self.extra_block_rows
+        slots = len(seq.block_tables[0]) * self.block_size - num_tokens + past
         return max(0, min(self.num_speculative_tokens, room, slots))
 
 
@@ -120,7 +124,7 @@ class RunnerDraftContext(DraftContext):
         self.model, self.sampler, self.attention = model, sampler, attention
         self.drafting, self.max_drafts = found.drafting, found.max_drafts
         device = hidden.device
-        step, positions = attention(found.spans, found.num_decode_spans)
+        step, positions = attention(found.spans, found.num_decode_spans, True)
         index = torch.tensor(found.rows, dtype=torch.int64, device=device)
         self.verified = DraftRows(torch.tensor(found.input_ids, dtype=torch.int64, device=device), positions,
                                   hidden[index], step)
@@ -132,8 +136,17 @@ class RunnerDraftContext(DraftContext):
         if draft < 1 or any(draft >= self.max_drafts[r] for r in requests):
             raise ValueError(f"draft {draft} is beyond what requests {list(requests)} may draft")
         spans = [Span(self.drafting[r][0], self.drafting[r][1] + draft - 2, 1) for r in requests]
-        step, positions = self.attention(spans, len(spans))
+        step, positions = self.attention(spans, len(spans), True)
         return DraftRows(input_ids, positions, hidden, step)
+
+    def block_attention(self, requests: Sequence[int],
+                        sizes: Sequence[int]) -> tuple[StepContext, torch.Tensor]:
+        if any(not 1 <= size <= self.max_drafts[r] + 1 for r, size in zip(requests, sizes, strict=True)):
+            raise ValueError(f"blocks of {list(sizes)} rows are beyond what requests {list(requests)} "
+                             "may draft")
+        spans = [Span(self.drafting[r][0], self.drafting[r][1] - 1, size) for r, size in zip(requests, sizes,
+                                                                                              strict=True)]
+        return self.attention(spans, len(spans), False)
 
     def sample(self, logits: torch.Tensor, requests: Sequence[int], draft: int,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:

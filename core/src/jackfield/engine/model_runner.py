@@ -118,7 +118,8 @@ class ModelRunner:
         self.tap_layers = drafter.tap_layers if drafter is not None else ()
         if drafter is not None:
             assert engine.block_size is not None  # the Engine resolves it first
-            self.draft_limits = DraftLimits(drafter.num_speculative_tokens, max_model_len, engine.block_size)
+            self.draft_limits = DraftLimits(drafter.num_speculative_tokens, max_model_len, engine.block_size,
+                                            drafter.extra_block_rows)
         self.capabilities = model.capabilities
         groups = parallel_state()
         # Under decode context parallel this rank holds 1/dcp of each request's KV (dcp.py).
@@ -242,11 +243,12 @@ class ModelRunner:
         per_group, positions = self._span_metadata(spans, sum(c.is_decode for c in chunks))  # decodes first
         return per_group, input_ids, positions
 
-    def _span_metadata(self, spans: list[Span],
-                       num_decodes: int) -> tuple[list[AttentionMetadata], torch.Tensor]:
+    def _span_metadata(self, spans: list[Span], num_decodes: int,
+                       causal: bool = True) -> tuple[list[AttentionMetadata], torch.Tensor]:
         """(metadata per KV cache group, positions [T] on the host) of rows at each span's
-        positions, the first `num_decodes` spans being decodes. The groups' metadata differ only
-        in block tables and slots."""
+        positions, the first `num_decodes` spans being decodes; `causal` False: every row sees
+        all its request's keys (a drafter's block; the model's own rows follow the model). The
+        groups' metadata differ only in block tables and slots."""
         query_start = [0]
         seq_lens: list[int] = []
         for span in spans:
@@ -267,7 +269,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
             num_decode_tokens=query_start[num_decodes],
-            causal=self.capabilities.causal,
+            causal=self.capabilities.causal and causal,
         )
         bs = self.block_size
         per_group = []
@@ -284,10 +286,11 @@ class ModelRunner:
                                                slot_mapping=self._h2d(slots, torch.int64), **shared))  # type: ignore[arg-type]
         return per_group, positions
 
-    def _draft_attention(self, spans: list[Span], num_decodes: int) -> tuple[StepContext, torch.Tensor]:
+    def _draft_attention(self, spans: list[Span], num_decodes: int,
+                         causal: bool = True) -> tuple[StepContext, torch.Tensor]:
         """A model drafter's rows: their step context and positions on the device."""
         with host_single_threaded():
-            per_group, positions = self._span_metadata(spans, num_decodes)
+            per_group, positions = self._span_metadata(spans, num_decodes, causal)
             return self.contexts.build(self.kv_caches, per_group), self._h2d(positions, torch.int64)
 
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:

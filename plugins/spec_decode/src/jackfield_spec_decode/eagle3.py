@@ -85,7 +85,7 @@ class Eagle3Config:
     tap_layers: tuple[int, ...]  # the target layers whose inputs fc reads, in its column order
 
 
-def _int_field(data: dict[str, object], name: str, default: int | None = None) -> int:
+def int_field(data: dict[str, object], name: str, default: int | None = None) -> int:
     value = data.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -117,23 +117,23 @@ def _eagle3_config(path: Path, data: dict[str, object], target: TargetShape) -> 
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise ValueError(f"architectures {archs!r} is not an EAGLE-3 draft head "
                          f"({' or '.join(ARCHITECTURES)})")
-    if _int_field(data, "num_hidden_layers") != 1:
+    if int_field(data, "num_hidden_layers") != 1:
         raise ValueError(f"num_hidden_layers is {data['num_hidden_layers']}; EAGLE-3 heads have one layer")
-    hidden = _int_field(data, "hidden_size")
+    hidden = int_field(data, "hidden_size")
     if hidden != target.hidden_size:
         raise ValueError(f"hidden_size {hidden} differs from the target model's {target.hidden_size}")
-    target_hidden = _int_field(data, "target_hidden_size", hidden)
+    target_hidden = int_field(data, "target_hidden_size", hidden)
     if target_hidden != target.hidden_size:
         raise ValueError(f"target_hidden_size {target_hidden} differs from the target model's hidden_size "
                          f"{target.hidden_size}")
-    vocab = _int_field(data, "vocab_size")
+    vocab = int_field(data, "vocab_size")
     if vocab != target.vocab_size:
         raise ValueError(f"vocab_size {vocab} differs from the target model's {target.vocab_size}")
-    draft_vocab = _int_field(data, "draft_vocab_size", vocab)
+    draft_vocab = int_field(data, "draft_vocab_size", vocab)
     if draft_vocab > vocab:
         raise ValueError(f"draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}")
-    heads = _int_field(data, "num_attention_heads")
-    kv_heads = _int_field(data, "num_key_value_heads", heads)
+    heads = int_field(data, "num_attention_heads")
+    kv_heads = int_field(data, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     head_dim = data.get("head_dim") or hidden // heads
@@ -156,18 +156,18 @@ def _eagle3_config(path: Path, data: dict[str, object], target: TargetShape) -> 
         raise ValueError(f"{field} {taps!r} must name three distinct layers of the target's "
                          f"{target.num_layers} (0 .. {target.num_layers - 1})")
     return Eagle3Config(
-        path=path, data=data, hidden_size=hidden, intermediate_size=_int_field(data, "intermediate_size"),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=_int_field({"head_dim": head_dim}, "head_dim"),
+        path=path, data=data, hidden_size=hidden, intermediate_size=int_field(data, "intermediate_size"),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=int_field({"head_dim": head_dim}, "head_dim"),
         rms_norm_eps=float(eps), vocab_size=vocab, draft_vocab_size=draft_vocab,
-        max_position_embeddings=_int_field(data, "max_position_embeddings", 2048),
+        max_position_embeddings=int_field(data, "max_position_embeddings", 2048),
         norm_before_residual=bool(data.get("norm_before_residual", False)), tap_layers=tuple(taps),
     )
 
 
 def target_shape(config_json: dict[str, object]) -> TargetShape:
     """The target's sizes from its config.json (a ValueError names a missing field)."""
-    return TargetShape(_int_field(config_json, "vocab_size"), _int_field(config_json, "hidden_size"),
-                       _int_field(config_json, "num_hidden_layers"))
+    return TargetShape(int_field(config_json, "vocab_size"), int_field(config_json, "hidden_size"),
+                       int_field(config_json, "num_hidden_layers"))
 
 
 class Eagle3Attention(nn.Module):

@@ -1,6 +1,6 @@
-"""Random EAGLE-3 draft heads in the published layout, for tests (as jackfield.testing writes
-target checkpoints): config.json + model.safetensors with `fc`, `midlayer.*`, `norm`, `lm_head`,
-`d2t` and `t2d`, and `embed_tokens` when asked."""
+"""Random draft checkpoints in the published layouts, for tests (as jackfield.testing writes
+target checkpoints): EAGLE-3 heads (config.json + model.safetensors with `fc`, `midlayer.*`,
+`norm`, `lm_head`, `d2t` and `t2d`, and `embed_tokens` when asked) and DFlash drafts."""
 
 from __future__ import annotations
 
@@ -60,5 +60,64 @@ def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | Non
     }
     if taps is not None:
         data["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": taps}
+    (directory / "config.json").write_text(json.dumps({**data, **config}))
+    return tensors
+
+
+def write_dflash(directory: Path, target: Path, seed: int, target_layer_ids: list[int], mask_token_id: int,
+                 block_size: int = 8, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
+                 intermediate: int = 48, markov_rank: int = 0, **config: object) -> dict[str, torch.Tensor]:
+    """A random DFlash draft for the target in `target` (its config.json), in the published
+    layout (`fc`, `hidden_norm`, `layers.{i}.*` with q/k norms, `norm`; `dflash_config` holding
+    `block_size`, `mask_token_id` and `target_layer_ids`), or with `markov_rank` > 0 a DSpark
+    draft in DeepSpec's layout (those fields at the top level, `markov_head.markov_w{1,2}`, and
+    copies of the target's embedding and head). Returns its tensors."""
+    target_config = json.loads((target / "config.json").read_text())
+    hidden, vocab = target_config["hidden_size"], target_config["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int, scale: float = 0.3) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    def norm(size: int = hidden) -> torch.Tensor:
+        return 1 + weight(size, scale=0.1)
+
+    q, kv = heads * head_dim, kv_heads * head_dim
+    tensors = {"fc.weight": weight(hidden, len(target_layer_ids) * hidden, scale=0.2),
+               "hidden_norm.weight": norm(), "norm.weight": norm()}
+    for i in range(layers):
+        p = f"layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": weight(q, hidden),
+            p + "self_attn.k_proj.weight": weight(kv, hidden),
+            p + "self_attn.v_proj.weight": weight(kv, hidden),
+            p + "self_attn.o_proj.weight": weight(hidden, q),
+            p + "self_attn.q_norm.weight": norm(head_dim),
+            p + "self_attn.k_norm.weight": norm(head_dim),
+            p + "post_attention_layernorm.weight": norm(),
+            p + "mlp.gate_proj.weight": weight(intermediate, hidden),
+            p + "mlp.up_proj.weight": weight(intermediate, hidden),
+            p + "mlp.down_proj.weight": weight(hidden, intermediate),
+        }
+    draft_fields: dict[str, object] = {"block_size": block_size, "mask_token_id": mask_token_id,
+                                       "target_layer_ids": target_layer_ids}
+    if markov_rank:
+        tensors |= {"markov_head.markov_w1.weight": weight(vocab, markov_rank, scale=1.0),
+                    "markov_head.markov_w2.weight": weight(vocab, markov_rank, scale=1.0),
+                    "embed_tokens.weight": weight(vocab, hidden), "lm_head.weight": weight(vocab, hidden)}
+        draft_fields = {"architectures": ["Qwen3DSparkModel"], **draft_fields, "markov_rank": markov_rank,
+                        "markov_head_type": "vanilla", "enable_confidence_head": False, "num_anchors": 512}
+    else:
+        draft_fields = {"architectures": ["DFlashDraftModel"], "dflash_config": draft_fields}
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    data: dict[str, object] = {
+        "model_type": "qwen3", "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "num_hidden_layers": layers, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 512, "vocab_size": vocab, "attention_bias": False,
+        "num_target_layers": target_config["num_hidden_layers"], "tie_word_embeddings": False, **draft_fields,
+    }
     (directory / "config.json").write_text(json.dumps({**data, **config}))
     return tensors
