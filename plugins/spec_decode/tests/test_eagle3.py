@@ -17,6 +17,8 @@ from jackfield.cli import main
 from jackfield.config import ConfigError
 from jackfield.engine.block_manager import max_request_blocks
 from jackfield.testing.checkpoints import write_deepseek, write_granite
+from jackfield_spec_decode.testing import reference_rms_norm as rms_norm
+from jackfield_spec_decode.testing import reference_rope as rope
 from jackfield_spec_decode.testing import write_eagle3
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -24,7 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 K = 3
 BASE = {"engine.device": "cpu", "attention.backend": "torch_ref", "model.dtype": "float32"}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-HEADS, KV_HEADS, HEAD_DIM, EPS, THETA = 4, 2, 8, 1e-5, 10000.0  # write_eagle3's defaults
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8  # write_eagle3's defaults
 
 
 
@@ -55,21 +57,6 @@ def prompts(vocab: int, seed: int) -> list[list[int]]:
 
 
 # ---- the head's equations in float64 ---------------------------------------------------------
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d] rotated as Llama does (pairs i, i + d/2)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angles = positions.double()[:, None] * inv_freq[None]
-    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None]
-    sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None]
-    rotated = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1)
-    return x * cos + rotated * sin
-
 
 class ReferenceHead:
     """The head over one request, float64, its KV kept per position."""

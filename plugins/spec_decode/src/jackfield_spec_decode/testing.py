@@ -10,6 +10,24 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+RMS_NORM_EPS, ROPE_THETA = 1e-5, 10000.0  # the draft checkpoints' config.json values
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of a written draft, in x's dtype (the tests' float64 references)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_NORM_EPS) * weight
+
+
+def reference_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] rotated as Llama and Qwen3 do (pairs i, i + d/2), in float64."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = positions.double()[:, None] * inv_freq[None]
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None]
+    sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None]
+    rotated = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1)
+    return x * cos + rotated * sin
+
 
 def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | None,
                  draft_vocab: int | None = None, own_embedding: bool = False,
@@ -54,7 +72,7 @@ def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | Non
     data: dict[str, object] = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "head_dim": head_dim, "num_hidden_layers": 1, "rms_norm_eps": RMS_NORM_EPS, "rope_theta": ROPE_THETA,
         "max_position_embeddings": 512, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
         "tie_word_embeddings": False, "norm_before_residual": norm_before_residual,
     }
@@ -115,7 +133,8 @@ def write_dflash(directory: Path, target: Path, seed: int, target_layer_ids: lis
     data: dict[str, object] = {
         "model_type": "qwen3", "hidden_size": hidden,
         "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "num_hidden_layers": layers, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "head_dim": head_dim, "num_hidden_layers": layers, "rms_norm_eps": RMS_NORM_EPS,
+        "rope_theta": ROPE_THETA,
         "max_position_embeddings": 512, "vocab_size": vocab, "attention_bias": False,
         "num_target_layers": target_config["num_hidden_layers"], "tie_word_embeddings": False, **draft_fields,
     }
