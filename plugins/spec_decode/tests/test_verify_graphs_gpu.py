@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from jackfield.contracts.model import LayerTaps
 from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.testing.checks import greedy_runs_agree
 
@@ -45,9 +46,9 @@ def test_ngram_verify_graphs_give_the_tokens_of_the_run_without_drafts(
     replays: list[int] = []
     recorded_run = DecodeGraphs.run
 
-    def counting_run(self: DecodeGraphs, chunks: list, q: int) -> torch.Tensor:
+    def counting_run(self: DecodeGraphs, chunks: list, q: int, taps: LayerTaps | None) -> torch.Tensor:
         replays.append(q)
-        return recorded_run(self, chunks, q)
+        return recorded_run(self, chunks, q, taps)
 
     monkeypatch.setattr(DecodeGraphs, "run", counting_run)
     plain = _generate(str(tmp_path), prompts, {})

@@ -125,7 +125,7 @@ class HostPool:
     def store_layer(self, layer: int, pairs: Pairs) -> None:
         """Device blocks -> host rows for one layer (queued on the store stream on CUDA)."""
         tensor, staged = self.cache.layer_tensor[layer], self.stage(pairs)
-        with self._on(self.store_stream):
+        with self._on(self.store_stream, staged):
             gathered_planes = self.cache.gather(layer, staged.device_ids)
             for gathered, host in zip(gathered_planes, self.host[tensor], strict=True):
                 for start, end, first in staged.runs:
@@ -134,7 +134,7 @@ class HostPool:
     def load_layer(self, layer: int, pairs: Pairs) -> None:
         """Host rows -> device blocks for one layer (queued on the load stream on CUDA)."""
         tensor, staged = self.cache.layer_tensor[layer], self.stage(pairs)
-        with self._on(self.load_stream):
+        with self._on(self.load_stream, staged):
             for plane, host in zip(self.cache.planes[tensor], self.host[tensor], strict=True):
                 arrived = torch.empty((len(pairs), plane.shape[1]), dtype=plane.dtype, device=self.device)
                 for start, end, first in staged.runs:
@@ -147,12 +147,17 @@ class HostPool:
         for host, arrived in zip(self.host[self.cache.layer_tensor[layer]], data, strict=True):
             host.index_copy_(0, rows, arrived)
 
-    def _on(self, stream: torch.cuda.Stream | None) -> torch.cuda.StreamContext | nullcontext[None]:
+    def _on(self, stream: torch.cuda.Stream | None, staged: StagedPairs,
+            ) -> torch.cuda.StreamContext | nullcontext[None]:
         """Run on `stream`, after everything already queued on the compute stream (a block being
-        stored was just written; a block being loaded may have been freed by a finished request)."""
+        stored was just written; a block being loaded may have been freed by a finished request).
+        The staged block ids were made on the compute stream: `end_step` drops them while `stream`
+        may still be reading them, so the allocator must not hand their memory to the compute
+        stream before `stream` is done (a reuse there scattered copies out of bounds on the H200)."""
         if stream is None:
             return nullcontext()
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        staged.device_ids.record_stream(stream)
         return torch.cuda.stream(stream)
 
     def record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
