@@ -186,6 +186,21 @@ class PDLLM(LLM):
             self._send(Prefill(seq.request_id, seq.token_ids, params))
         return seqs
 
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_request(token_ids, params)
+
+    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        return self.add_requests([(token_ids, params)])[0]
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish `seq` as aborted. One still at the prefill engine is finished there as it was
+        asked (one prefill step; its handoff is dropped, and the KV it sent is evicted unclaimed
+        after `timeout_s`); one already here is aborted by the decode engine."""
+        if self._at_producer.pop(seq.request_id, None) is not None:
+            seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, "abort", time.perf_counter()
+        else:
+            self.engine.abort(seq)
+
     def has_work(self) -> bool:
         return bool(self._at_producer) or self.engine.scheduler.has_work()
 

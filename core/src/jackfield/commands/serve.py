@@ -1,4 +1,5 @@
-"""`jackfield serve`: the OpenAI-compatible server on one engine (docs/serving.md)."""
+"""`jackfield serve`: the OpenAI-compatible server on one engine, or with `--pd` on a prefill engine
+(a child process) and a decode engine (this one) joined by the pd KV connector (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     parser.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
+    parser.add_argument("--pd", action="store_true",
+                        help="prefill/decode disaggregation: a second engine in a child process computes "
+                             "the prompts and hands their KV to this one (jackfield-kv-offload; docs/pd.md)")
     parser.set_defaults(handler=main)
 
 
 def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from jackfield.commands.pd import PDLLM
     from jackfield.config import resolve_config
     from jackfield.engine.async_engine import AsyncEngine
     from jackfield.engine.engine import Engine
@@ -39,11 +44,18 @@ def main(args: argparse.Namespace) -> int:
         # one process only, and nothing hands them to the other ranks yet.
         raise ValueError("jackfield serve runs one process: parallel.tensor_parallel_size > 1 is not served "
                          "yet (use `torchrun ... -m jackfield.cli run` or LLM(...) under torchrun)")
-    engine = Engine(config, lambda message: print(message, file=sys.stderr))
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr)
+
+    pair = PDLLM(args.model, args.config, progress=say) if args.pd else None
+    engine = pair.engine if pair is not None else Engine(config, say)
     name = args.served_model_name or (Path(args.model).name if args.model else Path(engine.model_dir).name)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, pair)
     try:
         uvicorn.run(create_app(async_engine, name), host=args.host, port=args.port, log_level="warning")
     finally:
         async_engine.shutdown()
+        if pair is not None:
+            pair.close()  # the prefill engine stops with the server
     return 0

@@ -1,6 +1,8 @@
 """One engine loop for many callers: requests from any thread or coroutine, batched together.
 
-`AsyncEngine` owns an `Engine` and a thread that steps it while there is work. `submit` checks a
+`AsyncEngine` owns an `Engine` and a thread that steps it while there is work (or a `StepDriver`
+around it: `jackfield serve --pd` steps a prefill/decode pair, commands/pd.PDLLM, whose decode
+engine is that `Engine`). `submit` checks a
 request on the caller's thread (a bad one raises there and never reaches the loop), queues it and
 returns a `RequestStream`; the loop admits queued requests between steps, so requests arriving
 from different callers share steps (continuous batching). After each step every active request's
@@ -17,6 +19,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from jackfield.contracts.sampler import SamplingParams
 from jackfield.engine.engine import Engine
@@ -54,9 +57,22 @@ class RequestStream:
     done: bool = field(default=False)
 
 
+class StepDriver(Protocol):
+    """What the loop steps: `Engine` itself, or something that runs requests through it."""
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence: ...
+    def abort(self, seq: Sequence) -> None: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list[Sequence]: ...
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, driver: StepDriver | None = None) -> None:
+        """`engine` answers what the server reads (tokenizer, limits, KV use); `driver` (default:
+        `engine`) takes the requests and steps."""
         self.engine = engine
+        self.driver: StepDriver = driver if driver is not None else engine
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the three queues below
         self._queued: list[RequestStream] = []
@@ -74,7 +90,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Check and queue a request (ValueError names what is wrong); deltas go to `deliver`,
         called on the engine thread (it must not block)."""
-        self.engine.check_request(prompt_token_ids, params)
+        self.driver.check_request(prompt_token_ids, params)
         stream = RequestStream(next(self._ids), list(prompt_token_ids), params, deliver)
         with self._lock:
             if self._stopping:
@@ -102,7 +118,7 @@ class AsyncEngine:
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
-        engine = self.engine
+        driver = self.driver
         while True:
             with self._lock:
                 queued, self._queued = self._queued, []
@@ -113,22 +129,22 @@ class AsyncEngine:
             for stream in list(self._active.values()):
                 if stopping or stream.request_id in aborted:
                     assert stream.seq is not None
-                    engine.scheduler.abort(stream.seq)
+                    driver.abort(stream.seq)
                     self._finish(stream, RequestDelta([], finish_reason="abort"))
             if stopping:
                 return
-            if not engine.scheduler.has_work():
+            if not driver.has_work():
                 self._wake.wait()
                 self._wake.clear()
                 continue
             try:
-                engine.step()
+                driver.step()
             except Exception as exc:  # the requests of this step fail; the loop serves the rest
                 message = f"{type(exc).__name__}: {exc}"
                 for stream in list(self._active.values()):
                     assert stream.seq is not None
                     if stream.seq.status == Status.RUNNING:
-                        engine.scheduler.abort(stream.seq)
+                        driver.abort(stream.seq)
                         self._finish(stream, RequestDelta([], error=message))
                 continue
             for stream in list(self._active.values()):
@@ -136,7 +152,7 @@ class AsyncEngine:
 
     def _admit(self, stream: RequestStream) -> None:
         try:
-            stream.seq = self.engine.add_request(stream.prompt_token_ids, stream.params)
+            stream.seq = self.driver.add_request(stream.prompt_token_ids, stream.params)
         except ValueError as exc:  # the pool changed since submit checked it
             self._finish(stream, RequestDelta([], error=str(exc)))
             return

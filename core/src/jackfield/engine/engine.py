@@ -181,6 +181,13 @@ class Engine:
             self.step()
         self._next_id = 0
 
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish `seq` as aborted and free its blocks (a no-op once it finished)."""
+        self.scheduler.abort(seq)
+
     def add_request(self, token_ids: list[int], params: SamplingParams,
                     pooling: str | None = None) -> Sequence:
         """Queue a request (pooling: an embedding request, run whole in one step)."""
