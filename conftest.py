@@ -31,6 +31,7 @@ HARDWARE_SKIP_REASONS = (
     GPU_SKIP_REASON,  # the `gpu` marker, and conformance classes on a CUDA device
     "needs AMX hardware",  # plugins/cpu_amx: AMX-BF16 tiles granted by the OS
     "needs AVX-512-BF16 hardware",  # plugins/cpu_amx: the kernel's AVX-512 build (AMX hosts have it)
+    "needs two GPUs",  # core/tests/distributed/test_nccl.py on a one-GPU machine
 )
 
 _skips: Counter[str] = Counter()

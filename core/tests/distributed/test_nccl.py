@@ -27,7 +27,7 @@ def test_nccl_collectives_at_world_size_one() -> None:
 @pytest.mark.gpu
 def test_two_gpus_generate_what_one_gpu_does(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs two GPUs, this machine has {torch.cuda.device_count()}")
+        pytest.skip(f"needs two GPUs: this machine has {torch.cuda.device_count()}")
     print(f"seed {SEED}")
     write_deepseek("v3", tmp_path / "deepseek", seed=SEED)
     write_granite("llama", tmp_path / "llama", seed=SEED)

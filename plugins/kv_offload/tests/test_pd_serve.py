@@ -11,15 +11,16 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import torch
-import uvicorn
 from jackfield import LLM, SamplingParams
 from jackfield.commands.pd import PDLLM
 from jackfield.engine.async_engine import AsyncEngine, RequestDelta
 from jackfield.models.default_model import default_model_dir
-from jackfield.serving.app import create_app
+
+httpx = pytest.importorskip("httpx", reason="jackfield[serve] is not installed")
+uvicorn = pytest.importorskip("uvicorn", reason="jackfield[serve] is not installed")
+from jackfield.serving.app import create_app  # noqa: E402  (it imports the serve extra's packages)
 
 BASE = {"engine.device": "cpu", "attention.backend": "torch_ref", "model.dtype": "float32",
         "engine.block_size": 16, "engine.max_num_seqs": 4}

@@ -27,8 +27,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
 
     root = tmp_path_factory.mktemp("gpu_eagle3")
     write_granite("llama", root / "target", **GPU_LLAMA)
+    # head_scale: logits of std ~1.6 (1.0 gives ~32: one bf16 rounding step of the hidden state
+    # then moves a draft probability by 0.2-0.6, far beyond what a distribution comparison can bound)
     write_eagle3(root / "head", root / "target", 11, taps=None, draft_vocab=1024, heads=16, kv_heads=4,
-                 head_dim=64, intermediate=2048)
+                 head_dim=64, intermediate=2048, head_scale=0.05)
     speculative = {"speculative.method": "eagle3", "speculative.num_speculative_tokens": 3,
                    "speculative.model": str(root / "head")}
     return str(root / "target"), speculative

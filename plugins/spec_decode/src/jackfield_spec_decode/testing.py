@@ -32,9 +32,11 @@ def reference_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | None,
                  draft_vocab: int | None = None, own_embedding: bool = False,
                  norm_before_residual: bool = False, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
-                 intermediate: int = 48, **config: object) -> dict[str, torch.Tensor]:
+                 intermediate: int = 48, head_scale: float = 1.0, **config: object,
+                 ) -> dict[str, torch.Tensor]:
     """A random head for the target in `target` (its config.json), in the published layout; the
-    draft vocabulary (if smaller) is a random subset of the target's. Returns its tensors."""
+    draft vocabulary (if smaller) is a random subset of the target's. `head_scale`: the lm_head's
+    weight scale (1.0: logits of std ~sqrt(hidden), near one-hot drafts). Returns its tensors."""
     target_config = json.loads((target / "config.json").read_text())
     hidden, vocab = target_config["hidden_size"], target_config["vocab_size"]
     draft_vocab = draft_vocab or vocab
@@ -60,7 +62,7 @@ def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | Non
         "midlayer.mlp.up_proj.weight": weight(intermediate, hidden),
         "midlayer.mlp.down_proj.weight": weight(hidden, intermediate),
         "norm.weight": norm(),
-        "lm_head.weight": weight(draft_vocab, hidden, scale=1.0),
+        "lm_head.weight": weight(draft_vocab, hidden, scale=head_scale),
     }
     target_ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
     tensors["d2t"] = target_ids - torch.arange(draft_vocab)
