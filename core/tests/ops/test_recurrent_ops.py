@@ -51,16 +51,19 @@ def _generator(offset: int) -> torch.Generator:
 
 
 # (rows this step, slot holds earlier tokens, per-row states kept): a decode, a first prefill
-# chunk, a continued chunk, a verify chunk of 1 + 3 rows, a first chunk shorter than the conv window
-REQUESTS = [(1, True, False), (7, False, False), (5, True, False), (4, True, True), (2, False, False)]
-SLOTS = [3, 0, 5, 1, 4]
+# chunk, a continued chunk, a verify chunk of 1 + 3 rows, a first chunk shorter than the conv
+# window, a verify chunk of 1 + 1 rows (its per-row states past its 2 rows: its last state)
+REQUESTS = [(1, True, False), (7, False, False), (5, True, False), (4, True, True), (2, False, False),
+            (2, True, True)]
+SLOTS = [3, 0, 5, 1, 4, 2]
 NUM_SLOTS = 6
+KEPT_ROWS = 4  # the longest kept request's rows: the per-row states' length
 
 
 # A step with prefill chunks longer than ops.recurrent.CHUNK (and no kept states): the chunked
 # form, whose float32 rounding over 150 rows is held to 1e-4 instead of 1e-5.
 LONG_REQUESTS = [(1, True, False), (150, False, False), (70, True, False), (3, True, False),
-                 (64, True, False)]
+                 (64, True, False), (9, True, False)]
 BATCHES = {"short": REQUESTS, "long": LONG_REQUESTS}
 TOLERANCE = {"short": 1e-5, "long": 1e-4}
 Requests = list[tuple[int, bool, bool]]
@@ -76,6 +79,15 @@ def _rows(b: int, requests: Requests = REQUESTS) -> slice:
     return slice(start, start + requests[b][0])
 
 
+def _check_kept(kept: torch.Tensor, b: int, after: list[torch.Tensor], tol: float) -> None:
+    """Request b's per-row states ([V, KEPT_ROWS, ...]: b's place among the kept requests): the
+    state after each of its rows, then its last state up to the longest kept request's rows."""
+    assert kept.shape[:2] == (sum(r[2] for r in REQUESTS), KEPT_ROWS)
+    index = sum(r[2] for r in REQUESTS[:b])
+    for j in range(KEPT_ROWS):
+        torch.testing.assert_close(kept[index, j].double(), after[min(j, len(after) - 1)], rtol=tol, atol=tol)
+
+
 def test_causal_conv1d_matches_float64_window_recurrence() -> None:
     gen = _generator(0)
     channels, kernel = 6, 4
@@ -89,13 +101,15 @@ def test_causal_conv1d_matches_float64_window_recurrence() -> None:
     for b, (_, has_state, keep) in enumerate(REQUESTS):
         window = (before[SLOTS[b]].double() if has_state
                   else torch.zeros(channels, kernel - 1, dtype=torch.float64))
-        for j, row in enumerate(range(_rows(b).start, _rows(b).stop)):
+        windows = []
+        for row in range(_rows(b).start, _rows(b).stop):
             full = torch.cat([window, x[row].double()[:, None]], dim=1)
             expect = torch.nn.functional.silu((full * weight.double()).sum(1) + bias.double())
             torch.testing.assert_close(out[row].double(), expect, rtol=1e-5, atol=1e-5)
             window = full[:, 1:]
-            if keep:
-                torch.testing.assert_close(kept[0][0, j].double(), window, rtol=0, atol=0)
+            windows.append(window)
+        if keep:
+            _check_kept(kept[0], b, windows, 0.0)
         torch.testing.assert_close(states[SLOTS[b]].double(), window, rtol=0, atol=0)
 
 
@@ -146,8 +160,7 @@ def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str,
         torch.testing.assert_close(out[rows].double(), expect, rtol=tol, atol=tol)
         torch.testing.assert_close(states[SLOTS[b]].double(), after[-1], rtol=tol, atol=tol)
         if keep:
-            for j, state in enumerate(after):
-                torch.testing.assert_close(kept[0][0, j].double(), state, rtol=tol, atol=tol)
+            _check_kept(kept[0], b, after, tol)
 
 
 def _mamba2_reference(x, dt, a, b, c, d, dt_bias, state):  # type: ignore[no-untyped-def]
@@ -193,8 +206,7 @@ def test_mamba2_scan_matches_float64_recurrence(impl: str, batch: str,
         torch.testing.assert_close(out[rows].double(), expect, rtol=tol, atol=tol)
         torch.testing.assert_close(states[SLOTS[r]].double(), after[-1], rtol=tol, atol=tol)
         if keep:
-            for j, state in enumerate(after):
-                torch.testing.assert_close(kept[0][0, j].double(), state, rtol=tol, atol=tol)
+            _check_kept(kept[0], r, after, tol)
 
 
 def test_chunks_over_several_steps_equal_one_pass() -> None:
