@@ -256,3 +256,37 @@ def test_bad_input_is_refused() -> None:
         causal_conv1d(torch.randn(t, 3), torch.randn(3, 4), None, torch.zeros(2, 3, 3), meta)
     with pytest.raises(ValueError, match="rows"):
         causal_conv1d(torch.randn(t + 1, 3), torch.randn(3, 4), None, torch.zeros(9, 3, 3), meta)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("k", "v", "corrections", "stages"), [(128, 128, True, 2), (128, 64, False, 3)],
+                         ids=["qwen3_next_gdn", "granite_hybrid_mamba2"])
+def test_chunk_scan_stages_fit_hopper_shared_memory(k: int, v: int, corrections: bool, stages: int) -> None:
+    """The chunk scan at Qwen3-Next's GDN sizes (Dk = Dv = 128, with corrections) and Granite 4.0
+    hybrid's Mamba2 sizes (N = 128, P = 64) on an H100/H200 (227 KiB of shared memory a
+    program): the most pipeline stages that fit are chosen, and Triton's own count of the
+    kernel's shared memory, compiled here for sm_90 without a GPU, is within the bound the
+    stages are chosen by."""
+    from jackfield.ops.recurrent_triton import (
+        VALUE_BLOCK,
+        _chunk_scan_kernel,
+        chunk_scan_shared_bytes,
+        chunk_scan_stages,
+    )
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+    from triton.runtime.jit import JITFunction
+
+    hopper = 227 * 1024
+    assert chunk_scan_stages(k, VALUE_BLOCK, recurrent.CHUNK, corrections, hopper) == stages
+    pointers = ("q_ptr", "attend_ptr", "values_ptr", "corr_ptr", "keys_ptr", "decay_ptr", "out_ptr",
+                "state_ptr")
+    constants = dict(K=k, V=v, C=recurrent.CHUNK, BK=k, BV=VALUE_BLOCK, HAS_CORRECTIONS=corrections)
+    signature = {**dict.fromkeys(pointers, "*fp32"), "num_chunks": "i32",
+                 **dict.fromkeys(constants, "constexpr")}
+    kernel = JITFunction(_chunk_scan_kernel.fn)  # compilable also where TRITON_INTERPRET=1 wraps it
+    source = ASTSource(kernel, signature, constexprs=constants)
+    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_stages": stages})
+    bound = chunk_scan_shared_bytes(k, VALUE_BLOCK, recurrent.CHUNK, corrections, stages)
+    print(f"shared memory: Triton {compiled.metadata.shared} bytes, bound {bound}, limit {hopper}")
+    assert compiled.metadata.shared <= bound <= hopper

@@ -122,7 +122,7 @@ def _kept_windows(seq: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
     width = seq.shape[2] - meta.max_query_len
     last = meta.query_lens[meta.keep_requests] - 1
     rows = torch.minimum(torch.arange(meta.kept_rows, device=seq.device)[None, :], last[:, None])
-    at = (rows[:, :, None] + 1 + torch.arange(width, device=seq.device)).flatten(1)  # [V, kept_rows * (K - 1)]
+    at = (rows[:, :, None] + 1 + torch.arange(width, device=seq.device)).flatten(1)  # [V, kept_rows (K - 1)]
     windows = seq.gather(2, at[:, None, :].expand(-1, seq.shape[1], -1))
     return windows.unflatten(2, (meta.kept_rows, width)).transpose(1, 2)
 

@@ -13,6 +13,8 @@ PyTorch ops' padding columns do).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -131,6 +133,30 @@ def _chunk_scan_kernel(q_ptr, attend_ptr, values_ptr, corr_ptr, keys_ptr, decay_
     tl.store(state_at, state, mask=mk[:, None] & mv[None, :])
 
 
+def chunk_scan_shared_bytes(block_k: int, block_v: int, rows: int, corrections: bool, stages: int) -> int:
+    """An upper bound of the chunk scan's shared memory per program at `stages` pipeline stages:
+    a chunk's loads (float32 [C, BK] queries, keys and corrections, [C, C] attend, [C, BV]
+    values) kept in flight for each stage past the first, and the dots' staged operands (the
+    [BK, BV] state slice and a [C, BV] product, two buffers each). Checked against Triton's own
+    count for sm_90 in core/tests/ops/test_recurrent_ops.py."""
+    chunk = 4 * rows * (block_k * (3 if corrections else 2) + rows + block_v)
+    return (stages - 1) * chunk + 8 * block_k * block_v + 8 * rows * block_v
+
+
+@functools.cache
+def _shared_memory_limit(device: int) -> int:
+    """Shared memory a program may use on CUDA device `device` (227 KiB on H100 and H200)."""
+    return int(triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"])
+
+
+def chunk_scan_stages(block_k: int, block_v: int, rows: int, corrections: bool, limit: int) -> int:
+    """The chunk scan's pipeline stages: the most, up to Triton's default of 3 (a chunk's loads
+    issued two chunks ahead of its dots), whose shared memory fits `limit`. At Qwen3-Next's
+    Dk = Dv = 128 with corrections, 2 (3 would need 272 KiB)."""
+    fitting = (s for s in (3, 2) if chunk_scan_shared_bytes(block_k, block_v, rows, corrections, s) <= limit)
+    return next(fitting, 1)
+
+
 launch_gated_delta_rule = DirectLauncher(_gated_delta_rule_kernel)
 launch_mamba2_scan = DirectLauncher(_mamba2_scan_kernel)
 launch_chunk_scan = DirectLauncher(_chunk_scan_kernel)
@@ -203,9 +229,13 @@ def chunk_scan_triton(queries: torch.Tensor, attend: torch.Tensor, values: torch
     out = torch.empty(batch, heads, chunks, rows, v, dtype=torch.float32, device=values.device)
     inputs = [t.float().contiguous() for t in (queries, attend, values, keys_to_end, last_decay)]
     corr = inputs[0] if corrections is None else corrections.float().contiguous()  # unread without
-    block = max(16, min(VALUE_BLOCK, triton.next_power_of_2(v)))  # tl.dot takes 16 or more
-    launch_chunk_scan((batch * heads, triton.cdiv(v, block)), inputs[0], inputs[1], inputs[2], corr,
-                      inputs[3], inputs[4], out, state, chunks, K=k, V=v, C=rows,
-                      BK=max(16, triton.next_power_of_2(k)), BV=block,
-                      HAS_CORRECTIONS=corrections is not None)
+    block_v = max(16, min(VALUE_BLOCK, triton.next_power_of_2(v)))  # tl.dot takes 16 or more
+    block_k = max(16, triton.next_power_of_2(k))
+    options: dict[str, int] = {}
+    if state.is_cuda:  # the interpreter has no shared memory to fit
+        limit = _shared_memory_limit(state.get_device())
+        options["num_stages"] = chunk_scan_stages(block_k, block_v, rows, corrections is not None, limit)
+    launch_chunk_scan((batch * heads, triton.cdiv(v, block_v)), inputs[0], inputs[1], inputs[2], corr,
+                      inputs[3], inputs[4], out, state, chunks, K=k, V=v, C=rows, BK=block_k, BV=block_v,
+                      HAS_CORRECTIONS=corrections is not None, **options)
     return out, state
