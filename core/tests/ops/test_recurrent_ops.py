@@ -15,7 +15,7 @@ from jackfield.ops.recurrent import causal_conv1d, gated_delta_rule, mamba2_scan
 
 SEED = 20261202
 CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+DEVICE = "cuda" if CUDA else "cpu"  # where the Triton kernels run (compiled on a GPU, else interpreted)
 TRITON_HERE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not TRITON_HERE, reason="Triton needs CUDA or TRITON_INTERPRET=1"))]
@@ -69,9 +69,9 @@ TOLERANCE = {"short": 1e-5, "long": 1e-4}
 Requests = list[tuple[int, bool, bool]]
 
 
-def _meta(kernels: set[int], requests: Requests = REQUESTS):  # type: ignore[no-untyped-def]
+def _meta(kernels: set[int], requests: Requests = REQUESTS, device: str = "cpu"):  # type: ignore[no-untyped-def]
     return recurrent_metadata([r[0] for r in requests], SLOTS, [r[1] for r in requests],
-                              [i for i, r in enumerate(requests) if r[2]], kernels, "cpu")
+                              [i for i, r in enumerate(requests) if r[2]], kernels, device)
 
 
 def _rows(b: int, requests: Requests = REQUESTS) -> slice:
@@ -141,17 +141,19 @@ def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str,
     gen = _generator(1)
     hk, hv, dk, dv = 2, 4, 8, 6
     requests, tol = BATCHES[batch], TOLERANCE[batch]
-    meta = _meta(set(), requests)
+    device = DEVICE if impl == "triton" else "cpu"
+    meta = _meta(set(), requests, device)
     t = meta.num_tokens
     q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
     v = torch.randn(t, hv, dv, generator=gen)
     g = -torch.rand(t, hv, generator=gen) * 2
     beta = torch.rand(t, hv, generator=gen)
-    states = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
-    before = states.clone()
+    before = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
+    states = before.to(device, copy=True)
     kept: list[torch.Tensor] = []
     op = _delta_rule_impl(impl, batch, monkeypatch)
-    out = op(q, k, v, g, beta, states, meta, kept if batch == "short" else None)
+    out = op(*(x.to(device) for x in (q, k, v, g, beta)), states, meta, kept if batch == "short" else None)
+    out, states, kept = out.cpu(), states.cpu(), [rows.cpu() for rows in kept]
     for b, (_, has_state, keep) in enumerate(requests):
         rows = _rows(b, requests)
         start = before[SLOTS[b]].double() if has_state else torch.zeros(hv, dk, dv, dtype=torch.float64)
@@ -187,17 +189,20 @@ def test_mamba2_scan_matches_float64_recurrence(impl: str, batch: str,
     gen = _generator(2)
     heads, p, groups, n = 4, 3, 2, 5
     requests, tol = BATCHES[batch], TOLERANCE[batch]
-    meta = _meta(set(), requests)
+    device = DEVICE if impl == "triton" else "cpu"
+    meta = _meta(set(), requests, device)
     t = meta.num_tokens
     x, dt = torch.randn(t, heads, p, generator=gen), torch.randn(t, heads, generator=gen)
     b, c = torch.randn(t, groups, n, generator=gen), torch.randn(t, groups, n, generator=gen)
     a = -torch.rand(heads, generator=gen) * 4
     d, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
-    states = torch.randn(NUM_SLOTS, heads, p, n, generator=gen)
-    before = states.clone()
+    before = torch.randn(NUM_SLOTS, heads, p, n, generator=gen)
+    states = before.to(device, copy=True)
     kept: list[torch.Tensor] = []
-    out = _mamba2_impl(impl, batch, monkeypatch)(x, dt, a, b, c, d, dt_bias, (0.0, math.inf), states, meta,
-                             kept if batch == "short" else None)
+    inputs = (y.to(device) for y in (x, dt, a, b, c, d, dt_bias))
+    out = _mamba2_impl(impl, batch, monkeypatch)(*inputs, (0.0, math.inf), states, meta,
+                                                 kept if batch == "short" else None)
+    out, states, kept = out.cpu(), states.cpu(), [rows.cpu() for rows in kept]
     for r, (_, has_state, keep) in enumerate(requests):
         rows = _rows(r, requests)
         start = before[SLOTS[r]].double() if has_state else torch.zeros(heads, p, n, dtype=torch.float64)
