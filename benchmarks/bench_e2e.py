@@ -11,15 +11,18 @@ RoPE), or --model-dir: a real checkpoint (e.g. SmolLM2-135M-Instruct:
 Per batch size: time to first token (all requests submitted at once; Jackfield: mean over
 requests) and decode tokens/s (tokens after the
 first over the time after the first; transformers' times come from its streamer hook, which
-generate calls with each step's tokens). Ceilings measured in the same run: the dense matmul rate
-and the memory copy bandwidth; decode is compared with the bandwidth ceiling (every step reads
-all weights once: ceiling tokens/s = batch * bandwidth / weight bytes).
+generate calls with each step's tokens). For the hybrid families transformers generates 16
+tokens (--hf-new-tokens), to keep the run short: its hybrid decode steps are slow (PyTorch
+fallbacks where causal_conv1d or mamba_ssm are missing), and its rate over 15 steps is the same
+per-step rate. Ceilings measured in the same run: the dense matmul rate and the memory copy
+bandwidth; decode is compared with the bandwidth ceiling (every step reads all weights once:
+ceiling tokens/s = batch * bandwidth / weight bytes). Progress lines say when each stage ended.
 
   python benchmarks/bench_e2e.py --device cuda                 # mid-size config, bf16
   python benchmarks/bench_e2e.py --device cpu --small          # reduced config, float32
   python benchmarks/bench_e2e.py --device cuda --family llama
-  python benchmarks/bench_e2e.py --device cuda --family qwen3-next --no-cuda-graphs
-  python benchmarks/bench_e2e.py --device cuda --family granite-hybrid --no-cuda-graphs
+  python benchmarks/bench_e2e.py --device cuda --family qwen3-next
+  python benchmarks/bench_e2e.py --device cuda --family granite-hybrid
   python benchmarks/bench_e2e.py --device cpu --model-dir "$(python benchmarks/smollm2.py --converted)"
 
 --kv-cache-dtype fp8_e4m3 times the engine with an fp8 KV cache (scales calibrated from the first
@@ -113,6 +116,7 @@ GRANITE_HYBRID = dict(  # Granite-4.0-H-Tiny's layer shapes, fewer layers
     mamba_d_conv=4, mamba_expand=2, position_embedding_type=None, max_position_embeddings=4096,
     layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
 )  # fmt: skip
+HYBRIDS = ("qwen3-next", "granite-hybrid")
 GRANITE_HYBRID_SMALL = dict(GRANITE_HYBRID, vocab_size=8000, hidden_size=512, num_attention_heads=8,
                             num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
                             mamba_n_heads=16)
@@ -375,13 +379,16 @@ def profile_decode(llm, prompts: torch.Tensor, device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    families = ("deepseek", "llama", "granite-swa", "qwen3-next", "granite-hybrid")
+    families = ("deepseek", "llama", "granite-swa", *HYBRIDS)
     parser.add_argument("--family", choices=families, default="deepseek")
     parser.add_argument("--model-dir", help="a real checkpoint instead of a random --family model")
     parser.add_argument("--small", action="store_true", help="the reduced config (for CPUs)")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--hf-new-tokens", type=int,
+                        help="tokens transformers generates per timed run (default: --new-tokens; 16 for "
+                             "the hybrid families, whose transformers decode steps are slow)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="engine.max_num_batched_tokens")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per batch (medians reported)")
@@ -397,10 +404,23 @@ def main() -> None:
     args = parser.parse_args()
     from jackfield import LLM, SamplingParams
 
+    started = time.perf_counter()
+
+    def stage(done: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {done}", flush=True)
+
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hybrid = args.family in HYBRIDS and not args.model_dir
+    hf_new_tokens = args.hf_new_tokens or (min(16, args.new_tokens) if hybrid else args.new_tokens)
+    if hf_new_tokens != args.new_tokens:
+        print(f"transformers generates {hf_new_tokens} tokens a timed run, Jackfield {args.new_tokens}: "
+              f"transformers' {args.family} decode steps are slow, and its decode rate over "
+              f"{hf_new_tokens - 1} steps is the same per-step rate")
+    batches = [int(b) for b in args.batches.split(",")]
     hf, directory = build_hf_model(args.family, args.small, args.model_dir, device, dtype,
                                    args.prompt_len + args.new_tokens)
+    stage("transformers model built and saved")
     if args.kv_cache_dtype == "fp8_e4m3":
         compare_kv_cache_dtypes(args, hf, directory, dtype)
         return
@@ -414,10 +434,12 @@ def main() -> None:
             "engine.device": device,
             "model.dtype": str(dtype).removeprefix("torch."),
             "engine.max_num_batched_tokens": args.max_batched_tokens,
+            "engine.max_num_seqs": max(batches),
             "engine.enable_prefix_caching": False,
             "engine.cuda_graphs": not args.no_cuda_graphs,
         },
     )
+    stage("engine loaded, warmed up and its graphs recorded")
     backend = llm.engine.backend_choices["decode"].name
     gen = torch.Generator().manual_seed(1)
     checks = torch.randint(0, config.vocab_size, (8, args.prompt_len), generator=gen)
@@ -427,8 +449,9 @@ def main() -> None:
         f"median / max: Jackfield {sorted(jf)[len(jf) // 2]:.4f} / {max(jf):.4f}, "
         f"transformers {dtype} {sorted(tf)[len(tf) // 2]:.4f} / {max(tf):.4f}"
     )
+    stage("first-token logprobs compared")
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    for batch in batches:
         prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=gen)
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
         # warm-up at the measured shapes, for both engines: kernel compiles and plan caches
@@ -436,6 +459,7 @@ def main() -> None:
         llm.generate([p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=2))
         hf_prompts = prompts.to(device)
         time_hf(hf, hf_prompts, 2, device)  # warm-up
+        stage(f"batch {batch}: both warmed up")
         jf_runs, hf_runs = [], []
         for _ in range(args.repeats):  # interleaved, so a load spike on a shared host hits both
             sync(device)
@@ -450,8 +474,8 @@ def main() -> None:
                     batch * (args.new_tokens - 1) / (total - last_first),
                 )
             )
-            hf_ttft_s, hf_decode_s = time_hf(hf, hf_prompts, args.new_tokens, device)
-            hf_runs.append((hf_ttft_s, batch * (args.new_tokens - 1) / hf_decode_s))
+            hf_ttft_s, hf_decode_s = time_hf(hf, hf_prompts, hf_new_tokens, device)
+            hf_runs.append((hf_ttft_s, batch * (hf_new_tokens - 1) / hf_decode_s))
         jf_ttft, jf_decode = (statistics.median(r[i] for r in jf_runs) for i in (0, 1))
         hf_ttft, hf_decode = (statistics.median(r[i] for r in hf_runs) for i in (0, 1))
         ceiling = batch * bandwidth / weight_bytes
@@ -468,12 +492,14 @@ def main() -> None:
             )
         )
         print(json.dumps(rows[-1]), flush=True)
+        stage(f"batch {batch} timed")
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(
         f"\nmodel {args.model_dir or args.family}, device {name}, {dtype}, backend {backend}, "
         f"weights {weight_bytes / 2**20:.0f} MiB, "
-        f"prompt {args.prompt_len}, new tokens {args.new_tokens}, max_num_batched_tokens "
-        f"{args.max_batched_tokens}, decode CUDA graphs: {llm.engine.runner.decode_graphs_off or 'on'}"
+        f"prompt {args.prompt_len}, new tokens {args.new_tokens} (transformers {hf_new_tokens}), "
+        f"max_num_batched_tokens {args.max_batched_tokens}, decode CUDA graphs: "
+        f"{llm.engine.runner.decode_graphs_off or 'on'}"
     )
     print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     if device == "cuda":  # the KV cache, both models and every captured graph's pool

@@ -222,3 +222,67 @@ def check_verify_fill(graphs, runner, chunks, q: int) -> int:  # type: ignore[no
         rows = graphs.positions.gpu[i * q : (i + 1) * q].tolist()
         assert rows == list(range(starts[i], starts[i] + q))
     return len(chunks)
+
+
+def _tensors(tree: object) -> list:  # type: ignore[type-arg]
+    """Every tensor in a tree of dataclasses, tuples, lists and dicts."""
+    import dataclasses
+
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        items = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
+    elif isinstance(tree, dict):
+        items = list(tree.values())
+    elif isinstance(tree, list | tuple):
+        items = list(tree)
+    else:
+        return []
+    return [t for item in items for t in _tensors(item)]
+
+
+def test_hybrid_decode_graphs_keep_every_tensor_their_forward_read(tmp_path, monkeypatch) -> None:
+    """A hybrid model's decode graphs (Granite 4.0 hybrid, Mamba2 beside attention): recording runs
+    the forward over the padded decode metadata (padding rows on the pool's spare slot, from a
+    zero state), and the memory of every tensor the recorded forwards read lives as long as the
+    graphs. A replay reads it by address: on the H200, replays after the recurrent metadata made
+    for the capture was freed indexed with whatever reused its memory ("index out of bounds").
+    Recording is emulated on the CPU: the forward runs eagerly, as at each graph's warm-up."""
+    import contextlib
+    import gc
+    import weakref
+
+    import torch
+    from jackfield.engine.cuda_graphs import DecodeGraphs
+    from jackfield.testing.checkpoints import write_hybrid
+
+    write_hybrid("granitemoehybrid_dense_nope", tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", backend="torch_ref", block_size=4, max_num_seqs=4)
+    engine, runner = llm.engine, llm.engine.runner
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          len(runner.groups.windows), runner.kv.num_blocks, runner.block_size,
+                          engine.max_model_len, 4, engine.device, recurrent=runner.recurrent)
+    read: list[weakref.ref] = []  # type: ignore[type-arg]
+    forward = engine.model.forward
+
+    def recorded_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        read.extend(weakref.ref(t.untyped_storage()) for t in _tensors([args, kwargs]))
+        return forward(*args, **kwargs)
+
+    class Graph:  # what capture asks of a CUDA graph: nothing until a replay
+        pass
+
+    monkeypatch.setattr(engine.model, "forward", recorded_forward)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    graphs.capture()
+    gc.collect()
+    assert sorted(graphs.graphs) == [(1, 1), (2, 1), (4, 1)]
+    pool = runner.recurrent.states[0].untyped_storage()
+    assert any(ref() is pool for ref in read)  # the walk reached the step's recurrent part
+    dead = sum(ref() is None for ref in read)
+    assert read and not dead, f"{dead} of {len(read)} tensors the recorded forwards read were freed"

@@ -15,7 +15,7 @@ from jackfield.ops.recurrent import causal_conv1d, gated_delta_rule, mamba2_scan
 
 SEED = 20261202
 CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+DEVICE = "cuda" if CUDA else "cpu"  # where the Triton kernels run (compiled on a GPU, else interpreted)
 TRITON_HERE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not TRITON_HERE, reason="Triton needs CUDA or TRITON_INTERPRET=1"))]
@@ -51,29 +51,41 @@ def _generator(offset: int) -> torch.Generator:
 
 
 # (rows this step, slot holds earlier tokens, per-row states kept): a decode, a first prefill
-# chunk, a continued chunk, a verify chunk of 1 + 3 rows, a first chunk shorter than the conv window
-REQUESTS = [(1, True, False), (7, False, False), (5, True, False), (4, True, True), (2, False, False)]
-SLOTS = [3, 0, 5, 1, 4]
+# chunk, a continued chunk, a verify chunk of 1 + 3 rows, a first chunk shorter than the conv
+# window, a verify chunk of 1 + 1 rows (its per-row states past its 2 rows: its last state)
+REQUESTS = [(1, True, False), (7, False, False), (5, True, False), (4, True, True), (2, False, False),
+            (2, True, True)]
+SLOTS = [3, 0, 5, 1, 4, 2]
 NUM_SLOTS = 6
+KEPT_ROWS = 4  # the longest kept request's rows: the per-row states' length
 
 
 # A step with prefill chunks longer than ops.recurrent.CHUNK (and no kept states): the chunked
 # form, whose float32 rounding over 150 rows is held to 1e-4 instead of 1e-5.
 LONG_REQUESTS = [(1, True, False), (150, False, False), (70, True, False), (3, True, False),
-                 (64, True, False)]
+                 (64, True, False), (9, True, False)]
 BATCHES = {"short": REQUESTS, "long": LONG_REQUESTS}
 TOLERANCE = {"short": 1e-5, "long": 1e-4}
 Requests = list[tuple[int, bool, bool]]
 
 
-def _meta(kernels: set[int], requests: Requests = REQUESTS):  # type: ignore[no-untyped-def]
+def _meta(kernels: set[int], requests: Requests = REQUESTS, device: str = "cpu"):  # type: ignore[no-untyped-def]
     return recurrent_metadata([r[0] for r in requests], SLOTS, [r[1] for r in requests],
-                              [i for i, r in enumerate(requests) if r[2]], kernels, "cpu")
+                              [i for i, r in enumerate(requests) if r[2]], kernels, device)
 
 
 def _rows(b: int, requests: Requests = REQUESTS) -> slice:
     start = sum(r[0] for r in requests[:b])
     return slice(start, start + requests[b][0])
+
+
+def _check_kept(kept: torch.Tensor, b: int, after: list[torch.Tensor], tol: float) -> None:
+    """Request b's per-row states ([V, KEPT_ROWS, ...]: b's place among the kept requests): the
+    state after each of its rows, then its last state up to the longest kept request's rows."""
+    assert kept.shape[:2] == (sum(r[2] for r in REQUESTS), KEPT_ROWS)
+    index = sum(r[2] for r in REQUESTS[:b])
+    for j in range(KEPT_ROWS):
+        torch.testing.assert_close(kept[index, j].double(), after[min(j, len(after) - 1)], rtol=tol, atol=tol)
 
 
 def test_causal_conv1d_matches_float64_window_recurrence() -> None:
@@ -89,13 +101,15 @@ def test_causal_conv1d_matches_float64_window_recurrence() -> None:
     for b, (_, has_state, keep) in enumerate(REQUESTS):
         window = (before[SLOTS[b]].double() if has_state
                   else torch.zeros(channels, kernel - 1, dtype=torch.float64))
-        for j, row in enumerate(range(_rows(b).start, _rows(b).stop)):
+        windows = []
+        for row in range(_rows(b).start, _rows(b).stop):
             full = torch.cat([window, x[row].double()[:, None]], dim=1)
             expect = torch.nn.functional.silu((full * weight.double()).sum(1) + bias.double())
             torch.testing.assert_close(out[row].double(), expect, rtol=1e-5, atol=1e-5)
             window = full[:, 1:]
-            if keep:
-                torch.testing.assert_close(kept[0][0, j].double(), window, rtol=0, atol=0)
+            windows.append(window)
+        if keep:
+            _check_kept(kept[0], b, windows, 0.0)
         torch.testing.assert_close(states[SLOTS[b]].double(), window, rtol=0, atol=0)
 
 
@@ -127,17 +141,19 @@ def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str,
     gen = _generator(1)
     hk, hv, dk, dv = 2, 4, 8, 6
     requests, tol = BATCHES[batch], TOLERANCE[batch]
-    meta = _meta(set(), requests)
+    device = DEVICE if impl == "triton" else "cpu"
+    meta = _meta(set(), requests, device)
     t = meta.num_tokens
     q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
     v = torch.randn(t, hv, dv, generator=gen)
     g = -torch.rand(t, hv, generator=gen) * 2
     beta = torch.rand(t, hv, generator=gen)
-    states = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
-    before = states.clone()
+    before = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
+    states = before.to(device, copy=True)
     kept: list[torch.Tensor] = []
     op = _delta_rule_impl(impl, batch, monkeypatch)
-    out = op(q, k, v, g, beta, states, meta, kept if batch == "short" else None)
+    out = op(*(x.to(device) for x in (q, k, v, g, beta)), states, meta, kept if batch == "short" else None)
+    out, states, kept = out.cpu(), states.cpu(), [rows.cpu() for rows in kept]
     for b, (_, has_state, keep) in enumerate(requests):
         rows = _rows(b, requests)
         start = before[SLOTS[b]].double() if has_state else torch.zeros(hv, dk, dv, dtype=torch.float64)
@@ -146,8 +162,7 @@ def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str,
         torch.testing.assert_close(out[rows].double(), expect, rtol=tol, atol=tol)
         torch.testing.assert_close(states[SLOTS[b]].double(), after[-1], rtol=tol, atol=tol)
         if keep:
-            for j, state in enumerate(after):
-                torch.testing.assert_close(kept[0][0, j].double(), state, rtol=tol, atol=tol)
+            _check_kept(kept[0], b, after, tol)
 
 
 def _mamba2_reference(x, dt, a, b, c, d, dt_bias, state):  # type: ignore[no-untyped-def]
@@ -174,17 +189,20 @@ def test_mamba2_scan_matches_float64_recurrence(impl: str, batch: str,
     gen = _generator(2)
     heads, p, groups, n = 4, 3, 2, 5
     requests, tol = BATCHES[batch], TOLERANCE[batch]
-    meta = _meta(set(), requests)
+    device = DEVICE if impl == "triton" else "cpu"
+    meta = _meta(set(), requests, device)
     t = meta.num_tokens
     x, dt = torch.randn(t, heads, p, generator=gen), torch.randn(t, heads, generator=gen)
     b, c = torch.randn(t, groups, n, generator=gen), torch.randn(t, groups, n, generator=gen)
     a = -torch.rand(heads, generator=gen) * 4
     d, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
-    states = torch.randn(NUM_SLOTS, heads, p, n, generator=gen)
-    before = states.clone()
+    before = torch.randn(NUM_SLOTS, heads, p, n, generator=gen)
+    states = before.to(device, copy=True)
     kept: list[torch.Tensor] = []
-    out = _mamba2_impl(impl, batch, monkeypatch)(x, dt, a, b, c, d, dt_bias, (0.0, math.inf), states, meta,
-                             kept if batch == "short" else None)
+    inputs = (y.to(device) for y in (x, dt, a, b, c, d, dt_bias))
+    out = _mamba2_impl(impl, batch, monkeypatch)(*inputs, (0.0, math.inf), states, meta,
+                                                 kept if batch == "short" else None)
+    out, states, kept = out.cpu(), states.cpu(), [rows.cpu() for rows in kept]
     for r, (_, has_state, keep) in enumerate(requests):
         rows = _rows(r, requests)
         start = before[SLOTS[r]].double() if has_state else torch.zeros(heads, p, n, dtype=torch.float64)
@@ -193,8 +211,7 @@ def test_mamba2_scan_matches_float64_recurrence(impl: str, batch: str,
         torch.testing.assert_close(out[rows].double(), expect, rtol=tol, atol=tol)
         torch.testing.assert_close(states[SLOTS[r]].double(), after[-1], rtol=tol, atol=tol)
         if keep:
-            for j, state in enumerate(after):
-                torch.testing.assert_close(kept[0][0, j].double(), state, rtol=tol, atol=tol)
+            _check_kept(kept[0], r, after, tol)
 
 
 def test_chunks_over_several_steps_equal_one_pass() -> None:
@@ -244,3 +261,37 @@ def test_bad_input_is_refused() -> None:
         causal_conv1d(torch.randn(t, 3), torch.randn(3, 4), None, torch.zeros(2, 3, 3), meta)
     with pytest.raises(ValueError, match="rows"):
         causal_conv1d(torch.randn(t + 1, 3), torch.randn(3, 4), None, torch.zeros(9, 3, 3), meta)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("k", "v", "corrections", "stages"), [(128, 128, True, 2), (128, 64, False, 3)],
+                         ids=["qwen3_next_gdn", "granite_hybrid_mamba2"])
+def test_chunk_scan_stages_fit_hopper_shared_memory(k: int, v: int, corrections: bool, stages: int) -> None:
+    """The chunk scan at Qwen3-Next's GDN sizes (Dk = Dv = 128, with corrections) and Granite 4.0
+    hybrid's Mamba2 sizes (N = 128, P = 64) on an H100/H200 (227 KiB of shared memory a
+    program): the most pipeline stages that fit are chosen, and Triton's own count of the
+    kernel's shared memory, compiled here for sm_90 without a GPU, is within the bound the
+    stages are chosen by."""
+    from jackfield.ops.recurrent_triton import (
+        VALUE_BLOCK,
+        _chunk_scan_kernel,
+        chunk_scan_shared_bytes,
+        chunk_scan_stages,
+    )
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+    from triton.runtime.jit import JITFunction
+
+    hopper = 227 * 1024
+    assert chunk_scan_stages(k, VALUE_BLOCK, recurrent.CHUNK, corrections, hopper) == stages
+    pointers = ("q_ptr", "attend_ptr", "values_ptr", "corr_ptr", "keys_ptr", "decay_ptr", "out_ptr",
+                "state_ptr")
+    constants = dict(K=k, V=v, C=recurrent.CHUNK, BK=k, BV=VALUE_BLOCK, HAS_CORRECTIONS=corrections)
+    signature = {**dict.fromkeys(pointers, "*fp32"), "num_chunks": "i32",
+                 **dict.fromkeys(constants, "constexpr")}
+    kernel = JITFunction(_chunk_scan_kernel.fn)  # compilable also where TRITON_INTERPRET=1 wraps it
+    source = ASTSource(kernel, signature, constexprs=constants)
+    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_stages": stages})
+    bound = chunk_scan_shared_bytes(k, VALUE_BLOCK, recurrent.CHUNK, corrections, stages)
+    print(f"shared memory: Triton {compiled.metadata.shared} bytes, bound {bound}, limit {hopper}")
+    assert compiled.metadata.shared <= bound <= hopper

@@ -72,6 +72,9 @@ class RecurrentMetadata:
     keep_requests: torch.Tensor  # int64 [V]
     num_tokens: int
     max_query_len: int
+    # rows of the longest kept request (0: none kept): the length L of the per-row states, so a
+    # verify chunk beside a long prefill chunk keeps 1 + k states, not max_query_len
+    kept_rows: int = 0
 
     @property
     def num_reqs(self) -> int:

@@ -6,8 +6,9 @@ replaying it costs one launch. Capture runs at start-up, largest batch first so 
 graphs share its memory pool.
 
 What a replay needs: every input lives in a static device buffer (ids, positions, slots, lengths,
-block tables), written in place before each replay; batches are padded up to the next captured
-size with rows that see no KV (seq_len 0) and write none (slot -1). The attention metadata's
+block tables), written in place before each replay, and each graph keeps the step context it
+was recorded with (a replay reads its tensors by address); batches are padded up to the next
+captured size with rows that see no KV (seq_len 0) and write none (slot -1). The attention metadata's
 Python values are upper bounds fixed at capture (max_seq_len = max_model_len), which is why only
 backends that declare `cuda_graph` support (their decode path reads lengths from the device
 tensors, never syncs, and accepts rows with no KV) are captured; the engine runs the rest eagerly.
@@ -90,9 +91,12 @@ class DecodeGraphs:
         self.state_slots = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
         self.has_state = CpuGpuBuffer(largest, dtype=torch.bool, device=device)
         # per (batch size, rows a request): the graph, its final hidden states and its tapped
-        # layer inputs (output buffers)
-        self.graphs: dict[tuple[int, int],
-                          tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor | None]]] = {}
+        # layer inputs (output buffers), and the step context it was recorded with: a replay reads
+        # the context's tensors by address (a hybrid model's recurrent metadata is made for the
+        # capture), so they live as long as the graph; freed, their memory would go to other
+        # tensors and a replay would index with whatever those hold
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                 list[torch.Tensor | None], StepContext]] = {}
 
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -113,7 +117,7 @@ class DecodeGraphs:
                 taps = LayerTaps(self.tap_layers, self.model.capabilities.num_layers)
                 with torch.cuda.graph(graph, pool=pool):
                     hidden = self.model(ids, self.positions.gpu[: size * q], context, taps=taps)
-                self.graphs[size, q] = (graph, hidden, taps.states)
+                self.graphs[size, q] = (graph, hidden, taps.states, context)
         torch.cuda.synchronize()
 
     def query_len(self, chunks: list[ScheduledChunk]) -> int | None:
@@ -137,7 +141,7 @@ class DecodeGraphs:
         recorded `tap_layers`) gets the tapped layers' inputs of the same rows."""
         size = next(s for s in self.sizes if s >= len(chunks))
         total = self._fill(chunks, size, q)
-        graph, hidden, states = self.graphs[size, q]
+        graph, hidden, states, _ = self.graphs[size, q]
         graph.replay()
 
         def real(rows: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ no update, so it leaves a request's state as it was. Prefill chunks and decodes 
 chunk that continues a request's prompt starts from the state its last step left.
 
 Kept requests (speculative verify chunks) also get their states after each row
-(`RowStates`), so the state can be rolled back to the last accepted row after sampling.
+(`RowStates`), so the state can be rolled back to the last accepted row after sampling: rows
+0 .. kept_rows - 1 (the longest kept request's), past a request's own rows the state its last
+row left.
 
 A step with a request of more than CHUNK rows (and no kept states) runs the recurrences in the
 chunked matmul form instead of row by row: what is parallel over chunks in batched PyTorch, the
@@ -48,6 +50,7 @@ def recurrent_metadata(query_lens: list[int], state_slots: list[int], has_state:
     valid = columns < lens[:, None]
     padded = torch.where(valid, starts[:-1, None] + columns, tokens)
     windows = {k: lens[:, None] + torch.arange(k - 1) for k in sorted(conv_kernels)}
+    kept_rows = max((query_lens[i] for i in keep_requests), default=0)
     return RecurrentMetadata(
         query_start_loc=starts.to(device), query_lens=lens.to(device),
         state_slots=torch.tensor(state_slots, dtype=torch.int64).to(device),
@@ -55,7 +58,7 @@ def recurrent_metadata(query_lens: list[int], state_slots: list[int], has_state:
         padded_rows=padded.to(device), valid_rows=valid.flatten().nonzero().squeeze(1).to(device),
         conv_windows={k: w.to(device) for k, w in windows.items()},
         keep_requests=torch.tensor(keep_requests, dtype=torch.int64).to(device),
-        num_tokens=tokens, max_query_len=width)
+        num_tokens=tokens, max_query_len=width, kept_rows=kept_rows)
 
 
 def _check(name: str, tensor: torch.Tensor, rows: int, dims: int) -> None:
@@ -94,8 +97,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   meta: RecurrentMetadata, kept: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Depthwise causal conv1d + SiLU: x [T, C], weight [C, K] -> [T, C] in x's dtype, computed in
     the weight's dtype over [the request's window ‖ its rows]; conv_states [slots, C, K - 1] get
-    the inputs of each request's last K - 1 positions. `kept`: appends [V, L, C, K - 1], the
-    window after each row of the kept requests."""
+    the inputs of each request's last K - 1 positions. `kept`: appends [V, kept_rows, C, K - 1],
+    the window after each row of the kept requests (when some are kept)."""
     _check("x", x, meta.num_tokens, 2)
     channels, kernel = weight.shape
     if x.shape[1] != channels or conv_states.shape[1:] != (channels, kernel - 1):
@@ -107,10 +110,21 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = F.silu(F.conv1d(seq, weight.unsqueeze(1), bias, groups=channels))  # [B, C, L]
     window = seq.gather(2, meta.conv_windows[kernel].unsqueeze(1).expand(-1, channels, -1))
     conv_states[meta.state_slots] = window.to(conv_states.dtype)
-    if kept is not None:  # window after row j: seq[..., j + 1 : j + K]
-        after = seq[meta.keep_requests].unfold(2, kernel - 1, 1)[:, :, 1:]  # [V, C, L, K - 1]
-        kept.append(after.transpose(1, 2).to(conv_states.dtype))
+    if kept is not None and meta.kept_rows:
+        kept.append(_kept_windows(seq[meta.keep_requests], meta).to(conv_states.dtype))
     return _flat(out.transpose(1, 2), meta).to(x.dtype)
+
+
+def _kept_windows(seq: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
+    """The kept requests' windows after each row, [V, kept_rows, C, K - 1], from their sequences
+    [V, C, K - 1 + L]: after row j, seq[..., j + 1 : j + K]; past a request's last row, the window
+    that row left (padding columns would shift zeros in)."""
+    width = seq.shape[2] - meta.max_query_len
+    last = meta.query_lens[meta.keep_requests] - 1
+    rows = torch.minimum(torch.arange(meta.kept_rows, device=seq.device)[None, :], last[:, None])
+    at = (rows[:, :, None] + 1 + torch.arange(width, device=seq.device)).flatten(1)  # [V, kept_rows (K - 1)]
+    windows = seq.gather(2, at[:, None, :].expand(-1, seq.shape[1], -1))
+    return windows.unflatten(2, (meta.kept_rows, width)).transpose(1, 2)
 
 
 def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +144,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     multiple of Hk: key head i serves value heads i * Hv/Hk ...); g (log decay, <= 0) and beta
     [T, Hv]; states
     [slots, Hv, Dk, Dv] float32. Returns o [T, Hv, Dv] float32. `kept`: appends the state after
-    each row of the kept requests, [V, L, Hv, Dk, Dv]."""
+    each row of the kept requests, [V, kept_rows, Hv, Dk, Dv] (when some are kept)."""
     tokens = meta.num_tokens
     for name, tensor, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
         _check(name, tensor, tokens, dims)
@@ -165,9 +179,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             delta = (vp[:, j] - predicted) * bp[:, j, :, None]
             state = state + kp[:, j, :, :, None] * delta[:, :, None, :]
             out[:, j] = torch.einsum("bhk,bhkv->bhv", qp[:, j], state)
-            if kept is not None:
+            if kept is not None and j < meta.kept_rows:
                 rows.append(state[meta.keep_requests])
-        if kept is not None:
+        if kept is not None and rows:
             kept.append(torch.stack(rows, dim=1))
     states[meta.state_slots] = state
     return _flat(out, meta)
@@ -244,7 +258,8 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
 
     x [T, H, P]; dt [T, H]; a (A, negative), d, dt_bias [H]; b, c [T, G, N] (group i serves
     heads i * H/G ...); states [slots, H, P, N] float32. Returns y [T, H, P] float32. `kept`:
-    appends the state after each row of the kept requests, [V, L, H, P, N]."""
+    appends the state after each row of the kept requests, [V, kept_rows, H, P, N] (when some
+    are kept)."""
     tokens = meta.num_tokens
     for name, tensor, dims in (("x", x, 3), ("dt", dt, 2), ("B", b, 3), ("C", c, 3)):
         _check(name, tensor, tokens, dims)
@@ -277,9 +292,9 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
             update = (sp[:, j, :, None] * xp[:, j])[..., None] * bp[:, j, :, None, :]
             state = state * decay[:, j, :, None, None] + update
             out[:, j] = torch.einsum("bhpn,bhn->bhp", state, cp[:, j])
-            if kept is not None:
+            if kept is not None and j < meta.kept_rows:
                 rows.append(state[meta.keep_requests])
-        if kept is not None:
+        if kept is not None and rows:
             kept.append(torch.stack(rows, dim=1))
     states[meta.state_slots] = state
     return _flat(out, meta) + d.float()[:, None] * x.float()

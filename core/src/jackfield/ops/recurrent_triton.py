@@ -6,10 +6,14 @@ One program per (request, value head, block of value columns) keeps its slice of
 registers and steps through the request's rows: a decode is one iteration, a prefill chunk as
 many as its rows, so one launch serves a mixed step (and chunks that continue a prompt start
 from the state the last chunk left). Everything is float32 inside; the state is read once and
-written once per step (and once per row for kept requests).
+written once per step (and once per row for kept requests: rows 0 .. kept_rows - 1 of the
+per-row buffer, those past a request's own rows holding the state its last row left, as the
+PyTorch ops' padding columns do).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -23,7 +27,7 @@ VALUE_BLOCK = 32  # value columns (GDN) / head dims (Mamba2) per program: the st
 
 @triton.jit
 def _gated_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, states_ptr, rows_ptr,
-                             qsl_ptr, slots_ptr, has_state_ptr, keep_ptr, scale, max_len,
+                             qsl_ptr, slots_ptr, has_state_ptr, keep_ptr, scale, kept_rows,
                              HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BK: tl.constexpr, BV: tl.constexpr):
     b, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -51,14 +55,18 @@ def _gated_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stat
         state = state + k[:, None] * delta[None, :]
         tl.store(out_ptr + (t * HV + h) * DV + dv, tl.sum(state * q[:, None], axis=0), mask=mv)
         if keep >= 0:
-            row = (keep.to(tl.int64) * max_len + (t - start)) * HV + h
+            row = (keep.to(tl.int64) * kept_rows + (t - start)) * HV + h
+            tl.store(rows_ptr + row * DK * DV + cell, state, mask=mask)
+    if keep >= 0:  # a kept request shorter than the longest: its last state fills its later rows
+        for j in range(end - start, kept_rows):
+            row = (keep.to(tl.int64) * kept_rows + j) * HV + h
             tl.store(rows_ptr + row * DK * DV + cell, state, mask=mask)
     tl.store(state_at, state, mask=mask)
 
 
 @triton.jit
 def _mamba2_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, out_ptr, states_ptr, rows_ptr,
-                        qsl_ptr, slots_ptr, has_state_ptr, keep_ptr, dt_min, dt_max, max_len,
+                        qsl_ptr, slots_ptr, has_state_ptr, keep_ptr, dt_min, dt_max, kept_rows,
                         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                         BP: tl.constexpr, BN: tl.constexpr):
     r, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -86,7 +94,11 @@ def _mamba2_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, 
         state = state * tl.exp(dt * a) + (dt * x)[:, None] * bt[None, :]
         tl.store(out_ptr + (t * H + h) * P + p, tl.sum(state * ct[None, :], axis=1) + d * x, mask=mp)
         if keep >= 0:
-            row = (keep.to(tl.int64) * max_len + (t - start)) * H + h
+            row = (keep.to(tl.int64) * kept_rows + (t - start)) * H + h
+            tl.store(rows_ptr + row * P * N + cell, state, mask=mask)
+    if keep >= 0:  # as in the gated delta rule: the last state fills a shorter kept request's rows
+        for j in range(end - start, kept_rows):
+            row = (keep.to(tl.int64) * kept_rows + j) * H + h
             tl.store(rows_ptr + row * P * N + cell, state, mask=mask)
     tl.store(state_at, state, mask=mask)
 
@@ -121,6 +133,30 @@ def _chunk_scan_kernel(q_ptr, attend_ptr, values_ptr, corr_ptr, keys_ptr, decay_
     tl.store(state_at, state, mask=mk[:, None] & mv[None, :])
 
 
+def chunk_scan_shared_bytes(block_k: int, block_v: int, rows: int, corrections: bool, stages: int) -> int:
+    """An upper bound of the chunk scan's shared memory per program at `stages` pipeline stages:
+    a chunk's loads (float32 [C, BK] queries, keys and corrections, [C, C] attend, [C, BV]
+    values) kept in flight for each stage past the first, and the dots' staged operands (the
+    [BK, BV] state slice and a [C, BV] product, two buffers each). Checked against Triton's own
+    count for sm_90 in core/tests/ops/test_recurrent_ops.py."""
+    chunk = 4 * rows * (block_k * (3 if corrections else 2) + rows + block_v)
+    return (stages - 1) * chunk + 8 * block_k * block_v + 8 * rows * block_v
+
+
+@functools.cache
+def _shared_memory_limit(device: int) -> int:
+    """Shared memory a program may use on CUDA device `device` (227 KiB on H100 and H200)."""
+    return int(triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"])
+
+
+def chunk_scan_stages(block_k: int, block_v: int, rows: int, corrections: bool, limit: int) -> int:
+    """The chunk scan's pipeline stages: the most, up to Triton's default of 3 (a chunk's loads
+    issued two chunks ahead of its dots), whose shared memory fits `limit`. At Qwen3-Next's
+    Dk = Dv = 128 with corrections, 2 (3 would need 272 KiB)."""
+    fitting = (s for s in (3, 2) if chunk_scan_shared_bytes(block_k, block_v, rows, corrections, s) <= limit)
+    return next(fitting, 1)
+
+
 launch_gated_delta_rule = DirectLauncher(_gated_delta_rule_kernel)
 launch_mamba2_scan = DirectLauncher(_mamba2_scan_kernel)
 launch_chunk_scan = DirectLauncher(_chunk_scan_kernel)
@@ -137,11 +173,11 @@ def _keep_index(meta: RecurrentMetadata) -> torch.Tensor:
 
 def _row_states(meta: RecurrentMetadata, states: torch.Tensor,
                 kept: list[torch.Tensor] | None) -> torch.Tensor:
-    """The buffer the kernels write kept requests' per-row states into ([V, L, *state]), or the
-    pool itself as a never-written stand-in when nothing is kept."""
-    if kept is None or meta.keep_requests.numel() == 0:
+    """The buffer the kernels write kept requests' per-row states into ([V, kept_rows, *state]),
+    or the pool itself as a never-written stand-in when nothing is kept."""
+    if kept is None or meta.kept_rows == 0:
         return states
-    rows = torch.empty(meta.keep_requests.numel(), meta.max_query_len, *states.shape[1:],
+    rows = torch.empty(meta.keep_requests.numel(), meta.kept_rows, *states.shape[1:],
                        dtype=states.dtype, device=states.device)
     kept.append(rows)
     return rows
@@ -159,7 +195,7 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     grid = (meta.num_reqs, hv, triton.cdiv(dv, block))
     launch_gated_delta_rule(grid, q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
                             beta.float().contiguous(), out, states, rows, meta.query_start_loc,
-                            meta.state_slots, meta.has_state, _keep_index(meta), dk**-0.5, meta.max_query_len,
+                            meta.state_slots, meta.has_state, _keep_index(meta), dk**-0.5, meta.kept_rows,
                             HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block)
     return out
 
@@ -178,7 +214,7 @@ def mamba2_scan_triton(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: to
     launch_mamba2_scan(grid, x.contiguous(), dt.contiguous(), a.float().contiguous(), b.contiguous(),
                        c.contiguous(), d.contiguous(), dt_bias.contiguous(), out, states, rows,
                        meta.query_start_loc, meta.state_slots, meta.has_state, _keep_index(meta),
-                       float(dt_limit[0]), float(dt_limit[1]), meta.max_query_len, H=heads, G=groups, P=p,
+                       float(dt_limit[0]), float(dt_limit[1]), meta.kept_rows, H=heads, G=groups, P=p,
                        N=n, BP=block, BN=triton.next_power_of_2(n))
     return out
 
@@ -193,9 +229,13 @@ def chunk_scan_triton(queries: torch.Tensor, attend: torch.Tensor, values: torch
     out = torch.empty(batch, heads, chunks, rows, v, dtype=torch.float32, device=values.device)
     inputs = [t.float().contiguous() for t in (queries, attend, values, keys_to_end, last_decay)]
     corr = inputs[0] if corrections is None else corrections.float().contiguous()  # unread without
-    block = max(16, min(VALUE_BLOCK, triton.next_power_of_2(v)))  # tl.dot takes 16 or more
-    launch_chunk_scan((batch * heads, triton.cdiv(v, block)), inputs[0], inputs[1], inputs[2], corr,
-                      inputs[3], inputs[4], out, state, chunks, K=k, V=v, C=rows,
-                      BK=max(16, triton.next_power_of_2(k)), BV=block,
-                      HAS_CORRECTIONS=corrections is not None)
+    block_v = max(16, min(VALUE_BLOCK, triton.next_power_of_2(v)))  # tl.dot takes 16 or more
+    block_k = max(16, triton.next_power_of_2(k))
+    options: dict[str, int] = {}
+    if state.is_cuda:  # the interpreter has no shared memory to fit
+        limit = _shared_memory_limit(state.get_device())
+        options["num_stages"] = chunk_scan_stages(block_k, block_v, rows, corrections is not None, limit)
+    launch_chunk_scan((batch * heads, triton.cdiv(v, block_v)), inputs[0], inputs[1], inputs[2], corr,
+                      inputs[3], inputs[4], out, state, chunks, K=k, V=v, C=rows, BK=block_k, BV=block_v,
+                      HAS_CORRECTIONS=corrections is not None, **options)
     return out, state
