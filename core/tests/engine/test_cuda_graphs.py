@@ -222,3 +222,52 @@ def check_verify_fill(graphs, runner, chunks, q: int) -> int:  # type: ignore[no
         rows = graphs.positions.gpu[i * q : (i + 1) * q].tolist()
         assert rows == list(range(starts[i], starts[i] + q))
     return len(chunks)
+
+
+def test_v32_decode_over_static_buffers_gives_the_eager_tokens(tmp_path, rng_seed: int) -> None:
+    """DeepSeek-V3.2 (indexer top-k of 4 among up to 60 keys) decoded as the graphs replay it
+    (record=False: the static buffers, batches padded to the captured sizes, the capture-time
+    metadata whose max_seq_len is max_model_len, so the indexer's static top-k width and bound;
+    verify steps of 1 + k rows a request from an n-gram drafter) with prefill pieces over static
+    buffers too, on the CPU in float32 through torch_ref: the eager engine's tokens and logprobs."""
+    import torch
+    from jackfield.engine.cuda_graphs import DecodeGraphs
+    from jackfield.engine.piecewise_graphs import PiecewiseGraphs
+    from jackfield.testing.checkpoints import write_deepseek_v32
+
+    print(f"seed={rng_seed}")
+    write_deepseek_v32(tmp_path / "v32", index_topk=4)
+    k = 2
+    settings = {"device": "cpu", "backend": "torch_ref", "block_size": 4, "max_num_seqs": 4,
+                "engine.max_num_batched_tokens": 16, "engine.enable_prefix_caching": False,
+                "speculative.method": "ngram", "speculative.num_speculative_tokens": k,
+                "speculative.prompt_lookup_min": 1, "speculative.prompt_lookup_max": 2}
+    gen = torch.Generator().manual_seed(rng_seed)
+    # a small alphabet: the last token recurs in the prompt, so n-gram lookup drafts
+    prompts = [torch.randint(0, 6, (n,), generator=gen).tolist() for n in (9, 30, 5, 21)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=3, ignore_eos=True)
+              for n in (20, 14, 25, 12)]
+    eager = LLM(str(tmp_path / "v32"), **settings).generate(prompts, params)
+    llm = LLM(str(tmp_path / "v32"), **settings)
+    engine, runner = llm.engine, llm.engine.runner
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, 1,
+                          runner.kv.num_blocks, runner.block_size, engine.max_model_len, 4, engine.device,
+                          query_lens=(1, 1 + k), record=False)
+    graphs.capture()
+    replayed_rows: list[int] = []
+    run = graphs.run
+
+    def counted_run(chunks, q, taps=None):  # type: ignore[no-untyped-def]
+        replayed_rows.append(q)
+        return run(chunks, q, taps)
+
+    graphs.run = counted_run  # type: ignore[method-assign]
+    runner.graphs = graphs
+    runner.pieces = PiecewiseGraphs(engine.model, 16, engine.device, record=False)
+    runner.pieces.capture()
+    replayed = llm.generate(prompts, params)
+    assert {1, 1 + k} <= set(replayed_rows), replayed_rows  # decode and verify steps replayed
+    for want, got in zip(eager, replayed, strict=True):
+        assert got.token_ids == want.token_ids
+        for w, g in zip(want.logprobs, got.logprobs, strict=True):
+            assert w.keys() == g.keys() and max(abs(w[t] - g[t]) for t in w) < 1e-4
