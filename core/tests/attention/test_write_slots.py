@@ -17,7 +17,8 @@ def row_by_row(flat: torch.Tensor, slots: list[int], rows: torch.Tensor) -> torc
     return want
 
 
-@pytest.mark.parametrize(("dtype", "record"), [(torch.float32, (2, 3)), (torch.bfloat16, (5,)), (FP8_DTYPE, (6,))])
+@pytest.mark.parametrize(("dtype", "record"),
+                         [(torch.float32, (2, 3)), (torch.bfloat16, (5,)), (FP8_DTYPE, (6,))])
 @pytest.mark.parametrize("real_rows", [0, 1, 4])
 def test_write_slots_writes_the_real_rows_only(dtype: torch.dtype, record: tuple[int, ...], real_rows: int,
                                                rng_seed: int) -> None:

@@ -128,5 +128,5 @@ def write_slots(flat_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torc
     first_slot = slot_mapping.index_select(0, first).clamp(min=0)
     first_value = torch.where(keep.index_select(0, first).view(1, *[1] * (rows.dim() - 1)),
                               rows.index_select(0, first), flat_cache.index_select(0, first_slot))
-    kept = keep.view(-1, *[1] * (rows.dim() - 1))
-    flat_cache.index_copy_(0, torch.where(keep, slot_mapping, first_slot), torch.where(kept, rows, first_value))
+    values = torch.where(keep.view(-1, *[1] * (rows.dim() - 1)), rows, first_value)
+    flat_cache.index_copy_(0, torch.where(keep, slot_mapping, first_slot), values)

@@ -126,7 +126,8 @@ class DecodeGraphs:
         """The model over the static buffers of `size` requests of q rows: its final hidden
         states and tapped layer inputs."""
         taps = LayerTaps(self.tap_layers, self.model.capabilities.num_layers)
-        hidden = self.model(self.input_ids.gpu[: size * q], self.positions.gpu[: size * q], context, taps=taps)
+        rows = size * q
+        hidden = self.model(self.input_ids.gpu[:rows], self.positions.gpu[:rows], context, taps=taps)
         return hidden, taps.states
 
     def query_len(self, chunks: list[ScheduledChunk]) -> int | None:
