@@ -5,8 +5,9 @@ Per layer, the indexer scores every visible past token for each query,
 and MLA attends to the `index_topk` best (the backend's sparse path, absorbed form). Decode rows
 are scored in one batch without a host sync (so decode steps replay from CUDA graphs), prefill
 rows one request at a time. The indexer keys (one [D_I] vector per token, RoPE on the first
-rope_dim dims, half-split layout) live in a paged cache of their own with the same blocks and slots as the layer's latent KV: the model's
-`kv_cache_layers` lists the L latent caches, then the L indexer-key caches.
+rope_dim dims, half-split layout) live in a paged cache of their own with the same blocks and
+slots as the layer's latent KV: the model's `kv_cache_layers` lists the L latent caches, then the
+L indexer-key caches.
 Everything else (MoE, MLA projections, weights) is the DeepSeek-V3 model. Under tensor
 parallelism the indexer is replicated (every rank picks the same top-k) while MLA's heads split.
 """
@@ -137,8 +138,9 @@ class Indexer(nn.Module):
         q32 = q.float()
         for start in range(0, span, chunk):
             pos = torch.arange(start, min(start + chunk, span), device=device)
-            slots = table[:, pos // block_size].long() * block_size + pos % block_size  # [B, C]
-            scores[:, start : start + pos.shape[0]] = self._scores(q32, head_weights, flat[slots[row_req]])
+            slots = (table[:, pos // block_size].long() * block_size + pos % block_size)[row_req]  # [T, C]
+            keys = flat.index_select(0, slots.flatten()).view(t, pos.shape[0], self.dim)
+            scores[:, start : start + pos.shape[0]] = self._scores(q32, head_weights, keys)
         visible = torch.arange(span, device=device)[None, :] <= row_pos[:, None]
         best = scores.masked_fill_(~visible, float("-inf")).topk(min(self.topk, span), dim=-1)
         return torch.where(torch.isfinite(best.values), best.indices, -1).to(torch.int32)
