@@ -94,5 +94,5 @@ def test_indexer_rejects_out_of_range_slots(tmp_path: Path) -> None:
     run = PagedRun(ours, block_size=4, num_blocks=2)
     run.add()
     run.free = [5]  # a block id past the end of the 2-block caches
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="holds slot 2[0-9], but the cache has 8 slots"):
         run.step([(0, [1, 2, 3])])

@@ -113,8 +113,20 @@ def request_slots(block_table_row: torch.Tensor, seq_len: int, block_size: int) 
 
 
 def write_slots(flat_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """flat_cache[slot] = rows[i] for every slot_mapping[i] >= 0 (negative slots are padding)."""
-    keep = slot_mapping >= 0
+    """flat_cache[slot] = rows[i] for every slot_mapping[i] >= 0 (negative slots are padding).
+
+    No host sync, so a CUDA graph may record it (selecting the real rows would read their count):
+    a padding row writes the first real row's value to that row's slot again (the same bytes
+    twice, whichever copy lands last), or, in a step with no real row, slot 0's own value back.
+    """
+    if not slot_mapping.numel():
+        return
     if flat_cache.dtype == FP8_DTYPE:  # CPU index_copy_ has no fp8 kernel; bytes copy the same
         flat_cache, rows = flat_cache.view(torch.uint8), rows.view(torch.uint8)
-    flat_cache.index_copy_(0, slot_mapping[keep], rows[keep])
+    keep = slot_mapping >= 0
+    first = keep.int().argmax().view(1)  # the first real row (row 0 when there is none)
+    first_slot = slot_mapping.index_select(0, first).clamp(min=0)
+    first_value = torch.where(keep.index_select(0, first).view(1, *[1] * (rows.dim() - 1)),
+                              rows.index_select(0, first), flat_cache.index_select(0, first_slot))
+    values = torch.where(keep.view(-1, *[1] * (rows.dim() - 1)), rows, first_value)
+    flat_cache.index_copy_(0, torch.where(keep, slot_mapping, first_slot), values)

@@ -45,7 +45,9 @@ class ModelCapabilities:
     dtype: torch.dtype  # the activation dtype
     causal: bool = True  # False: a bidirectional (embedding) model, every prompt runs whole, no decode
     # The pieces other than `attend` never sync the host nor take data-dependent shapes on this
-    # device, so the engine may record them in CUDA graphs (e.g. MoE experts as grouped matmuls).
+    # device, so the engine may record them in CUDA graphs (e.g. MoE experts as grouped matmuls);
+    # nor does the family's own work inside `attend` in decode steps (V3.2's indexer), which decode
+    # graphs record whole.
     cuda_graph_safe: bool = False
     num_mtp_layers: int = 0  # multi-token-prediction layers stored in the checkpoint (DeepSeek's MTP)
     # The family splits itself over the tensor-parallel ranks (jackfield.distributed) when built

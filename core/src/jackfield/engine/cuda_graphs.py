@@ -60,18 +60,20 @@ class DecodeGraphs:
                  kv_scales: list[torch.Tensor | None], contexts: StepContextBuilder, num_groups: int,
                  num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  device: torch.device, query_lens: tuple[int, ...] = (1,),
-                 recurrent: RecurrentStates | None = None, tap_layers: tuple[int, ...] = ()) -> None:
+                 recurrent: RecurrentStates | None = None, tap_layers: tuple[int, ...] = (),
+                 record: bool = True) -> None:
         """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's;
         `kv_scales`: the fp8 caches' scales (read by address: later values reach every replay);
         `num_groups`: the model's KV cache groups; `query_lens`: the rows a request to record;
         `recurrent`: a hybrid model's state pool (then q = 1 only); `tap_layers`: layers whose
-        inputs each replay also gives (a drafter's taps)."""
+        inputs each replay also gives (a drafter's taps). record=False runs the forward over the
+        same static buffers and capture-time metadata without graphs (on any device): the data
+        flow of a replay, checkable where CUDA graphs are not."""
         if recurrent is not None and set(query_lens) != {1}:
             raise ValueError(f"a hybrid model's verify steps run eagerly: record q = 1 only, "
                              f"not {query_lens}")
-        self.tap_layers = tap_layers
         self.model, self.kv_caches, self.kv_scales, self.contexts = model, kv_caches, kv_scales, contexts
-        self.tap_layers = tap_layers
+        self.tap_layers, self.record = tap_layers, record
         self.block_size, self.max_model_len = block_size, max_model_len
         self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
         self.sizes = capture_sizes(max_num_seqs)
@@ -97,9 +99,10 @@ class DecodeGraphs:
         # tensors and a replay would index with whatever those hold
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor,
                                                  list[torch.Tensor | None], StepContext]] = {}
+        self.unrecorded: dict[tuple[int, int], StepContext] = {}  # record=False: the metadata instead
 
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if self.record else None
         for q in reversed(self.query_lens):
             for size in reversed(self.sizes):
                 if progress:
@@ -107,18 +110,29 @@ class DecodeGraphs:
                     progress(f"capturing CUDA graphs: batch {size}{rows}")
                 self._fill([], size, q)
                 context = self._context(size, q)
-                ids = self.input_ids.gpu[: size * q]
+                if pool is None:
+                    self.unrecorded[size, q] = context
+                    continue
                 # warm-up (Triton compiles, cuBLAS picks kernels) and capture get distinct positions
                 # views: the RoPE tables are gathered once per positions tensor, and that gather must
                 # be recorded, not reused from the warm-up
-                self.model(ids, self.positions.gpu[: size * q], context)
+                self._forward(size, q, context)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                taps = LayerTaps(self.tap_layers, self.model.capabilities.num_layers)
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(ids, self.positions.gpu[: size * q], context, taps=taps)
-                self.graphs[size, q] = (graph, hidden, taps.states, context)
-        torch.cuda.synchronize()
+                    hidden, states = self._forward(size, q, context)
+                self.graphs[size, q] = (graph, hidden, states, context)
+        if pool is not None:
+            torch.cuda.synchronize()
+
+    def _forward(self, size: int, q: int, context: StepContext,
+                 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The model over the static buffers of `size` requests of q rows: its final hidden
+        states and tapped layer inputs."""
+        taps = LayerTaps(self.tap_layers, self.model.capabilities.num_layers)
+        rows = size * q
+        hidden = self.model(self.input_ids.gpu[:rows], self.positions.gpu[:rows], context, taps=taps)
+        return hidden, taps.states
 
     def query_len(self, chunks: list[ScheduledChunk]) -> int | None:
         """The recorded rows a request that serve this step, or None (the step runs eagerly).
@@ -141,8 +155,11 @@ class DecodeGraphs:
         recorded `tap_layers`) gets the tapped layers' inputs of the same rows."""
         size = next(s for s in self.sizes if s >= len(chunks))
         total = self._fill(chunks, size, q)
-        graph, hidden, states, _ = self.graphs[size, q]
-        graph.replay()
+        if self.record:
+            graph, hidden, states, _ = self.graphs[size, q]
+            graph.replay()
+        else:
+            hidden, states = self._forward(size, q, self.unrecorded[size, q])
 
         def real(rows: torch.Tensor) -> torch.Tensor:
             return rows[: len(chunks)] if q == 1 else rows.index_select(0, self.real_rows.gpu[:total])

@@ -2,10 +2,12 @@
 
 Per layer, the indexer scores every visible past token for each query,
     score[t, s] = sum_h w[t, h] * relu(q_I[t, h] . k_I[s] / sqrt(D_I)),   w = weights_proj(x) / sqrt(H_I)
-and MLA attends to the `index_topk` best (the backend's sparse path, absorbed form). The indexer
-keys (one [D_I] vector per token, RoPE on the first rope_dim dims, half-split layout) live in a
-paged cache of their own with the same blocks and slots as the layer's latent KV: the model's
-`kv_cache_layers` lists the L latent caches, then the L indexer-key caches.
+and MLA attends to the `index_topk` best (the backend's sparse path, absorbed form). Decode rows
+are scored in one batch without a host sync (so decode steps replay from CUDA graphs), prefill
+rows one request at a time. The indexer keys (one [D_I] vector per token, RoPE on the first
+rope_dim dims, half-split layout) live in a paged cache of their own with the same blocks and
+slots as the layer's latent KV: the model's `kv_cache_layers` lists the L latent caches, then the
+L indexer-key caches.
 Everything else (MoE, MLA projections, weights) is the DeepSeek-V3 model. Under tensor
 parallelism the indexer is replicated (every rank picks the same top-k) while MLA's heads split.
 """
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from jackfield.attention.checks import check_slot_mapping
+from jackfield.attention.checks import check_slot_range_once
 from jackfield.attention.kv_cache import request_slots, write_slots
 from jackfield.contracts.attention import (
     AttentionBackends,
@@ -31,6 +33,9 @@ from jackfield.contracts.attention import (
 from jackfield.models.deepseek import DeepseekForCausalLM, MLAAttention
 from jackfield.models.hf_config import DeepseekArch, rope_inv_freq
 from jackfield.models.layers import Linear, RotaryEmbedding
+
+# Scores (and gathered key values) a batched top-k holds at once: 64 MB of float32 per chunk.
+SCORE_ELEMENTS = 1 << 24
 
 
 class Indexer(nn.Module):
@@ -69,27 +74,76 @@ class Indexer(nn.Module):
     def top_k(self, q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor,
               metadata: AttentionMetadata) -> torch.Tensor:
         """Write the rows' indexer keys, then top-k indices [T, K] int32 (request-local key
-        positions, -1 where a query sees fewer than K keys)."""
-        t = q.shape[0]
+        positions, best first, -1 where a query sees fewer than K keys). Decode rows (and the
+        graphs' decode steps) are scored all at once without a host sync (`top_k_batched`);
+        prefill rows request by request (`top_k_per_request`)."""
+        t, slot_mapping = q.shape[0], metadata.slot_mapping
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (t,):
+            raise ValueError(f"slot_mapping must be int64 [{t}], got {slot_mapping.dtype} "
+                             f"{tuple(slot_mapping.shape)}")
+        check_slot_range_once(slot_mapping, key_cache.shape[0], key_cache.shape[1])
+        write_slots(key_cache.flatten(0, 1), slot_mapping, k.to(key_cache.dtype))
+        if metadata.num_decodes == metadata.num_reqs:
+            return self.top_k_batched(q, head_weights, key_cache, metadata)
+        return self.top_k_per_request(q, head_weights, key_cache, metadata)
+
+    def _scores(self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """sum_h w[t, h] * relu(q[t, h] . keys[.., s] * D^-0.5): q [t, H, D] float32, keys [S, D]
+        (shared by the rows) or [t, S, D] (a set per row) -> [t, S] float32."""
+        pattern = "thd,sd->ths" if keys.dim() == 2 else "thd,tsd->ths"
+        scores = F.relu(torch.einsum(pattern, q, keys.float()) * self.dim**-0.5)
+        return torch.einsum("th,ths->ts", head_weights, scores)
+
+    def top_k_per_request(self, q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor,
+                          metadata: AttentionMetadata) -> torch.Tensor:
+        """`top_k` over the written cache, one request at a time (reads the lengths on the host)."""
         flat = key_cache.flatten(0, 1)
-        check_slot_mapping(metadata.slot_mapping, t, flat.shape[0])
-        write_slots(flat, metadata.slot_mapping, k.to(key_cache.dtype))
         width = min(self.topk, metadata.max_seq_len)
-        out = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
+        out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
         qsl = metadata.query_start_loc_cpu.tolist()
         for b, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
             q0, q1 = qsl[b], qsl[b + 1]
             if q0 == q1:
                 continue
-            keys = flat[request_slots(metadata.block_table[b], seq_len, key_cache.shape[1])].float()  # [S, D]
-            scores = F.relu(torch.einsum("qhd,sd->qhs", q[q0:q1].float(), keys) * self.dim**-0.5)
-            scores = torch.einsum("qh,qhs->qs", head_weights[q0:q1], scores)
+            keys = flat[request_slots(metadata.block_table[b], seq_len, key_cache.shape[1])]  # [S, D]
+            scores = self._scores(q[q0:q1].float(), head_weights[q0:q1], keys)
             query_pos = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)[:, None]
             visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos
             best = scores.masked_fill(~visible, float("-inf")).topk(min(width, seq_len), dim=-1)
             indices = torch.where(torch.isfinite(best.values), best.indices, -1)
             out[q0:q1, : indices.shape[1]] = indices.to(torch.int32)
         return out
+
+    def top_k_batched(self, q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor,
+                      metadata: AttentionMetadata) -> torch.Tensor:
+        """`top_k` over the written cache for every row at once, from the device tensors only:
+        each row's keys gathered through its request's block table up to metadata.max_seq_len
+        (the step's longest request eagerly; a decode graph's bound, max_model_len, in a replay)
+        in chunks of at most SCORE_ELEMENTS scores, invisible keys masked (beyond the row's own
+        position, so beyond seq_len too), one top-k of a static width. A request with seq_len 0 (a
+        graph's padding) sees nothing: its rows get -1 only."""
+        t, device, block_size = q.shape[0], q.device, key_cache.shape[1]
+        span, table = metadata.max_seq_len, metadata.block_table
+        if table.shape[1] * block_size < span:
+            raise ValueError(f"block_table has {table.shape[1]} blocks of {block_size}, too few for "
+                             f"max_seq_len {span}")
+        flat = key_cache.flatten(0, 1)
+        qsl = metadata.query_start_loc.long()
+        row_req = torch.repeat_interleave(torch.arange(metadata.num_reqs, device=device), qsl.diff(),
+                                          output_size=t)
+        # row i of request b sits at seq_len_b - q_len_b + i = seq_len_b - (qsl[b + 1] - row)
+        row_pos = metadata.seq_lens.long()[row_req] - qsl[1:][row_req] + torch.arange(t, device=device)
+        chunk = max(1, SCORE_ELEMENTS // max(1, t * max(self.heads, self.dim)))
+        scores = torch.empty(t, span, dtype=torch.float32, device=device)
+        q32 = q.float()
+        for start in range(0, span, chunk):
+            pos = torch.arange(start, min(start + chunk, span), device=device)
+            slots = (table[:, pos // block_size].long() * block_size + pos % block_size)[row_req]  # [T, C]
+            keys = flat.index_select(0, slots.flatten()).view(t, pos.shape[0], self.dim)
+            scores[:, start : start + pos.shape[0]] = self._scores(q32, head_weights, keys)
+        visible = torch.arange(span, device=device)[None, :] <= row_pos[:, None]
+        best = scores.masked_fill_(~visible, float("-inf")).topk(min(self.topk, span), dim=-1)
+        return torch.where(torch.isfinite(best.values), best.indices, -1).to(torch.int32)
 
 
 class SparseMLAAttention(MLAAttention):
@@ -131,8 +185,9 @@ class SparseMLAAttention(MLAAttention):
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
-    def _cuda_graph_safe(self) -> bool:
-        return False  # the indexer's top-k (in attend) reads lengths on the host: no decode graphs
+    """Graph safety is DeepSeek-V3's (its MoE experts): the indexer's decode top-k reads no
+    lengths on the host, so decode steps record whole, and prefill steps run it eagerly inside
+    `attend` between the recorded pieces."""
 
     def __init__(
         self,
