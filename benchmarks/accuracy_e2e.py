@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from bench_e2e import MID, top5_error, transformers_logprobs
+from bench_e2e import MID, transformers_logprobs
 from torch import nn
 
 
@@ -48,24 +48,12 @@ class Errors:
                 f"{self.every.median().item():.4f} | {self.every.mean().item():.4f} |")
 
 
-def transformers_errors(theirs: torch.Tensor, want: torch.Tensor) -> Errors:
-    """A transformers run's logprobs [B, S, V] against the reference's, over its own top 5."""
-    top = theirs.topk(5, dim=-1).indices
-    return Errors((theirs.gather(-1, top) - want.gather(-1, top)).abs().amax(-1))
-
-
-def engine_errors(llm, prompts: torch.Tensor, want: torch.Tensor) -> Errors:  # type: ignore[no-untyped-def]
-    """The engine's logprobs at every position against the reference's [B, S, V]: prompt_logprobs
-    entry p + 1 is position p's distribution (entry 0 is None), the first token's is the last."""
+def jackfield_errors(llm, prompts: torch.Tensor, want: torch.Tensor) -> Errors:  # type: ignore[no-untyped-def]
     from jackfield import SamplingParams
+    from jackfield.testing.accuracy import engine_errors
 
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, prompt_logprobs=5)
-    outs = llm.generate([p.tolist() for p in prompts], params)
-    every = torch.empty(prompts.shape)
-    for i, out in enumerate(outs):
-        tops = [*out.prompt_logprobs[1:], out.logprobs[0]]
-        every[i] = torch.tensor([top5_error(top, want[i, p]) for p, top in enumerate(tops)])
-    return Errors(every)
+    return Errors(engine_errors(llm.generate([p.tolist() for p in prompts], params), want))
 
 
 def tap(model: nn.Module, taps: dict[str, list[torch.Tensor]]) -> list[torch.utils.hooks.RemovableHandle]:
@@ -127,6 +115,7 @@ def main() -> None:
     import jackfield.attention.mla as mla
     import jackfield.models.moe as moe
     from jackfield import LLM
+    from jackfield.testing.accuracy import own_top5_errors
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
@@ -158,12 +147,12 @@ def main() -> None:
         with torch.device(args.device):
             DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
         want = transformers_logprobs(directory, prompts, args.device, torch.float32, True, keep("reference"))
-        theirs = {"transformers bf16": transformers_errors(transformers_logprobs(
-            directory, prompts, args.device, torch.bfloat16, True, keep("transformers bf16")), want)}
+        theirs = {"transformers bf16": Errors(own_top5_errors(transformers_logprobs(
+            directory, prompts, args.device, torch.bfloat16, True, keep("transformers bf16")), want))}
         if args.device == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(False)
-            theirs["transformers bf16, no cuDNN SDPA"] = transformers_errors(
-                transformers_logprobs(directory, prompts, args.device, torch.bfloat16, True), want)
+            theirs["transformers bf16, no cuDNN SDPA"] = Errors(own_top5_errors(
+                transformers_logprobs(directory, prompts, args.device, torch.bfloat16, True), want))
             torch.backends.cuda.enable_cudnn_sdp(True)
         # No CUDA graphs: the variants swap functions the graphs would have recorded once (the
         # default's figures are the same with and without graphs: notes_accuracy.md, GPU).
@@ -192,7 +181,7 @@ def main() -> None:
                 torch.backends.cuda.enable_cudnn_sdp(not no_cudnn)
             per_layer = args.per_layer and label == "default"
             handles = tap(llm.engine.model, taps["jackfield"]) if per_layer else []
-            print(engine_errors(llm, prompts, want).row(f"Jackfield: {label}"), flush=True)
+            print(jackfield_errors(llm, prompts, want).row(f"Jackfield: {label}"), flush=True)
             for handle in handles:
                 handle.remove()
     moe.use_grouped_mm, mla.prefill_attention_dtype = grouped, attention_dtype

@@ -257,13 +257,6 @@ def transformers_logprobs(directory: str, prompts: torch.Tensor, device: str, dt
     return logprobs
 
 
-def top5_error(top: dict[int, float], want: torch.Tensor) -> float:
-    """max |logprob - float32 reference| over the 5 most likely tokens of `top` (an engine's
-    logprobs: its top 5 and perhaps one more token, the sampled or scored one)."""
-    best = sorted(top.items(), key=lambda item: item[1], reverse=True)[:5]
-    return max(abs(value - want[token].item()) for token, value in best)
-
-
 def agreement(llm, directory: str, prompts: torch.Tensor, device: str,  # type: ignore[no-untyped-def]
               dtype: torch.dtype) -> tuple[list[float], list[float]]:
     """Per prompt, the max |logprob difference| over an engine's top-5 first tokens, against
@@ -271,6 +264,7 @@ def agreement(llm, directory: str, prompts: torch.Tensor, device: str,  # type: 
     the bench dtype). One prompt of a random MoE model in bf16 can sit on a routing knife-edge
     (a rounding flips an expert choice), so the pair is the comparison, over several prompts."""
     from jackfield import SamplingParams
+    from jackfield.testing.accuracy import own_top5_errors, top5_error
 
     want = transformers_logprobs(directory, prompts, device, torch.float32)
     theirs = transformers_logprobs(directory, prompts, device, dtype)
@@ -278,11 +272,7 @@ def agreement(llm, directory: str, prompts: torch.Tensor, device: str,  # type: 
         [p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     )
     jf = [top5_error(out.logprobs[0], want[i]) for i, out in enumerate(outs)]
-    tf = []  # transformers' own top-5 tokens
-    for i in range(len(prompts)):
-        top = theirs[i].topk(5).indices
-        tf.append((theirs[i, top] - want[i, top]).abs().max().item())
-    return jf, tf
+    return jf, own_top5_errors(theirs, want).tolist()  # transformers' over its own top 5
 
 
 def time_engine(llm, prompts: torch.Tensor, params, device: str) -> tuple[float, float, list[list[int]]]:  # type: ignore[no-untyped-def]
