@@ -43,6 +43,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -235,28 +236,47 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple
     return first - start, end - first
 
 
-def agreement(llm, hf, prompts: torch.Tensor, device: str) -> tuple[list[float], list[float]]:
+def transformers_logprobs(directory: str, prompts: torch.Tensor, device: str, dtype: torch.dtype,
+                          every_position: bool = False,
+                          attach: Callable[[torch.nn.Module], object] | None = None) -> torch.Tensor:
+    """log_softmax of transformers' logits, float32 on the CPU: [B, V] at each prompt's last
+    position, or [B, S, V] at every position; `attach` sees the model before it runs (hooks).
+    The model is loaded from `directory` in `dtype` as
+    a user loads it: from_pretrained keeps the RoPE frequencies in float32 whatever the weights'
+    dtype. (A model converted with .to(bfloat16) rounds them to bf16 too, and .float() does not
+    restore them: a float32 reference made that way drifts from the checkpoint's own model with
+    the position, 5% of q's RoPE part at position 511: benchmarks/notes_accuracy.md.)"""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    if attach is not None:
+        attach(model)
+    with torch.no_grad():
+        logits = model(prompts.to(device)).logits
+        logits = logits if every_position else logits[:, -1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+    del model, logits
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return logprobs
+
+
+def agreement(llm, directory: str, prompts: torch.Tensor, device: str,  # type: ignore[no-untyped-def]
+              dtype: torch.dtype) -> tuple[list[float], list[float]]:
     """Per prompt, the max |logprob difference| over an engine's top-5 first tokens, against
     transformers in float32 on the same weights: (Jackfield in the bench dtype, transformers in
     the bench dtype). One prompt of a random MoE model in bf16 can sit on a routing knife-edge
     (a rounding flips an expert choice), so the pair is the comparison, over several prompts."""
     from jackfield import SamplingParams
+    from jackfield.testing.accuracy import own_top5_errors, top5_error
 
-    dtype = next(hf.parameters()).dtype
-    with torch.no_grad():
-        ours_ref = torch.log_softmax(hf(prompts.to(device)).logits[:, -1].float(), dim=-1).cpu()
-        hf.float()
-        want = torch.log_softmax(hf(prompts.to(device)).logits[:, -1].float(), dim=-1).cpu()
-        hf.to(dtype)
+    want = transformers_logprobs(directory, prompts, device, torch.float32)
+    theirs = transformers_logprobs(directory, prompts, device, dtype)
     outs = llm.generate(
         [p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     )
-    jf, tf = [], []  # each engine's own top-5 tokens, against the float32 reference's logprobs
-    for i, out in enumerate(outs):
-        jf.append(max(abs(v - want[i, t].item()) for t, v in out.logprobs[0].items()))
-        top = ours_ref[i].topk(5).indices
-        tf.append((ours_ref[i, top] - want[i, top]).abs().max().item())
-    return jf, tf
+    jf = [top5_error(out.logprobs[0], want[i]) for i, out in enumerate(outs)]
+    return jf, own_top5_errors(theirs, want).tolist()  # transformers' over its own top 5
 
 
 def time_engine(llm, prompts: torch.Tensor, params, device: str) -> tuple[float, float, list[list[int]]]:  # type: ignore[no-untyped-def]
@@ -314,7 +334,7 @@ def compare_kv_cache_dtypes(args: argparse.Namespace, hf, directory: str, dtype:
                          kv_tokens=kv.num_blocks * kv.block_size, kv_gib=cache_bytes / 2**30,
                          bytes_per_token=cache_bytes / (kv.num_blocks * kv.block_size), rows={}, tokens={})
         # the scales calibrate on this first prefill (fp8): a random prompt like the timed ones
-        run["logprob_error"], _ = agreement(llm, hf, checks, device)
+        run["logprob_error"], _ = agreement(llm, directory, checks, device, dtype)
         run["kv_cache"] = llm.engine.kv_cache_summary()
         for batch in batches:
             llm.generate([p.tolist() for p in prompts[batch]], SamplingParams(temperature=0.0, max_tokens=2))
@@ -443,7 +463,7 @@ def main() -> None:
     backend = llm.engine.backend_choices["decode"].name
     gen = torch.Generator().manual_seed(1)
     checks = torch.randint(0, config.vocab_size, (8, args.prompt_len), generator=gen)
-    jf, tf = agreement(llm, hf, checks, device)
+    jf, tf = agreement(llm, directory, checks, device, dtype)
     print(
         f"top-5 first-token logprobs vs transformers float32 over {len(jf)} prompts, max |diff| "
         f"median / max: Jackfield {sorted(jf)[len(jf) // 2]:.4f} / {max(jf):.4f}, "

@@ -198,9 +198,9 @@ class MLAImpl(AttentionImpl):
             v[..., : lay.v_head_dim] = kv[..., n:]
         else:
             # v at its own width, as transformers calls SDPA: FlashAttention (one head size)
-            # declines, the memory-efficient kernel serves. The flash call with v padded had 1.5x
-            # transformers' error in the first layer's attention output on the H200 (bench model)
-            # and 8x its first-token logprob error (benchmarks/notes_accuracy.md).
+            # declines, the memory-efficient kernel serves. With v padded (flash) the H200 bench's
+            # first-token logprob error was 2.2x this call's (0.24 against 0.11, both against a
+            # reference later found to round its RoPE: benchmarks/notes_accuracy.md).
             v = kv[..., n:].to(dtype)
         v = v.transpose(1, 2)
         rows = plan.rows  # None: every request has max_q rows, the packed rows are the batch

@@ -5,6 +5,7 @@
 - problems.py: random paged-attention problems, and the expanded-MLA float64 reference;
 - checkpoints.py: tiny random checkpoints of the built-in families, written by transformers;
 - paged.py: a Jackfield model run by hand over paged caches;
+- accuracy.py: a run's logprob errors against a float32 reference at every prompt position;
 - pytest_plugin.py (entry point `jackfield`): the `gpu` marker and per-test seeds.
 The float64 oracle itself is `jackfield.ops.reference`.
 
