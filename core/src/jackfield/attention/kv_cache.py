@@ -112,9 +112,13 @@ def request_slots(block_table_row: torch.Tensor, seq_len: int, block_size: int) 
     return block_table_row[pos // block_size].long() * block_size + pos % block_size
 
 
-def write_slots(flat_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """flat_cache[slot] = rows[i] for every slot_mapping[i] >= 0 (negative slots are padding)."""
-    keep = slot_mapping >= 0
+def write_slots(flat_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor,
+                padded: bool = True) -> None:
+    """flat_cache[slot] = rows[i] for every slot_mapping[i] >= 0 (negative slots are padding);
+    `padded` False: the caller knows there are none (check_slot_mapping says), so no mask."""
     if flat_cache.dtype == FP8_DTYPE:  # CPU index_copy_ has no fp8 kernel; bytes copy the same
         flat_cache, rows = flat_cache.view(torch.uint8), rows.view(torch.uint8)
-    flat_cache.index_copy_(0, slot_mapping[keep], rows[keep])
+    if padded:
+        keep = slot_mapping >= 0
+        slot_mapping, rows = slot_mapping[keep], rows[keep]
+    flat_cache.index_copy_(0, slot_mapping, rows)

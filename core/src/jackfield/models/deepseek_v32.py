@@ -72,8 +72,8 @@ class Indexer(nn.Module):
         positions, -1 where a query sees fewer than K keys)."""
         t = q.shape[0]
         flat = key_cache.flatten(0, 1)
-        check_slot_mapping(metadata.slot_mapping, t, flat.shape[0])
-        write_slots(flat, metadata.slot_mapping, k.to(key_cache.dtype))
+        padded = check_slot_mapping(metadata.slot_mapping, t, flat.shape[0])
+        write_slots(flat, metadata.slot_mapping, k.to(key_cache.dtype), padded)
         width = min(self.topk, metadata.max_seq_len)
         out = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
         qsl = metadata.query_start_loc_cpu.tolist()

@@ -33,7 +33,15 @@ from jackfield.distributed.tensor_parallel import (
 )
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
-from jackfield.models.layers import DecoderStack, GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
+from jackfield.models.layers import (
+    DecoderStack,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    scaled,
+    select_rows,
+)
 from jackfield.models.moe import Experts, grouped_mm_supported
 from jackfield.models.weights import (
     Rule,
@@ -194,9 +202,9 @@ class DecoderLayer(nn.Module):
     def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor,
                         output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for `output_rows` of x (all rows when None), from its attention output."""
-        x = (select_rows(x, output_rows)
-             + all_reduce(self.self_attn.output(attn_out, output_rows)) * self.residual_multiplier)
-        return x + all_reduce(self._mlp(self.post_attention_layernorm(x))) * self.residual_multiplier
+        m = self.residual_multiplier
+        x = select_rows(x, output_rows) + scaled(all_reduce(self.self_attn.output(attn_out, output_rows)), m)
+        return x + scaled(all_reduce(self._mlp(self.post_attention_layernorm(x))), m)
 
 
 class GraniteForCausalLM(DecoderStack):
@@ -287,7 +295,7 @@ class GraniteForCausalLM(DecoderStack):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = embed(input_ids, self.model.embed_tokens.weight, self.arch.vocab_size)
-        return rows * self.arch.embedding_multiplier
+        return scaled(rows, self.arch.embedding_multiplier)
 
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layer, rope = self.model.layers[i], self.rope_of_layer[i]
@@ -297,7 +305,7 @@ class GraniteForCausalLM(DecoderStack):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
         logits = gather_logits(F.linear(hidden, weight).float(), self.arch.vocab_size)
-        return logits / self.arch.logits_scaling
+        return logits if self.arch.logits_scaling == 1 else logits / self.arch.logits_scaling
 
 
 def _with_rope_theta(hf_config: PretrainedConfig, theta: float) -> PretrainedConfig:
