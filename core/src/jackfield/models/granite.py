@@ -251,8 +251,8 @@ class GraniteForCausalLM(DecoderStack):
             DecoderLayer(arch, i, spec, backends, dtype) for i, spec in enumerate(self.layer_specs)
         )
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        if not arch.tie_word_embeddings:
-            self.lm_head = Linear(arch.hidden_size, stop - start, dtype)
+        tied = self.model.embed_tokens.weight if arch.tie_word_embeddings else None
+        self.lm_head = Linear(arch.hidden_size, stop - start, dtype, weight=tied)  # loaded once when tied
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:
@@ -303,8 +303,7 @@ class GraniteForCausalLM(DecoderStack):
                                        None if rope is None else self.ropes[rope])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        logits = gather_logits(F.linear(hidden, weight).float(), self.arch.vocab_size)
+        logits = gather_logits(self.lm_head(hidden).float(), self.arch.vocab_size)
         return logits if self.arch.logits_scaling == 1 else logits / self.arch.logits_scaling
 
 
