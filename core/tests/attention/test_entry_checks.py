@@ -114,6 +114,26 @@ def test_write_kv_rejects_bad_input(layer: AttentionLayerSpec) -> None:
             impl.write_kv(*args)
 
 
+def test_write_kv_reads_a_mappings_range_again_after_it_changes() -> None:
+    """The range (and padding) of a slot_mapping is read once per tensor and version: a mapping
+    changed in place is checked again, its padding rows skipped, an out-of-range slot refused."""
+    impl = TorchRefBackend.make_impl(MHA)
+    cache = allocate_kv_cache(MHA, 4, 2, torch.float32, "cpu")
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots = torch.tensor([0, 1, 7])
+    impl.write_kv(cache, slots, key, value)
+    impl.write_kv(cache, slots, key, value)  # remembered
+    keys, values = cache[0].flatten(0, 1), cache[1].flatten(0, 1)
+    assert torch.equal(keys[slots], key) and torch.equal(values[slots], value)
+    slots[1] = -1  # now a padding row: skipped, not written to the last slot
+    cache.zero_()
+    impl.write_kv(cache, slots, key, value)
+    assert torch.equal(keys[[0, 7]], key[[0, 2]]) and not keys[1:7].any()
+    slots[1] = 8
+    with pytest.raises(ValueError, match="slot 8 is out of range"):
+        impl.write_kv(cache, slots, key, value)
+
+
 @pytest.mark.parametrize("layer", [MLA, MHA], ids=["mla", "mha"])
 def test_fp8_cache_requires_a_float32_scale(layer: AttentionLayerSpec) -> None:
     fp8 = AttentionLayerSpec(**{**layer.__dict__, "kv_cache_dtype": "fp8_e4m3"})
@@ -156,6 +176,22 @@ def test_attend_rejects_bad_input() -> None:
         kwargs = dict(query=q, kv_cache=cache, metadata=md) | change
         with pytest.raises(ValueError, match=match):
             impl.attend(**kwargs)
+
+
+def test_attend_reads_the_metadata_again_after_it_changes() -> None:
+    """The step's layout is checked once per metadata and version of its host tensors (every layer
+    shares it): attending again is not checked again, but a change in place is, and so is the same
+    metadata against a query of other rows or a cache of other blocks."""
+    impl = TorchRefBackend.make_impl(MHA)
+    cache = allocate_kv_cache(MHA, 4, 4, torch.float32, "cpu")
+    md, q = _md(), torch.randn(4, 4, 8)
+    impl.attend(q, cache, md)
+    impl.attend(q, cache, md)
+    with pytest.raises(ValueError, match="too few for seq_len 5"):
+        impl.attend(q, allocate_kv_cache(MHA, 8, 2, torch.float32, "cpu"), md)
+    md.seq_lens_cpu[0] = 0  # request 0 now has fewer keys than query rows
+    with pytest.raises(ValueError, match="query lengths"):
+        impl.attend(q, cache, md)
 
 
 def test_split_decode_prefill() -> None:

@@ -117,19 +117,26 @@ def test_weight_mapper_knows_older_and_newer_moe_names() -> None:
         GraniteMoeSWAConfig(**LLAMA, **GRANITE_MOE, architectures=["GraniteMoeSWAForCausalLM"])
     )
     mapper = granite_weight_mapper(arch)
+
+    def target(name: str) -> tuple[str, int | None, tuple[int, int] | None]:
+        param, expert, rule = mapper.target(name)
+        return param, expert, rule.shard
+
     prefix = "model.layers.3.block_sparse_moe"
     for old, new in (
         ("input_linear.weight", "experts.gate_up_proj"),
         ("output_linear.weight", "experts.down_proj"),
         ("router.layer.weight", "router.weight"),
     ):
-        assert mapper.target(f"{prefix}.{old}") == mapper.target(f"{prefix}.{new}")
-    assert mapper.target(f"{prefix}.experts.gate_up_proj") == (f"{prefix}.experts.w13", None, None)
-    assert mapper.target("model.layers.0.mlp.up_proj.weight") == (
-        "model.layers.0.mlp.gate_up_proj.weight",
-        None,
-        (1, 2),
-    )
+        assert target(f"{prefix}.{old}") == target(f"{prefix}.{new}")
+    assert target(f"{prefix}.experts.gate_up_proj") == (f"{prefix}.experts.w13", None, None)
+    up = target("model.layers.0.mlp.up_proj.weight")
+    assert up == ("model.layers.0.mlp.gate_up_proj.weight", None, (1, 2))
+    # q, k and v fill qkv_proj's rows in proportion to their heads
+    name, _, rule = mapper.target("model.layers.2.self_attn.k_proj.weight")
+    assert name == "model.layers.2.self_attn.qkv_proj.weight"
+    q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    assert rule.shard_rows(q_rows + 2 * kv_rows) == slice(q_rows, q_rows + kv_rows)
 
 
 def test_missing_sinks_in_checkpoint_are_reported(tmp_path: Path) -> None:

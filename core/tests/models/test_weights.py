@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from jackfield.models.deepseek import DEEPSEEK_WEIGHTS
-from jackfield.models.weights import load_weights
+from jackfield.models.weights import Rule, ShardPlan, Split, WeightMapper, load_weights
 
 MLP = "model.layers.0.mlp"
 EXPERTS = "model.layers.1.mlp.experts"
@@ -80,3 +80,38 @@ def test_non_finite_weights_are_named_in_the_models_dtype() -> None:
         load_weights({name: t.half() for name, t in params().items()}, iter(source.items()), DEEPSEEK_WEIGHTS)
     assert "up_proj" not in str(info.value)
     load_weights(params(), iter(source.items()), DEEPSEEK_WEIGHTS)  # float32 holds 1e5
+
+
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
+QKV_RULES = WeightMapper(tuple(
+    Rule(rf"model\.layers\.0\.self_attn\.{name}_proj\.weight", QKV, shard=(i, 3), sizes=(4, 2, 2))
+    for i, name in enumerate("qkv")
+))  # 4 query heads, 2 KV heads
+
+
+def qkv_checkpoint(head_dim: int) -> dict[str, torch.Tensor]:
+    return {f"model.layers.0.self_attn.{name}_proj.weight": torch.randn(heads * head_dim, 5)
+            for name, heads in (("q", 4), ("k", 2), ("v", 2))}
+
+
+def test_shards_of_unequal_sizes_fill_their_rows() -> None:
+    """q, k and v of different head counts land in their own rows of one fused parameter."""
+    source = qkv_checkpoint(head_dim=3)
+    target = {QKV: torch.full((24, 5), float("nan"))}
+    load_weights(target, iter(source.items()), QKV_RULES)
+    assert torch.equal(target[QKV], torch.cat(list(source.values())))
+
+
+def test_each_shard_takes_its_own_tensor_parallel_split() -> None:
+    """Rank 1 of 2: the second half of the query heads, the second KV head (each its own Split)."""
+    source = qkv_checkpoint(head_dim=3)
+    q, k, v = source.values()
+    plan = ShardPlan(splits=((QKV, (Split(0, 1, 2), Split(0, 1, 2), Split(0, 1, 2))),))
+    target = {QKV: torch.full((12, 5), float("nan"))}  # 2 query heads and 1 + 1 KV heads of 3 rows
+    load_weights(target, iter(source.items()), QKV_RULES, plan)
+    assert torch.equal(target[QKV], torch.cat([q[6:], k[3:], v[3:]]))
+
+
+def test_sizes_need_a_shard_of_as_many_parts() -> None:
+    with pytest.raises(ValueError, match="sizes"):
+        Rule("a", "b", shard=(0, 2), sizes=(1, 2, 3))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -54,13 +55,17 @@ def check_cache(layer: AttentionLayerSpec, kv_cache: torch.Tensor) -> None:
         raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
 
 
-def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int) -> None:
+def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int) -> bool:
+    """int64 [num_tokens], every slot below num_slots (its range read once per tensor and
+    version: every layer of a step writes through the same mapping). Returns whether the mapping
+    holds padding (negative slots, which writes skip)."""
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
         raise ValueError(
             f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
-    if num_tokens and int(slot_mapping.max()) >= num_slots:
-        raise ValueError(f"slot {int(slot_mapping.max())} is out of range: the cache has {num_slots} slots")
+    return _check_slot_range(
+        slot_mapping, num_slots, lambda top: f"slot {top} is out of range: the cache has {num_slots} slots"
+    )
 
 
 def check_attend_inputs(
@@ -83,6 +88,21 @@ def check_attend_inputs(
     if query.device != kv_cache.device:
         raise ValueError(f"query is on {query.device}, the cache on {kv_cache.device}")
     num_tokens = query.shape[0]
+    block_size = kv_cache.shape[1] if is_mla(layer) else kv_cache.shape[2]
+    _CheckedMetadata.check(metadata, num_tokens, block_size)
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (layer.num_heads,)):
+        raise ValueError(f"sinks must be float32 [{layer.num_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
+    if topk_indices is not None and (
+        topk_indices.dtype != torch.int32 or topk_indices.dim() != 2 or topk_indices.shape[0] != num_tokens
+    ):
+        raise ValueError(
+            f"topk_indices must be int32 [{num_tokens}, K], "
+            f"got {topk_indices.dtype} {tuple(topk_indices.shape)}"
+        )
+
+
+def _check_metadata(metadata: AttentionMetadata, num_tokens: int, block_size: int) -> None:
+    """The step's request layout against `num_tokens` query rows and a cache of `block_size`."""
     qsl = metadata.query_start_loc_cpu
     if qsl.numel() != metadata.num_reqs + 1 or int(qsl[0]) != 0 or int(qsl[-1]) != num_tokens:
         raise ValueError(
@@ -98,22 +118,37 @@ def check_attend_inputs(
         raise ValueError(
             f"block_table must be [{metadata.num_reqs}, max_blocks], got {tuple(metadata.block_table.shape)}"
         )
-    block_size = kv_cache.shape[1] if is_mla(layer) else kv_cache.shape[2]
     longest = int(metadata.seq_lens_cpu.max()) if metadata.num_reqs else 0
     if metadata.block_table.shape[1] * block_size < longest:
         raise ValueError(
             f"block_table has {metadata.block_table.shape[1]} blocks of {block_size} per request, "
             f"too few for seq_len {longest}"
         )
-    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (layer.num_heads,)):
-        raise ValueError(f"sinks must be float32 [{layer.num_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
-    if topk_indices is not None and (
-        topk_indices.dtype != torch.int32 or topk_indices.dim() != 2 or topk_indices.shape[0] != num_tokens
-    ):
-        raise ValueError(
-            f"topk_indices must be int32 [{num_tokens}, K], "
-            f"got {topk_indices.dtype} {tuple(topk_indices.shape)}"
-        )
+
+
+class _CheckedMetadata:
+    """The metadata `_check_metadata` passed lately, by identity (no strong reference) and the
+    versions of the host tensors it read: every layer of a step attends with the same metadata,
+    so its layout is read (a dozen small host ops) once a step rather than once a layer. A step
+    split by role or by KV cache group holds a few, hence a few entries."""
+
+    MAX_ENTRIES = 8
+    passed: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+
+    @classmethod
+    def check(cls, metadata: AttentionMetadata, num_tokens: int, block_size: int) -> None:
+        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        if qsl.is_inference() or seq_lens.is_inference():  # no version counters: check every call
+            _check_metadata(metadata, num_tokens, block_size)
+            return
+        state = (qsl._version, seq_lens._version, *metadata.block_table.shape, num_tokens, block_size)
+        entry = cls.passed.get(id(metadata))
+        if entry is not None and entry[0]() is metadata and entry[1] == state:
+            return
+        _check_metadata(metadata, num_tokens, block_size)
+        if len(cls.passed) >= cls.MAX_ENTRIES:
+            cls.passed.clear()
+        cls.passed[id(metadata)] = (weakref.ref(metadata), state)
 
 
 def check_written_rows(name: str, rows: torch.Tensor, shape: tuple[int, ...], kv_cache: torch.Tensor) -> None:
@@ -127,11 +162,33 @@ def check_written_rows(name: str, rows: torch.Tensor, shape: tuple[int, ...], kv
 
 
 class _LastCheckedSlots:
-    """The last slot_mapping whose range passed, by identity and version (no strong reference)."""
+    """The last slot_mapping whose range passed, by identity and version (no strong reference),
+    and whether it holds padding."""
 
     tensor: weakref.ref | None = None
     version: int = -1
     capacity: int = -1
+    padded: bool = True
+
+
+def _check_slot_range(slot_mapping: torch.Tensor, capacity: int, too_large: Callable[[int], str]) -> bool:
+    """Raises ValueError(too_large(slot)) for a slot >= capacity; returns whether the mapping
+    holds negative (padding) slots. Read once per (tensor, version, capacity): inference-mode
+    tensors carry no version counter, so they are read on every call."""
+    if not slot_mapping.numel():
+        return False
+    last = _LastCheckedSlots
+    remembered = not slot_mapping.is_inference()
+    if (remembered and last.tensor is not None and last.tensor() is slot_mapping
+            and last.version == slot_mapping._version and last.capacity == capacity):
+        return last.padded
+    low, top = torch.stack(torch.aminmax(slot_mapping)).tolist()  # the one device sync
+    if top >= capacity:
+        raise ValueError(too_large(top))
+    if remembered:
+        last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
+        last.padded = low < 0
+    return low < 0
 
 
 def check_slot_range_once(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -141,20 +198,10 @@ def check_slot_range_once(slot_mapping: torch.Tensor, num_blocks: int, block_siz
     Every layer of a step inserts with the same slot_mapping, so a kernel's insert pays the one
     device sync once a step, not once a layer. Skipped while a CUDA graph records (it cannot sync:
     the recording engine checks the slots of every replay on the host), so the kernels themselves
-    must never write a slot outside the cache. Inference-mode tensors carry no version counter:
-    they are checked on every call.
+    must never write a slot outside the cache.
     """
     if slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     capacity = num_blocks * block_size
-    last = _LastCheckedSlots
-    remembered = not slot_mapping.is_inference()
-    if (remembered and last.tensor is not None and last.tensor() is slot_mapping
-            and last.version == slot_mapping._version and last.capacity == capacity):
-        return
-    top = int(slot_mapping.max().item())  # the one device sync
-    if top >= capacity:
-        raise ValueError(f"slot_mapping holds slot {top}, but the cache has {capacity} slots "
-                         f"({num_blocks} x {block_size})")
-    if remembered:
-        last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
+    _check_slot_range(slot_mapping, capacity, lambda top: f"slot_mapping holds slot {top}, but the cache has "
+                      f"{capacity} slots ({num_blocks} x {block_size})")

@@ -112,8 +112,10 @@ def request_slots(block_table_row: torch.Tensor, seq_len: int, block_size: int) 
     return block_table_row[pos // block_size].long() * block_size + pos % block_size
 
 
-def write_slots(flat_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """flat_cache[slot] = rows[i] for every slot_mapping[i] >= 0 (negative slots are padding).
+def write_slots(flat_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor,
+                padded: bool = True) -> None:
+    """flat_cache[slot] = rows[i] for every slot_mapping[i] >= 0 (negative slots are padding);
+    `padded` False: the caller knows there are none (check_slot_mapping says), so no mask.
 
     No host sync, so a CUDA graph may record it (selecting the real rows would read their count):
     a padding row writes the first real row's value to that row's slot again (the same bytes
@@ -123,6 +125,9 @@ def write_slots(flat_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torc
         return
     if flat_cache.dtype == FP8_DTYPE:  # CPU index_copy_ has no fp8 kernel; bytes copy the same
         flat_cache, rows = flat_cache.view(torch.uint8), rows.view(torch.uint8)
+    if not padded:
+        flat_cache.index_copy_(0, slot_mapping, rows)
+        return
     keep = slot_mapping >= 0
     first = keep.int().argmax().view(1)  # the first real row (row 0 when there is none)
     first_slot = slot_mapping.index_select(0, first).clamp(min=0)

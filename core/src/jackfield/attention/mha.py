@@ -54,7 +54,7 @@ class MHAImpl(AttentionImpl):
         shape = (num_tokens, lay.num_kv_heads, lay.head_size)
         check_written_rows("key", key, shape, kv_cache)
         check_written_rows("value", value, shape, kv_cache)
-        check_slot_mapping(slot_mapping, num_tokens, kv_cache.shape[1] * kv_cache.shape[2])
+        padded = check_slot_mapping(slot_mapping, num_tokens, kv_cache.shape[1] * kv_cache.shape[2])
         for half, rows, scale in ((kv_cache[0], key, key_scale(kv_scale)),
                                   (kv_cache[1], value, value_scale(kv_scale))):
-            write_slots(half.flatten(0, 1), slot_mapping, quantize(rows, kv_cache.dtype, scale))
+            write_slots(half.flatten(0, 1), slot_mapping, quantize(rows, kv_cache.dtype, scale), padded)

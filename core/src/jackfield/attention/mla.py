@@ -238,9 +238,9 @@ class MLAImpl(AttentionImpl):
         num_tokens = key.shape[0] if key.dim() else 0
         check_written_rows("kv_c", key, (num_tokens, lay.kv_lora_rank), kv_cache)
         check_written_rows("k_pe", value, (num_tokens, lay.qk_rope_head_dim), kv_cache)
-        check_slot_mapping(slot_mapping, num_tokens, kv_cache.shape[0] * kv_cache.shape[1])
+        padded = check_slot_mapping(slot_mapping, num_tokens, kv_cache.shape[0] * kv_cache.shape[1])
         record = quantize(torch.cat([key.float(), value.float()], dim=-1), kv_cache.dtype, kv_scale)
-        write_slots(kv_cache.flatten(0, 1), slot_mapping, record)
+        write_slots(kv_cache.flatten(0, 1), slot_mapping, record, padded)
 
 
 def prefill_attention_dtype(q: torch.Tensor) -> torch.dtype:

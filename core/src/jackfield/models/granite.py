@@ -4,7 +4,8 @@ The families differ only in data read by `granite_arch`: Granite's four multipli
 and the usual head_dim**-0.5 attention scale), per-layer sliding windows and attention sinks
 (SWA variants), per-layer RoPE bases (0 = no positional embedding), and a dense MLP or a top-k
 MoE with an optional shared expert. Parameter names follow the checkpoint except where weights
-are fused (gate ‖ up) or stacked (experts); GRANITE_WEIGHTS maps both the older GraniteMoe names
+are fused (q ‖ k ‖ v, gate ‖ up: one matmul each, which a CPU decode step reads at a better rate
+than three small ones) or stacked (experts); GRANITE_WEIGHTS maps both the older GraniteMoe names
 (input_linear / output_linear / router.layer) and the newer ones (experts.gate_up_proj / ...).
 """
 
@@ -32,7 +33,15 @@ from jackfield.distributed.tensor_parallel import (
 )
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
-from jackfield.models.layers import DecoderStack, GatedMLP, Linear, RMSNorm, RotaryEmbedding, select_rows
+from jackfield.models.layers import (
+    DecoderStack,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    scaled,
+    select_rows,
+)
 from jackfield.models.moe import Experts, grouped_mm_supported
 from jackfield.models.weights import (
     Rule,
@@ -67,10 +76,14 @@ GRANITE_WEIGHTS = WeightMapper(
 
 
 def granite_weight_mapper(arch: GraniteArch) -> WeightMapper:
-    """GRANITE_WEIGHTS, also skipping a tied lm_head (some checkpoints store it anyway)."""
-    if not arch.tie_word_embeddings:
-        return GRANITE_WEIGHTS
-    return WeightMapper(GRANITE_WEIGHTS.rules, (*GRANITE_WEIGHTS.ignore, r"lm_head\.weight"))
+    """GRANITE_WEIGHTS after the rules that fuse q, k and v into qkv_proj (its rows sized by this
+    rank's query and KV heads), also skipping a tied lm_head (some checkpoints store it anyway)."""
+    heads = head_split(arch.num_heads, arch.num_kv_heads)
+    sizes = (heads.num_heads, heads.num_kv_heads, heads.num_kv_heads)
+    qkv = tuple(Rule(_LAYER + rf"\.self_attn\.{name}_proj\.weight", "{layer}.self_attn.qkv_proj.weight",
+                     shard=(i, 3), sizes=sizes) for i, name in enumerate("qkv"))
+    ignore = GRANITE_WEIGHTS.ignore + ((r"lm_head\.weight",) if arch.tie_word_embeddings else ())
+    return WeightMapper((*qkv, *GRANITE_WEIGHTS.rules), ignore)
 
 
 def granite_shard_plan(arch: GraniteArch) -> ShardPlan:
@@ -79,12 +92,11 @@ def granite_shard_plan(arch: GraniteArch) -> ShardPlan:
     tp = parallel_state()
     rank, size = tp.tp_rank, tp.tp_size
     kv = head_split(arch.num_heads, arch.num_kv_heads)
-    column, row = Split(0, rank, size), Split(1, rank, size)
+    column, row, kv_heads = Split(0, rank, size), Split(1, rank, size), Split(0, kv.kv_index, kv.kv_parts)
     layer = r"model\.layers\.\d+\."
     return ShardPlan(splits=(
-        (layer + r"self_attn\.q_proj\.weight", column),
+        (layer + r"self_attn\.qkv_proj\.weight", (column, kv_heads, kv_heads)),  # q, k, v
         (layer + r"self_attn\.sinks", column),
-        (layer + r"self_attn\.[kv]_proj\.weight", Split(0, kv.kv_index, kv.kv_parts)),
         (layer + r"self_attn\.o_proj\.weight", row),
         (layer + r"mlp\.gate_up_proj\.weight", column),  # gate and up arrive as two tensors
         (layer + r"shared_mlp\.gate_up_proj\.weight", Split(0, rank, size, fused=2)),  # one tensor
@@ -108,9 +120,7 @@ class GQAAttention(nn.Module):
         heads = head_split(arch.num_heads, arch.num_kv_heads)  # this rank's (all of them in one process)
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         h, kv, hd = heads.num_heads, heads.num_kv_heads, arch.head_dim
-        self.q_proj = Linear(arch.hidden_size, h * hd, dtype)
-        self.k_proj = Linear(arch.hidden_size, kv * hd, dtype)
-        self.v_proj = Linear(arch.hidden_size, kv * hd, dtype)
+        self.qkv_proj = Linear(arch.hidden_size, (h + 2 * kv) * hd, dtype)  # q ‖ k ‖ v
         self.o_proj = Linear(h * hd, arch.hidden_size, dtype)  # row-parallel: the layer all-reduces
         # Per-head logits that join the softmax denominator only (gpt-oss style sinks).
         self.sinks = nn.Parameter(torch.empty(h, dtype=dtype), False) if arch.sinks else None
@@ -118,14 +128,14 @@ class GQAAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> q [T, H, hd], k and v [T, H_kv, hd] (q and k roped)."""
-        a, t = self.arch, x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, a.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, a.head_dim)
+        """x [T, D] -> q [T, H, hd], k and v [T, H_kv, hd] (q and k roped): views of one projection
+        (q and k rotated in one call)."""
+        h, kv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(x.shape[0], h + 2 * kv, self.arch.head_dim)
+        qk, v = qkv[:, : h + kv], qkv[:, h + kv :]
         if rope is not None:  # None: a NoPE layer
-            q, k = rope(q, positions), rope(k, positions)
-        return q, k, v
+            qk = rope(qk, positions)
+        return qk[:, :h], qk[:, h:], v
 
     def attend(self, step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention backend's part: writes every row's KV, returns [T, H, hd]."""
@@ -192,9 +202,9 @@ class DecoderLayer(nn.Module):
     def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor,
                         output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for `output_rows` of x (all rows when None), from its attention output."""
-        x = (select_rows(x, output_rows)
-             + all_reduce(self.self_attn.output(attn_out, output_rows)) * self.residual_multiplier)
-        return x + all_reduce(self._mlp(self.post_attention_layernorm(x))) * self.residual_multiplier
+        m = self.residual_multiplier
+        x = select_rows(x, output_rows) + scaled(all_reduce(self.self_attn.output(attn_out, output_rows)), m)
+        return x + scaled(all_reduce(self._mlp(self.post_attention_layernorm(x))), m)
 
 
 class GraniteForCausalLM(DecoderStack):
@@ -241,8 +251,8 @@ class GraniteForCausalLM(DecoderStack):
             DecoderLayer(arch, i, spec, backends, dtype) for i, spec in enumerate(self.layer_specs)
         )
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        if not arch.tie_word_embeddings:
-            self.lm_head = Linear(arch.hidden_size, stop - start, dtype)
+        tied = self.model.embed_tokens.weight if arch.tie_word_embeddings else None
+        self.lm_head = Linear(arch.hidden_size, stop - start, dtype, weight=tied)  # loaded once when tied
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:
@@ -285,7 +295,7 @@ class GraniteForCausalLM(DecoderStack):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = embed(input_ids, self.model.embed_tokens.weight, self.arch.vocab_size)
-        return rows * self.arch.embedding_multiplier
+        return scaled(rows, self.arch.embedding_multiplier)
 
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layer, rope = self.model.layers[i], self.rope_of_layer[i]
@@ -293,9 +303,8 @@ class GraniteForCausalLM(DecoderStack):
                                        None if rope is None else self.ropes[rope])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        logits = gather_logits(F.linear(hidden, weight).float(), self.arch.vocab_size)
-        return logits / self.arch.logits_scaling
+        logits = gather_logits(self.lm_head(hidden).float(), self.arch.vocab_size)
+        return logits if self.arch.logits_scaling == 1 else logits / self.arch.logits_scaling
 
 
 def _with_rope_theta(hf_config: PretrainedConfig, theta: float) -> PretrainedConfig:

@@ -2,7 +2,8 @@
 
 A family declares a `WeightMapper`: rules from Hugging Face tensor names (regexes with named
 groups) to the model's parameter names, optionally into one shard of a fused parameter (dim 0
-split into equal parts) or one expert of a stacked parameter. Loading checks that every
+split into parts: equal ones for gate ‖ up, sized by heads for q ‖ k ‖ v) or one expert of a
+stacked parameter. Loading checks that every
 parameter is written exactly once and that every checkpoint tensor has a home; both failures
 name the tensors. fp8 KV-cache scales beside the attention weights are not parameters: the
 engine reads them (models/kv_scales.py), the loader passes over them.
@@ -31,7 +32,8 @@ from jackfield.models.kv_scales import is_kv_scale_tensor
 class Rule:
     """`hf` (full-match regex) -> `param` (str.format over the regex groups).
 
-    shard=(i, n): the tensor is part i of n of `param` along dim 0 (gate ‖ up fusions).
+    shard=(i, n): the tensor is part i of n of `param` along dim 0 (gate ‖ up fusions); the parts
+    are equal unless `sizes` gives their relative sizes (q ‖ k ‖ v: query heads, KV heads, KV heads).
     expert: the group naming the expert index, for parameters stacked over experts on dim 0.
     """
 
@@ -39,6 +41,19 @@ class Rule:
     param: str
     shard: tuple[int, int] | None = None
     expert: str | None = None
+    sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sizes is not None and (self.shard is None or len(self.sizes) != self.shard[1]):
+            raise ValueError(f"rule {self.hf}: sizes {self.sizes} need a shard (i, {len(self.sizes)})")
+
+    def shard_rows(self, num_rows: int) -> slice:
+        """The rows of a `num_rows`-row parameter that this rule's shard fills."""
+        assert self.shard is not None
+        index, parts = self.shard
+        sizes = self.sizes or (1,) * parts
+        total = sum(sizes)
+        return slice(num_rows * sum(sizes[:index]) // total, num_rows * sum(sizes[: index + 1]) // total)
 
 
 @dataclass(frozen=True)
@@ -46,8 +61,8 @@ class WeightMapper:
     rules: tuple[Rule, ...]
     ignore: tuple[str, ...] = ()  # regexes of checkpoint tensors that are deliberately unused
 
-    def target(self, hf_name: str) -> tuple[str, int | None, tuple[int, int] | None] | None:
-        """(param name, expert index, shard) for a checkpoint name; None when ignored."""
+    def target(self, hf_name: str) -> tuple[str, int | None, Rule] | None:
+        """(param name, expert index, the rule) for a checkpoint name; None when ignored."""
         for pattern in self.ignore:
             if re.fullmatch(pattern, hf_name):
                 return None
@@ -56,7 +71,7 @@ class WeightMapper:
             if match:
                 groups = match.groupdict()
                 expert = int(groups[rule.expert]) if rule.expert else None
-                return rule.param.format(**groups), expert, rule.shard
+                return rule.param.format(**groups), expert, rule
         raise KeyError(hf_name)
 
 
@@ -76,13 +91,21 @@ class Split:
 class ShardPlan:
     """What one tensor-parallel rank loads: the parameters (full-match regexes, first match wins)
     it holds a `Split` of, and the experts [first, first + count) of expert-stacked parameters
-    loaded one expert at a time. Other parameters are loaded whole (replicated)."""
+    loaded one expert at a time. Other parameters are loaded whole (replicated). A fused
+    parameter whose shards are cut differently (q by query heads, k and v by KV heads) has one
+    Split per shard."""
 
-    splits: tuple[tuple[str, Split], ...]
+    splits: tuple[tuple[str, Split | tuple[Split, ...]], ...]
     experts: tuple[int, int] | None = None
 
-    def split(self, param: str) -> Split | None:
-        return next((split for pattern, split in self.splits if re.fullmatch(pattern, param)), None)
+    def split(self, param: str, shard: tuple[int, int] | None = None) -> Split | None:
+        """The Split of `param`, or of its shard `shard` = (i, n)."""
+        split = next((split for pattern, split in self.splits if re.fullmatch(pattern, param)), None)
+        if isinstance(split, tuple):
+            if shard is None or len(split) != shard[1]:
+                raise ValueError(f"{param}: {len(split)} splits for shard {shard}")
+            return split[shard[0]]
+        return split
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -176,14 +199,14 @@ def load_weights(
                 continue
             if target is None:
                 continue
-            name, expert, shard = target
+            name, expert, rule = target
             if name not in params:
                 unexpected.append(f"{hf_name} (-> {name})")
                 continue
-            if (name, expert, shard) in seen:  # one piece twice would leave another piece unwritten
+            if (name, expert, rule.shard) in seen:  # one piece twice would leave another piece unwritten
                 duplicates.append(f"{hf_name} (-> {name})")
                 continue
-            seen.add((name, expert, shard))
+            seen.add((name, expert, rule.shard))
             dest = params[name]
             if expert is not None and shards is not None and shards.experts is not None:
                 first, count = shards.experts
@@ -195,12 +218,11 @@ def load_weights(
                     unexpected.append(f"{hf_name} (expert {expert} of {dest.shape[0]})")
                     continue
                 dest = dest[expert]
-            if shard is not None:
-                index, parts = shard
-                size = dest.shape[0] // parts
-                dest = dest[index * size : (index + 1) * size]
+            if rule.shard is not None:
+                dest = dest[rule.shard_rows(dest.shape[0])]
             # A rank's expert is whole: splits cut the other parameters (and stacked experts).
-            tensor = _read(source, None if shards is None or expert is not None else shards.split(name))
+            split = None if shards is None or expert is not None else shards.split(name, rule.shard)
+            tensor = _read(source, split)
             if dest.shape != tensor.shape:
                 bad_shapes.append(f"{hf_name}: checkpoint {tuple(tensor.shape)}, model {tuple(dest.shape)}")
                 continue

@@ -49,21 +49,18 @@ def _copy_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _gather_blocks(
-    blocks: torch.Tensor, block_ids: torch.Tensor, stale_rows: torch.Tensor, compute_dtype: torch.dtype,
-    scratch: Scratch,
+    blocks: torch.Tensor, chunks: KeyChunks, halves: int, compute_dtype: torch.dtype, scratch: Scratch
 ) -> torch.Tensor:
-    """blocks [num_blocks, block_size, width] gathered as [len(block_ids) * block_size, width] in
-    `compute_dtype` by one index op, the stale rows (indices into that) zeroed."""
+    """blocks [halves * num_blocks, block_size, width] gathered as `chunks` says, [halves *
+    len(block_ids) * block_size, width] in `compute_dtype`, by one index op, the stale records zeroed."""
     width = blocks.shape[-1]
     rows, parts = _copy_rows(blocks)
-    row_ids = block_ids
-    if parts > 1:
-        row_ids = (row_ids[:, None] * parts + torch.arange(parts)).view(-1)
+    row_ids, stale = chunks.gather_index(blocks.shape[0] // halves, blocks.shape[1], parts, halves)
     as_rows = scratch.get(rows.dtype, row_ids.numel() * rows.shape[1]).view(-1, rows.shape[1])
     torch.index_select(rows, 0, row_ids, out=as_rows)
     gathered = as_rows.view(blocks.dtype).view(-1, width)
-    if stale_rows.numel():
-        gathered.index_fill_(0, stale_rows, 0)
+    if stale.numel():
+        gathered.index_fill_(0, stale, 0)
     if blocks.dtype != compute_dtype:
         gathered = scratch.get(compute_dtype, gathered.numel()).view_as(gathered).copy_(gathered)
     return gathered
@@ -77,7 +74,7 @@ def gather_group_cache(
     scratch: Scratch,
 ) -> torch.Tensor:
     """The group's cache records laid out as `chunks` says: [num_reqs, blocks_per_req * block_size, L+R]."""
-    gathered = _gather_blocks(kv_cache, chunks.block_ids, chunks.stale_rows, compute_dtype, scratch)
+    gathered = _gather_blocks(kv_cache, chunks, 1, compute_dtype, scratch)
     return gathered.view(group.num_reqs, -1, kv_cache.shape[-1])
 
 
@@ -91,11 +88,8 @@ def gather_group_kv(
     """An MHA cache's [2, num_blocks, block_size, H_kv, D] blocks of the group, keys and values in
     one index op, laid out as `chunks` says: [2, num_reqs, blocks_per_req * block_size, H_kv, D]."""
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-    blocks = kv_cache.view(2 * num_blocks, block_size, num_kv_heads * head_size)
-    block_ids = torch.cat([chunks.block_ids, chunks.block_ids + num_blocks])  # keys', then values'
-    stale = chunks.stale_rows
-    stale_rows = torch.cat([stale, stale + chunks.block_ids.numel() * block_size])
-    gathered = _gather_blocks(blocks, block_ids, stale_rows, compute_dtype, scratch)
+    blocks = kv_cache.view(2 * num_blocks, block_size, num_kv_heads * head_size)  # keys', then values'
+    gathered = _gather_blocks(blocks, chunks, 2, compute_dtype, scratch)
     return gathered.view(2, group.num_reqs, -1, num_kv_heads, head_size)
 
 

@@ -82,6 +82,25 @@ class KeyChunks:
     # keys 0..i, the kernel's is_causal mask, which also skips the hidden key tiles.
     kernel_causal: bool = False
     _row_masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _gathers: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def gather_index(self, num_blocks: int, block_size: int, parts: int,
+                     halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row ids, stale records) of the gather from a cache of `halves` x num_blocks blocks of
+        block_size records (an MHA cache: its keys, then its values), each block read as `parts`
+        rows: the rows to read, and the gathered records past their request's seq_len (to zero).
+        Memoized: every layer of a step reads caches of one shape."""
+        key = (num_blocks, block_size, parts, halves)
+        found = self._gathers.get(key)
+        if found is None:
+            block_ids = torch.cat([self.block_ids + h * num_blocks for h in range(halves)])
+            rows = (block_ids[:, None] * parts + torch.arange(parts)).view(-1) if parts > 1 else block_ids
+            per_half = self.block_ids.numel() * block_size
+            stale = torch.cat([self.stale_rows + h * per_half for h in range(halves)])
+            found = self._gathers[key] = (rows, stale)
+        return found
 
     def row_mask(self, rows_per_token: int) -> torch.Tensor | None:
         """The mask with each query token's row repeated for `rows_per_token` consecutive rows:
