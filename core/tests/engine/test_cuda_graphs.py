@@ -48,9 +48,9 @@ def test_only_steps_of_sampling_decodes_are_replayed(v3_dir) -> None:
 
     llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.max_num_seqs": 4})
     runner = llm.engine.runner
-    graphs = DecodeGraphs(llm.engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, 1,
-                          runner.kv.num_blocks, llm.config.engine.block_size, llm.engine.max_model_len, 4,
-                          llm.engine.device)
+    graphs = DecodeGraphs(llm.engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          runner.block_tables, runner.kv.num_blocks, llm.config.engine.block_size,
+                          llm.engine.max_model_len, 4, llm.engine.device)
     params = SamplingParams(max_tokens=4)
     decoding = Sequence(0, 3, [5, 6, 7, 8], params, seed=0, num_computed=3)  # its 4th token is new
     prefilling = Sequence(1, 40, list(range(40)), params, seed=0, num_computed=9)
@@ -138,8 +138,9 @@ def test_graph_buffers_hold_each_kv_groups_slots_and_tables(tmp_path, rng_seed: 
         engine.step()
     chunks = engine.scheduler.schedule()
     assert len(chunks) == 3 and all(c.num_tokens == 1 for c in chunks)
-    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, num_groups,
-                          runner.kv.num_blocks, runner.block_size, engine.max_model_len, 8, engine.device)
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          runner.block_tables, runner.kv.num_blocks, runner.block_size,
+                          engine.max_model_len, 8, engine.device)
     size = next(s for s in graphs.sizes if s >= len(chunks))
     assert size > len(chunks)  # a padded row too
     graphs._fill(chunks, size, 1)
@@ -152,7 +153,7 @@ def test_graph_buffers_hold_each_kv_groups_slots_and_tables(tmp_path, rng_seed: 
         assert (graphs.slot_mapping[group].gpu[n:size] == -1).all()
         for row, seq_len in enumerate(eager.seq_lens_cpu.tolist()):
             used = -(-seq_len // runner.block_size)
-            assert torch.equal(graphs.block_table[group][row, :used], eager.block_table[row, :used])
+            assert torch.equal(graphs.block_table[group].gpu[row, :used], eager.block_table[row, :used])
     assert len({tuple(md.slot_mapping.tolist()) for md in per_group}) > 1  # the groups' slots differ
 
 
@@ -172,15 +173,14 @@ def test_verify_buffers_pad_each_request_to_the_recorded_rows(tmp_path, rng_seed
               **{"speculative.method": "ngram", "speculative.num_speculative_tokens": k,
                  "speculative.prompt_lookup_min": 1, "speculative.prompt_lookup_max": 2})
     engine, runner = llm.engine, llm.engine.runner
-    num_groups = len(runner.groups.windows)
     g = torch.Generator().manual_seed(rng_seed)
     # a small alphabet: the last token recurs in the prompt, so n-gram lookup drafts
     prompts = [torch.randint(0, 6, (n,), generator=g).tolist() for n in (3, 9, 14)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engine.add_requests([(p, params) for p in prompts])
-    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, num_groups,
-                          runner.kv.num_blocks, runner.block_size, engine.max_model_len, 8, engine.device,
-                          query_lens=(1, 1 + k))
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          runner.block_tables, runner.kv.num_blocks, runner.block_size,
+                          engine.max_model_len, 8, engine.device, query_lens=(1, 1 + k))
     checked: list[int] = []
     eager_step = runner.step
 

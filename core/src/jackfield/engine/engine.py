@@ -135,7 +135,8 @@ class Engine:
                                           kv.groups.windows,
                                           engine.prefix_hash_seed,
                                           drop_last_hit_block=model_drafter is not None,
-                                          num_state_slots=engine.max_num_seqs if recurrent else 0)
+                                          num_state_slots=engine.max_num_seqs if recurrent else 0,
+                                          table_rows=self.runner.block_tables)
         drafters = [self.drafter] if self.drafter else []
         connector = _kv_connector(config, self.runner, drafters)
         if connector is not None:
