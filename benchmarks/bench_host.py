@@ -17,10 +17,18 @@ perf_counter around the engine's own methods:
 Without CUDA graphs (the CPU) it also times the graph fill a CUDA step does, over the same
 chunks and static host buffers ("graph fill"). On CUDA it also times the forward's GPU time by
 replaying the step's graph alone between events ("GPU fwd"). Medians over the timed steps, in
-microseconds a step, with each phase's ratio to the forward.
+microseconds a step, with each phase's ratio to the forward; "host" is the sum of the medians
+of every phase but the forward (on a busy host a step's sum catches the odd preemption).
+`--statistic min` takes each phase's minimum instead: on a shared machine whose other jobs
+preempt most steps somewhere, the least time a phase took is what its code costs.
+
+--host-only replaces the model's forward by zeros of its output's shape (the CPU): every step is
+then host work, which keeps a shared machine's preemptions, landing mostly in a long forward,
+out of the figures.
 
   python benchmarks/bench_host.py                                   # CPU: llama, granite-swa; batch 64, 128
   python benchmarks/bench_host.py --device cuda --batches 64
+  python benchmarks/bench_host.py --host-only                       # CPU: host work only
   python benchmarks/bench_host.py --profile                         # also cProfile's top functions
 """
 
@@ -106,8 +114,9 @@ def probe(family: str, batch: int, args: argparse.Namespace) -> dict[str, float]
     # the first admitted requests decode while the last prefill: nobody may finish before the end
     max_tokens = steps + -(-batch * args.prompt_len // budget) + 4
     max_len = args.prompt_len + max_tokens
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
     llm = LLM(tiny_model(family, max_len), **{
-        "attention.backend": args.backend, "engine.device": args.device, "model.dtype": "float32",
+        "attention.backend": args.backend, "engine.device": args.device, "model.dtype": dtype,
         "engine.block_size": args.block_size, "engine.max_num_seqs": batch,
         "engine.max_num_batched_tokens": budget, "engine.max_model_len": max_len,
         "engine.enable_prefix_caching": args.prefix_caching, "engine.cpu_kv_cache_gib": 1.0,
@@ -119,6 +128,14 @@ def probe(family: str, batch: int, args: argparse.Namespace) -> dict[str, float]
     seqs = engine.add_requests([(p, params) for p in prompts])
     while any(s.num_computed < s.prompt_len for s in seqs):  # prefill, chunked by the budget
         engine.step()
+    if args.host_only:
+        hidden_size = engine.model.capabilities.hidden_size
+
+        def zeros(ids: torch.Tensor, positions: torch.Tensor, context: object,
+                  rows: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+            return torch.zeros(ids.shape[0] if rows is None else rows.shape[0], hidden_size)
+
+        engine.model.forward = zeros  # type: ignore[method-assign]
     clock = PhaseClock()
     clock.wrap(engine, "step", "step")
     clock.wrap(engine.scheduler, "schedule", "schedule")
@@ -133,7 +150,7 @@ def probe(family: str, batch: int, args: argparse.Namespace) -> dict[str, float]
         shadow = None
     else:  # the graph fill a CUDA step would do, on static host buffers over the same chunks
         shadow = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
-                              len(runner.groups.windows), runner.kv.num_blocks, runner.block_size,
+                              runner.block_tables, runner.kv.num_blocks, runner.block_size,
                               engine.max_model_len, batch, runner.device)
         scheduled = engine.scheduler.schedule
 
@@ -160,11 +177,12 @@ def probe(family: str, batch: int, args: argparse.Namespace) -> dict[str, float]
     assert len(engine.scheduler.running) == batch and all(s.num_computed == s.num_tokens - 1 for s in seqs), \
         "every request decodes throughout"
     per_step = [phases_of(lap, graphs is not None) for lap in timed]
-    row = {phase: statistics.median(p[phase] for p in per_step) * 1e6 for phase in PHASES}
-    row["step"] = statistics.median(lap["step"] for lap in timed) * 1e6
-    row["host"] = statistics.median(sum(p[x] for x in PHASES if x != "forward") for p in per_step) * 1e6
+    stat = statistics.median if args.statistic == "median" else min
+    row = {phase: stat(p[phase] for p in per_step) * 1e6 for phase in PHASES}
+    row["step"] = stat(lap["step"] for lap in timed) * 1e6
+    row["host"] = sum(row[phase] for phase in PHASES if phase != "forward")
     if shadow is not None:
-        row["graph fill"] = statistics.median(lap["shadow_fill"] for lap in timed) * 1e6
+        row["graph fill"] = stat(lap["shadow_fill"] for lap in timed) * 1e6
     else:
         row["GPU fwd"] = gpu_forward_us(graphs, batch)
     row["groups"] = len(runner.groups.windows)
@@ -200,6 +218,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (the engine's host work runs on one)")
+    parser.add_argument("--statistic", choices=("median", "min"), default="median",
+                        help="of each phase over the timed steps (module docstring)")
+    parser.add_argument("--host-only", action="store_true", help="a forward of zeros (module docstring)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions per run")
     parser.add_argument("--profile-rows", type=int, default=25)
     args = parser.parse_args()
@@ -209,17 +230,17 @@ def main() -> None:
     rows = [(family, batch, probe(family, batch, args))
             for family in args.families.split(",") for batch in (int(b) for b in args.batches.split(","))]
     extra = "GPU fwd" if args.device == "cuda" else "graph fill"
-    print(f"\nmicroseconds a decode step (median), and x the forward; '{extra}': "
+    ratio = "" if args.host_only else ", and x the forward"
+    print(f"\nmicroseconds a decode step ({args.statistic}){ratio}; '{extra}': "
           + ("the replay's GPU time" if extra == "GPU fwd" else "the CUDA path's buffer fill, on the host"))
-    print(f"| family | batch | backend | KV groups | step | {' | '.join(PHASES)} | host (step - forward) "
+    print(f"| family | batch | backend | KV groups | step | {' | '.join(PHASES)} | host "
           f"| {extra} |")
     print("|---|---|---|---|---|" + "---|" * (len(PHASES) + 2))
     for family, batch, row in rows:
-        fwd = row["forward"]
-        cells = [f"{row[p]:.0f} ({row[p] / fwd:.2f}x)" for p in PHASES]
-        host = row["host"]
+        cells = [f"{row[p]:.0f}" if args.host_only else f"{row[p]:.0f} ({row[p] / row['forward']:.2f}x)"
+                 for p in (*PHASES, "host")]
         print(f"| {family} | {batch} | {row['backend']} | {row['groups']} | {row['step']:.0f} | "
-              f"{' | '.join(cells)} | {host:.0f} ({host / fwd:.2f}x) | {row[extra]:.0f} |")
+              f"{' | '.join(cells)} | {row[extra]:.0f} |")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def test_rows_follow_random_admits_decodes_windows_preemptions_and_finishes(rng_
 def test_a_step_reads_slots_and_tables_as_the_lists_give_them(tmp_path, rng_seed: int) -> None:
     """Granite SWA (a full group beside window groups, blocks of 4) through chunked prefills mixed
     with decodes past the window: each step's eager metadata and the decode graphs' buffers hold
-    the block tables and slots (slot = table[p // 4] * 4 + p % 4) computed from the lists."""
+    the block tables and slots (slot = table[p // 4] * 4 + p % 4) computed from the lists. (The
+    capture's fill of no rows leaves every slot -1.)"""
     from jackfield.engine.cuda_graphs import DecodeGraphs
     from jackfield.testing.checkpoints import write_granite
 
@@ -83,6 +84,9 @@ def test_a_step_reads_slots_and_tables_as_the_lists_give_them(tmp_path, rng_seed
     graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
                           runner.block_tables, runner.kv.num_blocks, runner.block_size,
                           engine.max_model_len, 8, engine.device)
+    assert graphs._fill([], 8, 1) == 0  # what capture records: rows that see no KV and write none
+    assert all((slots.gpu[:8] == -1).all() for slots in graphs.slot_mapping)
+    assert not graphs.seq_lens.gpu[:8].any()
     g = torch.Generator().manual_seed(rng_seed)
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9, 14, 21)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

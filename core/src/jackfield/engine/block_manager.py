@@ -79,6 +79,7 @@ class BlockManager:
         self.hash_seed = hash_seed
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
+        self.window_groups = [group for group, w in enumerate(self.windows) if w is not None]
         self.has_null_block = any(w is not None for w in self.windows)
         if self.has_null_block and num_blocks < 2:
             raise ValueError("a sliding-window model needs at least 2 blocks (one is the null block)")
@@ -181,20 +182,24 @@ class BlockManager:
 
     def trim(self, seq: Sequence) -> None:
         """Hand back window-group blocks no query of `seq` from num_computed on can see."""
-        for group, table in enumerate(seq.block_tables):
+        if not seq.block_tables:
+            return
+        for group in self.window_groups:
+            table = seq.block_tables[group]
             end = min(self._first_needed(group, seq.num_computed), len(table))
-            start = end
+            if end == 0 or table[end - 1] == NULL_BLOCK:
+                continue  # nothing left the window since the last trim
+            start = end - 1
             while start > 0 and table[start - 1] != NULL_BLOCK:  # earlier ones were dropped before
                 start -= 1
             for i in range(start, end):
                 self._unref(table[i])
                 table[i] = NULL_BLOCK
-            if start < end:
-                self.table_rows.clear(seq.table_row, group, start, end)  # type: ignore[arg-type]
+            self.table_rows.clear(seq.table_row, group, start, end)  # type: ignore[arg-type]
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        tables = seq.block_tables or [[] for _ in self.windows]
-        return sum(self.blocks_needed(num_tokens) - len(table) for table in tables) <= self.num_free
+        held = len(seq.block_tables[0]) if seq.block_tables else 0  # every table has one length
+        return (self.blocks_needed(num_tokens) - held) * len(self.windows) <= len(self.free)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Give `seq` blocks for its first `num_tokens` tokens in every group."""
@@ -221,6 +226,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.hashes.setdefault(seq.request_id, [])
+        if seq.num_computed // self.block_size <= len(hashes):
+            return  # no block filled since the last commit (most decode steps)
         chain = self.block_hashes(seq, seq.num_computed // self.block_size)
         for index in range(len(hashes), len(chain)):
             tokens = seq.token_ids[index * self.block_size : (index + 1) * self.block_size]

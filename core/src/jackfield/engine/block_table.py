@@ -60,4 +60,4 @@ class BlockTableRows:
     def gather(self, rows: list[int]) -> torch.Tensor:
         """[groups, len(rows), longest of those tables] int32: the rows' tables, 0-padded."""
         width = max(map(self.lengths.__getitem__, rows), default=0)
-        return self.array[:, torch.tensor(rows), :width]
+        return self.array[:, torch.tensor(rows, dtype=torch.int64), :width]

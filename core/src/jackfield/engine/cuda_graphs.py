@@ -75,7 +75,7 @@ class DecodeGraphs:
         self.model, self.kv_caches, self.kv_scales, self.contexts = model, kv_caches, kv_scales, contexts
         self.block_tables = block_tables
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
+        self.num_blocks = num_blocks  # of every cache (one block pool)
         self.sizes = capture_sizes(max_num_seqs)
         self.query_lens = tuple(sorted(query_lens))
         largest, width = self.sizes[-1], -(-max_model_len // block_size)
@@ -156,57 +156,56 @@ class DecodeGraphs:
         """Write the step's rows into the static buffers (q rows a request); rows past the batch
         see no KV and write none; returns the real rows. The pinned host buffers are rewritten
         safely: the previous step's copies finished at its token read-back (the one sync a step)."""
-        n, bs, rows = len(chunks), self.block_size, size * q
+        n, bs, rows, pad = len(chunks), self.block_size, size * q, size - len(chunks)
         ids: list[int] = []
         for c in chunks:
             seq, start = c.seq, c.seq.num_computed
             real = seq.token_ids[start : start + c.num_tokens - c.num_drafts] + seq.draft_ids[: c.num_drafts]
             ids += real + real[-1:] * (q - len(real))  # padding rows repeat the last token
-        starts = torch.tensor([c.seq.num_computed for c in chunks], dtype=torch.int64)
+        starts = [c.seq.num_computed for c in chunks]
         offsets = torch.arange(q)
-        positions = starts[:, None] + offsets  # [n, q]: padding rows follow their request's last
-        is_real = offsets < torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)[:, None]
-        self.input_ids.cpu[: n * q] = torch.tensor(ids, dtype=torch.int64)
-        self.positions.cpu[: n * q] = positions.flatten()
-        self.seq_lens.cpu[:n] = starts + q
-        self.input_ids.cpu[n * q : rows] = 0
-        self.positions.cpu[n * q : rows] = 0
-        self.seq_lens.cpu[n:size] = 0
+        positions = torch.tensor(starts + [0] * pad)[:, None] + offsets  # [size, q]
+        is_real = offsets < torch.tensor([c.num_tokens for c in chunks])[:, None]  # [n, q]
+        self.input_ids.cpu[:rows] = torch.tensor(ids + [0] * (pad * q))
+        self.positions.cpu[:rows] = positions.flatten()
+        self.seq_lens.cpu[:size] = torch.tensor([start + q for start in starts] + [0] * pad)
         for buffer, count in ((self.input_ids, rows), (self.positions, rows), (self.seq_lens, size)):
             buffer.copy_to_device(count)
-        real_rows = is_real.flatten().nonzero().squeeze(1)
+        total = sum(c.num_tokens for c in chunks)
         if q > 1:
-            self.real_rows.cpu[: real_rows.numel()] = real_rows
-            self.real_rows.copy_to_device(real_rows.numel())
+            self.real_rows.cpu[:total] = is_real.flatten().nonzero().squeeze(1)
+            self.real_rows.copy_to_device(total)
         if self.recurrent is not None:  # q = 1 (the constructor checked it)
             state_slots = [c.seq.state_slot for c in chunks]
             if None in state_slots:
                 raise RuntimeError("a decode of a hybrid model without a recurrent state slot")
-            pad = size - n
             self.state_slots.cpu[:size] = torch.tensor(state_slots + [self.recurrent.padding_slot] * pad)
             # a one-token prompt decodes from a zero state too
-            self.has_state.cpu[:size] = torch.tensor([c.seq.num_computed > 0 for c in chunks] + [False] * pad)
+            self.has_state.cpu[:size] = torch.tensor([start > 0 for start in starts] + [False] * pad)
             self.state_slots.copy_to_device(size)
             self.has_state.copy_to_device(size)
+        # Capture fills no rows: every slot -1, so the warm-up and recorded forwards write no KV.
         tables = self.block_tables.gather([c.seq.table_row for c in chunks])  # type: ignore[misc]
-        # [groups, n, q]; a padding row may sit past its request's blocks: its slot is -1 anyway
-        index = (positions // bs).clamp(max=max(tables.shape[2] - 1, 0))
-        blocks = tables.long().gather(2, index.expand(tables.shape[0], n, q))
-        slots = torch.where(is_real, blocks * bs + positions % bs, -1).flatten(1)
-        live = slots[:, real_rows]
-        if live.numel():
-            low, high = (int(v) for v in torch.aminmax(live))
-            if not 0 <= low <= high < self.capacity:
-                raise ValueError(f"decode slots {low}..{high} outside the cache's {self.capacity} slots")
+        groups, width = tables.shape[0], tables.shape[2]
+        if n:
+            low, high = (int(v) for v in torch.aminmax(tables))
+            if not 0 <= low <= high < self.num_blocks:
+                raise ValueError(f"decode block ids {low}..{high} outside the cache's {self.num_blocks} "
+                                 "blocks")
+        # a padding row may sit past its request's blocks: its slot is -1 anyway
+        index = (positions[:n] // bs).clamp(max=max(width - 1, 0)).expand(groups, n, q)
+        slots = tables.long().gather(2, index) * bs + positions[:n] % bs
+        slots = torch.where(is_real, slots, -1).flatten(1)  # [groups, n * q]
         for group_slots, group_table, slot_mapping, block_table in zip(
                 slots, tables, self.slot_mapping, self.block_table, strict=True):
             slot_mapping.cpu[: n * q] = group_slots
-            slot_mapping.cpu[n * q : rows] = -1
+            if pad:
+                slot_mapping.cpu[n * q : rows] = -1
             slot_mapping.copy_to_device(rows)
-            if n:  # entries past a request's blocks are read only by padding rows (output dropped)
-                block_table.cpu[:n, : tables.shape[2]] = group_table
-                block_table.copy_to_device(n)
-        return real_rows.numel()
+            # entries past a request's blocks are read only by padding rows (output dropped)
+            block_table.cpu[:n, :width] = group_table
+            block_table.copy_to_device(n)
+        return total
 
     def _context(self, size: int, q: int) -> StepContext:
         """Metadata over the static buffers, with the Python values as upper bounds."""

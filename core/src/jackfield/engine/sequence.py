@@ -99,6 +99,10 @@ class Sequence:
         return self.token_ids[self.prompt_len :]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
     def reads_prefix_cache(self) -> bool:
         """Whether cached prefix blocks may stand in for computing the prompt: not for a request
         that needs every prompt row's output (pooling runs whole; prompt logprobs read each row)."""
