@@ -9,9 +9,9 @@ perf_counter around the engine's own methods:
   and the plan), or the CUDA-graph buffer fill (`DecodeGraphs._fill`);
 - plan: the attention backends' metadata builders (`StepContextBuilder.build`; a graph replay
   reuses the metadata built at capture);
-- forward: the model's layers (eager), or the graph replay's launch (on CUDA the GPU runs on);
-- sample: logits, sampling and the token read-back (the rest of `ModelRunner.step`; on CUDA it
-  includes waiting for the GPU);
+- forward: the model's layers (eager), or the graph replay and, on CUDA, the wait for it (the
+  probe synchronizes after the replay, so the other phases are host work only);
+- sample: logits, sampling and the token read-back (the rest of `ModelRunner.step`);
 - update: the engine's bookkeeping after the step (`Engine.step` less the rest).
 
 Without CUDA graphs (the CPU) it also times the graph fill a CUDA step does, over the same
@@ -146,6 +146,14 @@ def probe(family: str, batch: int, args: argparse.Namespace) -> dict[str, float]
     graphs = runner.graphs
     if graphs is not None:
         clock.wrap(graphs, "_fill", "graph_fill")
+        replay = graphs.run
+
+        def replay_and_wait(*args: object, **kwargs: object) -> torch.Tensor:
+            hidden = replay(*args, **kwargs)
+            torch.cuda.synchronize()
+            return hidden
+
+        graphs.run = replay_and_wait  # type: ignore[method-assign]
         clock.wrap(graphs, "run", "graph_run")
         shadow = None
     else:  # the graph fill a CUDA step would do, on static host buffers over the same chunks
