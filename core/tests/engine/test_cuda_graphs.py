@@ -48,9 +48,9 @@ def test_only_steps_of_sampling_decodes_are_replayed(v3_dir) -> None:
 
     llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.max_num_seqs": 4})
     runner = llm.engine.runner
-    graphs = DecodeGraphs(llm.engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, 1,
-                          runner.kv.num_blocks, llm.config.engine.block_size, llm.engine.max_model_len, 4,
-                          llm.engine.device)
+    graphs = DecodeGraphs(llm.engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          runner.block_tables, runner.kv.num_blocks, llm.config.engine.block_size,
+                          llm.engine.max_model_len, 4, llm.engine.device)
     params = SamplingParams(max_tokens=4)
     decoding = Sequence(0, 3, [5, 6, 7, 8], params, seed=0, num_computed=3)  # its 4th token is new
     prefilling = Sequence(1, 40, list(range(40)), params, seed=0, num_computed=9)
@@ -141,8 +141,9 @@ def test_graph_buffers_hold_each_kv_groups_slots_and_tables(tmp_path, rng_seed: 
         engine.step()
     chunks = engine.scheduler.schedule()
     assert len(chunks) == 3 and all(c.num_tokens == 1 for c in chunks)
-    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, num_groups,
-                          runner.kv.num_blocks, runner.block_size, engine.max_model_len, 8, engine.device)
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          runner.block_tables, runner.kv.num_blocks, runner.block_size,
+                          engine.max_model_len, 8, engine.device)
     size = next(s for s in graphs.sizes if s >= len(chunks))
     assert size > len(chunks)  # a padded row too
     graphs._fill(chunks, size, 1)
@@ -155,7 +156,7 @@ def test_graph_buffers_hold_each_kv_groups_slots_and_tables(tmp_path, rng_seed: 
         assert (graphs.slot_mapping[group].gpu[n:size] == -1).all()
         for row, seq_len in enumerate(eager.seq_lens_cpu.tolist()):
             used = -(-seq_len // runner.block_size)
-            assert torch.equal(graphs.block_table[group][row, :used], eager.block_table[row, :used])
+            assert torch.equal(graphs.block_table[group].gpu[row, :used], eager.block_table[row, :used])
     assert len({tuple(md.slot_mapping.tolist()) for md in per_group}) > 1  # the groups' slots differ
 
 
@@ -175,15 +176,14 @@ def test_verify_buffers_pad_each_request_to_the_recorded_rows(tmp_path, rng_seed
               **{"speculative.method": "ngram", "speculative.num_speculative_tokens": k,
                  "speculative.prompt_lookup_min": 1, "speculative.prompt_lookup_max": 2})
     engine, runner = llm.engine, llm.engine.runner
-    num_groups = len(runner.groups.windows)
     g = torch.Generator().manual_seed(rng_seed)
     # a small alphabet: the last token recurs in the prompt, so n-gram lookup drafts
     prompts = [torch.randint(0, 6, (n,), generator=g).tolist() for n in (3, 9, 14)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engine.add_requests([(p, params) for p in prompts])
-    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, num_groups,
-                          runner.kv.num_blocks, runner.block_size, engine.max_model_len, 8, engine.device,
-                          query_lens=(1, 1 + k))
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          runner.block_tables, runner.kv.num_blocks, runner.block_size,
+                          engine.max_model_len, 8, engine.device, query_lens=(1, 1 + k))
     checked: list[int] = []
     eager_step = runner.step
 
@@ -265,7 +265,7 @@ def test_hybrid_decode_graphs_keep_every_tensor_their_forward_read(tmp_path, mon
     llm = LLM(str(tmp_path), device="cpu", backend="torch_ref", block_size=4, max_num_seqs=4)
     engine, runner = llm.engine, llm.engine.runner
     graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
-                          len(runner.groups.windows), runner.kv.num_blocks, runner.block_size,
+                          runner.block_tables, runner.kv.num_blocks, runner.block_size,
                           engine.max_model_len, 4, engine.device, recurrent=runner.recurrent)
     read: list[weakref.ref] = []  # type: ignore[type-arg]
     forward = engine.model.forward
@@ -317,9 +317,9 @@ def test_v32_decode_over_static_buffers_gives_the_eager_tokens(tmp_path, rng_see
     eager = LLM(str(tmp_path / "v32"), **settings).generate(prompts, params)
     llm = LLM(str(tmp_path / "v32"), **settings)
     engine, runner = llm.engine, llm.engine.runner
-    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts, 1,
-                          runner.kv.num_blocks, runner.block_size, engine.max_model_len, 4, engine.device,
-                          query_lens=(1, 1 + k), record=False)
+    graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          runner.block_tables, runner.kv.num_blocks, runner.block_size,
+                          engine.max_model_len, 4, engine.device, query_lens=(1, 1 + k), record=False)
     graphs.capture()
     replayed_rows: list[int] = []
     run = graphs.run

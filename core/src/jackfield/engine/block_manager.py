@@ -13,6 +13,9 @@ reuses them (least recently freed first). A prefix hit of k blocks counts only w
 holds what computing from token k * block_size on needs: full groups all k blocks, a window
 group the blocks of the last W - 1 tokens.
 
+The tables are also mirrored as rows of one host array (`BlockTableRows`, engine/block_table.py)
+that the model runner builds a step's inputs from; every change to a table goes through here.
+
 A hybrid model's recurrent layers keep a fixed-size state per request instead (the engine's
 slot pool, engine/recurrent_state.py): with `num_state_slots`, a request takes a slot when it is
 admitted and gives it back with its blocks (finished, aborted or preempted: a preempted request
@@ -26,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from jackfield.engine.block_table import BlockTableRows
 from jackfield.engine.sequence import Sequence
 
 NULL_BLOCK = 0  # reserved when some group has a window: the entry of a dropped block
@@ -56,11 +60,14 @@ class BlockManager:
     `drop_last_hit_block`: a model drafter's KV at a position depends on the token after it, which
     a block's hash does not cover; the last block of a hit is computed again instead (vLLM does
     the same for EAGLE), so the request's own next token is what the drafter's KV saw.
+
+    `table_rows`: the array the tables are mirrored in (the model runner's; None: one of its own).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
                  windows: Seq[int | None] = (None,), hash_seed: int = 0,
-                 drop_last_hit_block: bool = False, num_state_slots: int = 0) -> None:
+                 drop_last_hit_block: bool = False, num_state_slots: int = 0,
+                 table_rows: BlockTableRows | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         if not windows or any(w is not None and w <= 0 for w in windows):
@@ -72,6 +79,7 @@ class BlockManager:
         self.hash_seed = hash_seed
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
+        self.window_groups = [group for group, w in enumerate(self.windows) if w is not None]
         self.has_null_block = any(w is not None for w in self.windows)
         if self.has_null_block and num_blocks < 2:
             raise ValueError("a sliding-window model needs at least 2 blocks (one is the null block)")
@@ -85,6 +93,10 @@ class BlockManager:
             raise ValueError("a recurrent state cannot be rebuilt from cached blocks: no prefix caching")
         self.uses_state_slots = num_state_slots > 0
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: 0 first
+        self.table_rows = table_rows if table_rows is not None else BlockTableRows(len(self.windows))
+        if self.table_rows.array.shape[0] != len(self.windows):
+            raise ValueError(f"table rows for {self.table_rows.array.shape[0]} KV cache groups, "
+                             f"the model has {len(self.windows)}")
 
     @property
     def num_free(self) -> int:
@@ -161,6 +173,8 @@ class BlockManager:
                     del self.free[block_id]
                 block.ref_count += 1
         seq.block_tables = [list(table) for table in hits]
+        seq.table_row = self.table_rows.take_row()
+        self.table_rows.extend(seq.table_row, seq.block_tables)
         if self.uses_state_slots:
             seq.state_slot = self.free_state_slots.pop()
         seq.num_computed = len(hits[0]) * self.block_size
@@ -168,31 +182,43 @@ class BlockManager:
 
     def trim(self, seq: Sequence) -> None:
         """Hand back window-group blocks no query of `seq` from num_computed on can see."""
-        for group, table in enumerate(seq.block_tables):
+        if not seq.block_tables:
+            return
+        for group in self.window_groups:
+            table = seq.block_tables[group]
             end = min(self._first_needed(group, seq.num_computed), len(table))
-            start = end
+            if end == 0 or table[end - 1] == NULL_BLOCK:
+                continue  # nothing left the window since the last trim
+            start = end - 1
             while start > 0 and table[start - 1] != NULL_BLOCK:  # earlier ones were dropped before
                 start -= 1
             for i in range(start, end):
                 self._unref(table[i])
                 table[i] = NULL_BLOCK
+            self.table_rows.clear(seq.table_row, group, start, end)  # type: ignore[arg-type]
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        tables = seq.block_tables or [[] for _ in self.windows]
-        return sum(self.blocks_needed(num_tokens) - len(table) for table in tables) <= self.num_free
+        held = len(seq.block_tables[0]) if seq.block_tables else 0  # every table has one length
+        return (self.blocks_needed(num_tokens) - held) * len(self.windows) <= len(self.free)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Give `seq` blocks for its first `num_tokens` tokens in every group."""
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.windows]
+        if seq.table_row is None:
+            seq.table_row = self.table_rows.take_row()
+        needed = self.blocks_needed(num_tokens)
+        if len(seq.block_tables[0]) >= needed:  # every table has one length
+            return
         for table in seq.block_tables:
-            for _ in range(self.blocks_needed(num_tokens) - len(table)):
+            for _ in range(needed - len(table)):
                 block_id, _ = self.free.popitem(last=False)
                 block = self.blocks[block_id]
                 if block.key is not None and self.cached.get(block.key) == block_id:
                     del self.cached[block.key]
                 block.key, block.tokens, block.ref_count = None, [], 1
                 table.append(block_id)
+        self.table_rows.extend(seq.table_row, seq.block_tables)
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks whose KV is now computed so later requests can share them.
@@ -200,6 +226,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.hashes.setdefault(seq.request_id, [])
+        if seq.num_computed // self.block_size <= len(hashes):
+            return  # no block filled since the last commit (most decode steps)
         chain = self.block_hashes(seq, seq.num_computed // self.block_size)
         for index in range(len(hashes), len(chain)):
             tokens = seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
@@ -219,6 +247,9 @@ class BlockManager:
             for block_id in reversed(self._real(table)):
                 self._unref(block_id)
         seq.block_tables = []
+        if seq.table_row is not None:
+            self.table_rows.free_row(seq.table_row)
+            seq.table_row = None
         if seq.state_slot is not None:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = None

@@ -39,10 +39,11 @@ import torch
 
 from jackfield.contracts.attention import AttentionMetadata, StepContext
 from jackfield.contracts.model import LayerTaps, ModelFamily
+from jackfield.engine.block_table import BlockTableRows
 from jackfield.engine.recurrent_state import RecurrentStates
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import StepContextBuilder
-from jackfield.ops.staging import CpuGpuBuffer, async_tensor_h2d
+from jackfield.ops.staging import CpuGpuBuffer
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -57,14 +58,16 @@ class DecodeGraphs:
     decode steps; 1 + k for verify steps when a drafter proposes k)."""
 
     def __init__(self, model: ModelFamily, kv_caches: list[torch.Tensor],
-                 kv_scales: list[torch.Tensor | None], contexts: StepContextBuilder, num_groups: int,
-                 num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                 kv_scales: list[torch.Tensor | None], contexts: StepContextBuilder,
+                 block_tables: BlockTableRows, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int,
                  device: torch.device, query_lens: tuple[int, ...] = (1,),
                  recurrent: RecurrentStates | None = None, tap_layers: tuple[int, ...] = (),
                  record: bool = True) -> None:
         """`contexts`: the runner's, so a replay's attention metadata is built as an eager step's;
         `kv_scales`: the fp8 caches' scales (read by address: later values reach every replay);
-        `num_groups`: the model's KV cache groups; `query_lens`: the rows a request to record;
+        `block_tables`: every request's tables, one per KV cache group (the block manager's
+        rows); `query_lens`: the rows a request to record;
         `recurrent`: a hybrid model's state pool (then q = 1 only); `tap_layers`: layers whose
         inputs each replay also gives (a drafter's taps). record=False runs the forward over the
         same static buffers and capture-time metadata without graphs (on any device): the data
@@ -74,8 +77,9 @@ class DecodeGraphs:
                              f"not {query_lens}")
         self.model, self.kv_caches, self.kv_scales, self.contexts = model, kv_caches, kv_scales, contexts
         self.tap_layers, self.record = tap_layers, record
+        self.block_tables = block_tables
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.capacity = num_blocks * block_size  # slots of every cache (one block pool)
+        self.num_blocks = num_blocks  # of every cache (one block pool)
         self.sizes = capture_sizes(max_num_seqs)
         self.query_lens = tuple(sorted(query_lens))
         largest, width = self.sizes[-1], -(-max_model_len // block_size)
@@ -84,9 +88,9 @@ class DecodeGraphs:
         self.positions = CpuGpuBuffer(rows, dtype=torch.int64, device=device)
         self.real_rows = CpuGpuBuffer(rows, dtype=torch.int64, device=device)
         self.seq_lens = CpuGpuBuffer(largest, dtype=torch.int32, device=device)
-        groups = range(num_groups)
+        groups = range(block_tables.array.shape[0])
         self.slot_mapping = [CpuGpuBuffer(rows, dtype=torch.int64, device=device) for _ in groups]
-        self.block_table = [torch.zeros(largest, width, dtype=torch.int32, device=device) for _ in groups]
+        self.block_table = [CpuGpuBuffer(largest, width, dtype=torch.int32, device=device) for _ in groups]
         self.query_start_loc = {q: torch.arange(largest + 1, dtype=torch.int32, device=device) * q
                                 for q in self.query_lens}
         self.recurrent = recurrent
@@ -174,51 +178,56 @@ class DecodeGraphs:
         """Write the step's rows into the static buffers (q rows a request); rows past the batch
         see no KV and write none; returns the real rows. The pinned host buffers are rewritten
         safely: the previous step's copies finished at its token read-back (the one sync a step)."""
-        n, bs, pad = len(chunks), self.block_size, size - len(chunks)
-        starts = [c.seq.num_computed for c in chunks]
+        n, bs, rows, pad = len(chunks), self.block_size, size * q, size - len(chunks)
         ids: list[int] = []
-        for c, start in zip(chunks, starts, strict=True):
-            known = c.seq.token_ids[start : start + c.num_tokens - c.num_drafts]
-            real = known + c.seq.draft_ids[: c.num_drafts]
+        for c in chunks:
+            seq, start = c.seq, c.seq.num_computed
+            real = seq.token_ids[start : start + c.num_tokens - c.num_drafts] + seq.draft_ids[: c.num_drafts]
             ids += real + real[-1:] * (q - len(real))  # padding rows repeat the last token
-        positions = [start + j for start in starts for j in range(q)]
-        self.input_ids.cpu[: size * q] = torch.tensor(ids + [0] * (pad * q))
-        self.positions.cpu[: size * q] = torch.tensor(positions + [0] * (pad * q))
-        seq_lens = [start + q for start in starts] + [0] * pad
-        self.seq_lens.cpu[:size] = torch.tensor(seq_lens, dtype=torch.int32)
-        for buffer, rows in ((self.input_ids, size * q), (self.positions, size * q), (self.seq_lens, size)):
-            buffer.copy_to_device(rows)
-        real_rows = [i * q + j for i, c in enumerate(chunks) for j in range(c.num_tokens)]
+        starts = [c.seq.num_computed for c in chunks]
+        offsets = torch.arange(q)
+        positions = torch.tensor(starts + [0] * pad)[:, None] + offsets  # [size, q]
+        is_real = offsets < torch.tensor([c.num_tokens for c in chunks])[:, None]  # [n, q]
+        self.input_ids.cpu[:rows] = torch.tensor(ids + [0] * (pad * q))
+        self.positions.cpu[:rows] = positions.flatten()
+        self.seq_lens.cpu[:size] = torch.tensor([start + q for start in starts] + [0] * pad)
+        for buffer, count in ((self.input_ids, rows), (self.positions, rows), (self.seq_lens, size)):
+            buffer.copy_to_device(count)
+        total = sum(c.num_tokens for c in chunks)
         if q > 1:
-            self.real_rows.cpu[: len(real_rows)] = torch.tensor(real_rows)
-            self.real_rows.copy_to_device(len(real_rows))
+            self.real_rows.cpu[:total] = is_real.flatten().nonzero().squeeze(1)
+            self.real_rows.copy_to_device(total)
         if self.recurrent is not None:  # q = 1 (the constructor checked it)
-            slots = [c.seq.state_slot for c in chunks]
-            if None in slots:
+            state_slots = [c.seq.state_slot for c in chunks]
+            if None in state_slots:
                 raise RuntimeError("a decode of a hybrid model without a recurrent state slot")
-            self.state_slots.cpu[:size] = torch.tensor(slots + [self.recurrent.padding_slot] * pad)
+            self.state_slots.cpu[:size] = torch.tensor(state_slots + [self.recurrent.padding_slot] * pad)
             # a one-token prompt decodes from a zero state too
-            self.has_state.cpu[:size] = torch.tensor([c.seq.num_computed > 0 for c in chunks] + [False] * pad)
+            self.has_state.cpu[:size] = torch.tensor([start > 0 for start in starts] + [False] * pad)
             self.state_slots.copy_to_device(size)
             self.has_state.copy_to_device(size)
-        for group, slot_mapping in enumerate(self.slot_mapping):
-            block_table = self.block_table[group]
-            tables = [c.seq.block_tables[group] for c in chunks]
-            slots = [-1] * (n * q)  # padding rows write nothing
-            for i, (chunk, table, start) in enumerate(zip(chunks, tables, starts, strict=True)):
-                for p in range(start, start + chunk.num_tokens):
-                    slots[i * q + p - start] = table[p // bs] * bs + p % bs
-            live = [slot for slot in slots if slot >= 0]
-            if live and not 0 <= min(live) <= max(live) < self.capacity:
-                raise ValueError(f"decode slots {min(live)}..{max(live)} outside the cache's "
-                                 f"{self.capacity} slots")
-            slot_mapping.cpu[: size * q] = torch.tensor(slots + [-1] * (pad * q))
-            slot_mapping.copy_to_device(size * q)
-            if n:  # entries past a request's blocks are read only by padding rows (output dropped)
-                width = max(len(table) for table in tables)
-                padded = [table + [0] * (width - len(table)) for table in tables]
-                block_table[:n, :width].copy_(async_tensor_h2d(padded, torch.int32, block_table.device, True))
-        return len(real_rows)
+        # Capture fills no rows: every slot -1, so the warm-up and recorded forwards write no KV.
+        tables = self.block_tables.gather([c.seq.table_row for c in chunks])  # type: ignore[misc]
+        groups, width = tables.shape[0], tables.shape[2]
+        if n:
+            low, high = (int(v) for v in torch.aminmax(tables))
+            if not 0 <= low <= high < self.num_blocks:
+                raise ValueError(f"decode block ids {low}..{high} outside the cache's {self.num_blocks} "
+                                 "blocks")
+        # a padding row may sit past its request's blocks: its slot is -1 anyway
+        index = (positions[:n] // bs).clamp(max=max(width - 1, 0)).expand(groups, n, q)
+        slots = tables.long().gather(2, index) * bs + positions[:n] % bs
+        slots = torch.where(is_real, slots, -1).flatten(1)  # [groups, n * q]
+        for group_slots, group_table, slot_mapping, block_table in zip(
+                slots, tables, self.slot_mapping, self.block_table, strict=True):
+            slot_mapping.cpu[: n * q] = group_slots
+            if pad:
+                slot_mapping.cpu[n * q : rows] = -1
+            slot_mapping.copy_to_device(rows)
+            # entries past a request's blocks are read only by padding rows (output dropped)
+            block_table.cpu[:n, :width] = group_table
+            block_table.copy_to_device(n)
+        return total
 
     def _context(self, size: int, q: int) -> StepContext:
         """Metadata over the static buffers, with the Python values as upper bounds."""
@@ -226,7 +235,7 @@ class DecodeGraphs:
             AttentionMetadata(
                 query_start_loc=self.query_start_loc[q][: size + 1],
                 seq_lens=self.seq_lens.gpu[:size],
-                block_table=block_table[:size],
+                block_table=block_table.gpu[:size],
                 slot_mapping=slot_mapping.gpu[: size * q],
                 query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * q,
                 seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),

@@ -58,7 +58,7 @@ class DraftLimits:
         drafts + 1 tokens, and the row of draft j >= 1 writes KV at position N + j - 2 (a
         block of d + e rows writes up to N - 2 + d + e)."""
         num_tokens = seq.num_tokens + new_tokens
-        left = seq.params.max_tokens - len(seq.output_ids) - new_tokens
+        left = seq.params.max_tokens - seq.num_output_tokens - new_tokens
         room = min(left, self.max_model_len - num_tokens) - 1
         past = 2 if self.extra_block_rows is None else 1 - self.extra_block_rows
         slots = len(seq.block_tables[0]) * self.block_size - num_tokens + past

@@ -135,7 +135,8 @@ class Engine:
                                           kv.groups.windows,
                                           engine.prefix_hash_seed,
                                           drop_last_hit_block=model_drafter is not None,
-                                          num_state_slots=engine.max_num_seqs if recurrent else 0)
+                                          num_state_slots=engine.max_num_seqs if recurrent else 0,
+                                          table_rows=self.runner.block_tables)
         drafters = [self.drafter] if self.drafter else []
         connector = _kv_connector(config, self.runner, drafters)
         if connector is not None:
@@ -261,7 +262,6 @@ class Engine:
             self.runner.transfer(metadata)  # only loads in flight: they finish in a later step
             return []
         result = self.runner.step(chunks, metadata)
-        samples = [chunk.samples for chunk in chunks]  # they read num_computed: before any update
         # An in-step load's failure is known once its step ran: that request's output is dropped.
         dropped = (self.scheduler.update_from_connector(self.runner.connector_finished())
                    if self.scheduler.loaded_in_step else set())
@@ -273,16 +273,16 @@ class Engine:
         sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
         drafted = iter(result.drafts) if result.drafts is not None else None
         pooled = iter(result.embeddings)
-        for chunk, chunk_samples in zip(chunks, samples, strict=True):
+        for chunk in chunks:
             seq = chunk.seq
             seq.draft_ids, seq.draft_probs = [], None
             if seq.request_id in dropped:  # it read blocks whose load failed: it computes again
-                if chunk_samples:
+                if chunk.samples:
                     next(sampled)
                     if drafted is not None:
                         next(drafted)
                 continue
-            if not chunk_samples:
+            if not chunk.samples:
                 seq.num_computed += chunk.num_tokens
                 self.block_manager.commit(seq)
                 continue
@@ -326,7 +326,7 @@ class Engine:
             return
         proposal = self.drafter.propose([s.token_ids for s in decoding])
         for seq, drafts in zip(decoding, proposal.token_ids, strict=True):
-            room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
             seq.draft_ids = list(drafts[: max(room, 0)])
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -335,7 +335,7 @@ class Engine:
             return "stop"
         if p.stop and self._stop_string_end(seq) is not None:
             return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

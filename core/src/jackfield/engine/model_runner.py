@@ -36,6 +36,7 @@ from jackfield.contracts.recurrent import RecurrentStep
 from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingParams
 from jackfield.distributed.cp_common import parallel_state
 from jackfield.distributed.dcp import DCPLayout, dcp_metadata
+from jackfield.engine.block_table import BlockTableRows
 from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.drafting import DraftLimits, Span, draft_in_step
 from jackfield.engine.kv_cache import KVCache
@@ -131,6 +132,9 @@ class ModelRunner:
         self.kv = KVCache.allocate(self.kv_layers, engine, max_model_len, self.capabilities.dtype, device,
                                    groups.dcp_size)
         self.kv_caches, self.block_size, self.groups = self.kv.layer_caches, engine.block_size, self.kv.groups
+        # every request's block tables, as the block manager keeps them (the Engine hands it this)
+        self.block_tables = BlockTableRows(len(self.groups.windows), engine.max_num_seqs,
+                                           -(-max_model_len // engine.block_size))
         # Per KV cache: an fp8 cache's scales, static tensors written in place (CUDA graphs read
         # them by address); the Engine arms calibration once start-up's own steps are done.
         self.kv_scales = fp8_kv_scales(self.kv_layers, kv_scales, self.capabilities.num_layers, device)
@@ -205,7 +209,7 @@ class ModelRunner:
                         say: Callable[[str], None]) -> DecodeGraphs:
         # selection checked that the decode backend serves verify_rows rows a request
         graphs = DecodeGraphs(self.model, self.kv_caches, self.kv_scales, self.contexts,
-                              len(self.groups.windows), self.kv.num_blocks, self.block_size, max_model_len,
+                              self.block_tables, self.kv.num_blocks, self.block_size, max_model_len,
                               engine.max_num_seqs, self.device, query_lens=tuple(sorted({1, verify_rows})),
                               recurrent=self.recurrent, tap_layers=self.tap_layers)
         try:
@@ -272,19 +276,14 @@ class ModelRunner:
             causal=self.capabilities.causal and causal,
         )
         bs = self.block_size
-        per_group = []
-        for group in range(len(self.groups.windows)):
-            tables = [s.seq.block_tables[group] for s in spans]
-            width = max(len(table) for table in tables)
-            padded = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64)
-            if self.dcp is not None:  # decode rows over this rank's keys, prefills over the gathered context
-                per_group.append(dcp_metadata(self.dcp, bs, padded, row_req, positions, qsl_cpu, num_decodes,
-                                              self._h2d, self.dcp_prefill_metadata.build))
-                continue
-            slots = padded[row_req, positions // bs] * bs + positions % bs
-            per_group.append(AttentionMetadata(block_table=self._h2d(padded, torch.int32),
-                                               slot_mapping=self._h2d(slots, torch.int64), **shared))  # type: ignore[arg-type]
-        return per_group, positions
+        tables = self.block_tables.gather([s.seq.table_row for s in spans])  # type: ignore[misc]
+        if self.dcp is not None:  # decode rows over this rank's keys, prefills over the gathered context
+            return [dcp_metadata(self.dcp, bs, table.long(), row_req, positions, qsl_cpu, num_decodes,
+                                 self._h2d, self.dcp_prefill_metadata.build) for table in tables], positions
+        slots = tables[:, row_req, positions // bs].long() * bs + positions % bs  # [groups, rows]
+        return [AttentionMetadata(block_table=self._h2d(table, torch.int32),  # type: ignore[arg-type]
+                                  slot_mapping=self._h2d(group_slots, torch.int64), **shared)
+                for table, group_slots in zip(tables, slots, strict=True)], positions
 
     def _draft_attention(self, spans: list[Span], num_decodes: int,
                          causal: bool = True) -> tuple[StepContext, torch.Tensor]:

@@ -25,7 +25,7 @@ prompt's blocks only); the drafter drafts no further than its blocks reach.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jackfield.contracts.drafter import exportable_tokens
 from jackfield.contracts.kv_connector import (
@@ -43,11 +43,13 @@ class ScheduledChunk:
     seq: Sequence
     num_tokens: int  # query rows this step, from seq.num_computed on (drafts included)
     num_drafts: int = 0  # the last rows are seq.draft_ids[:num_drafts], verified this step
+    # The chunk reaches the end of the known tokens, so the step samples the next one: set when
+    # the chunk is made (the step's update moves num_computed on; readers ask several times a step).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so the step samples the next one."""
-        return self.seq.num_computed + self.num_tokens - self.num_drafts == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        reaches = self.seq.num_computed + self.num_tokens - self.num_drafts == self.seq.num_tokens
+        object.__setattr__(self, "samples", reaches)  # frozen: set once, here
 
     @property
     def prompt_logprob_positions(self) -> range:

@@ -71,6 +71,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV cache group; [] when none held
+    table_row: int | None = None  # its row of the block manager's BlockTableRows, while it holds one
     state_slot: int | None = None  # a hybrid model's recurrent state slot, held with the blocks
     num_cached_prefix: int = 0  # tokens served by the prefix cache on the first admission
     num_loading: int = 0  # tokens past num_computed whose KV a connector is loading
@@ -96,6 +97,10 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def reads_prefix_cache(self) -> bool:
