@@ -60,7 +60,9 @@ def build(backend: str, directory: Path) -> PreTrainedModel:
         torch.manual_seed(0)
         model = model_cls(config).eval()
     model.to(torch.bfloat16).save_pretrained(str(directory))
-    return model.float()
+    # Loaded back rather than `model.float()`: the cast rounded the RoPE frequency buffers to
+    # bf16, which from_pretrained recomputes in float32 (the engine's frequencies).
+    return model_cls.from_pretrained(str(directory), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module", params=["cuda_mla", "cuda_attn"])
