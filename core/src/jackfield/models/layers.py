@@ -6,6 +6,9 @@ Parameters are created empty (the checkpoint loader writes every one of them and
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +21,24 @@ from jackfield.contracts.model import ModelFamily
 # 0.6-0.8x MKL's time at 4-64 rows (MKL's GEMM slows from 4 rows; SmolLM2's 49152 x 576 head 0.4x
 # at 8), the same at 512; below 4 rows MKL's product on the plain weight is the faster one.
 PACKED_MIN_ROWS = 4
+
+
+@functools.cache
+def fused_cuda_ops() -> ModuleType | None:
+    """ops/fused_triton (one kernel where PyTorch launches several) for CUDA tensors, or None
+    where Triton is missing (the PyTorch ops then serve, as on the CPU)."""
+    try:
+        from jackfield.ops import fused_triton
+    except ImportError:
+        return None
+    return fused_triton
+
+
+def _fused_for(x: torch.Tensor) -> ModuleType | None:
+    """The fused kernels for a 16-bit CUDA activation with contiguous rows, else None."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 2 and x.stride(-1) == 1:
+        return fused_cuda_ops()
+    return None
 
 
 def cpu_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -83,6 +104,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # nothing to round: one call scales too
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        fused = _fused_for(x) if x.dim() == 2 else None
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps)
         # The fused kernel normalizes a 16-bit input in float32 and rounds once, as the reference's
         # x.float() -> normalize -> .to(dtype) does; the weight then scales the rounded value.
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
@@ -97,7 +121,11 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = _fused_for(gate_up) if gate_up.dim() == 2 else None
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -124,6 +152,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, R], positions [T] -> rotated x (same dtype)."""
+        fused = None if self.interleaved or x.dim() != 3 else _fused_for(x)
+        if fused is not None:  # reads the tables at `positions` itself
+            return fused.rope(x, self.cos, self.sin, positions)
         x32 = x.float()
         if self.interleaved:  # pairs (x0, x1), (x2, x3), ... -> [x0, x2, ... ‖ x1, x3, ...]
             x32 = x32.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
