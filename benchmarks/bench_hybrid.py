@@ -17,12 +17,23 @@ float32, slots shuffled in a pool of 512.
   us": the public op, which takes it for longer steps: batched PyTorch within chunks and one
   Triton launch for the scan from chunk to chunk), the same bytes floor against the faster of
   the two, and fla's chunk_gated_delta_rule with its time ratio to the chunked form.
+Each row ends with its wall time ("wall s": Triton compiles and fla's first-call autotuning
+included) and prints our columns before fla runs, so a run stopped in fla's autotuning keeps them.
+
+Options pick the rows: --decode 1,16 (batches; "" for none), --prefill 1x512,4x2048 (batch x
+tokens per request; "" for none), --tables gdn,mamba, --no-fla (fla's columns left out). E.g.
+our kernels on every row, then fla's chunked prefill on two:
+
+  python benchmarks/bench_hybrid.py --no-fla
+  python benchmarks/bench_hybrid.py --tables gdn --decode "" --prefill 1x4096,4x2048
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import time
 
 import torch
 import triton
@@ -36,8 +47,8 @@ from jackfield.ops.recurrent_triton import gated_delta_rule_triton, mamba2_scan_
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3-Next-80B-A3B linear attention
 MH, MP, MG, MN = 128, 64, 1, 128  # Granite-4.0-H-Small Mamba2
 POOL = 512
-DECODE = (1, 16, 64, 256)
-PREFILL = [(1, 512), (1, 4096), (4, 2048), (8, 8192)]
+DECODE = "1,16,64,256"  # batches of one row a request
+PREFILL = "1x512,1x4096,4x2048,8x8192"  # batch x rows a request
 ACT = torch.bfloat16
 
 try:
@@ -89,13 +100,14 @@ def fla_call(q, k, v, gate, beta, initial, batch, rows, chunked):  # type: ignor
                       use_qk_l2norm_in_kernel=True)
 
 
-def gdn_table(copy: float) -> None:
+def gdn_table(copy: float, shapes: list[tuple[int, int]], fla: bool) -> None:
     print(f"\nGated delta rule (Qwen3-Next: Hk {HK}, Hv {HV}, Dk {DK}, Dv {DV}), copy {copy:.0f} GB/s")
     print(f"{'B':>4} {'T/req':>6} {'us':>9} {'chunked us':>10} {'MB':>8} {'GB/s':>7} {'of copy':>8} "
-          f"{'fla us':>9} {'fla/ours':>8}")
+          f"{'fla us':>9} {'fla/ours':>8} {'wall s':>7}")
     g = torch.Generator(device="cuda").manual_seed(0)
     states = torch.randn(POOL, HV, DK, DV, device="cuda", generator=g)
-    for batch, rows in [(b, 1) for b in DECODE] + PREFILL:
+    for batch, rows in shapes:
+        started = time.perf_counter()
         meta = metadata(batch, rows, has_state=rows == 1)
         q, k, v, gate, beta = gdn_inputs(batch * rows, g)
 
@@ -110,24 +122,27 @@ def gdn_table(copy: float) -> None:
         chunked_ms = timer(public) if rows > 1 else ms
         best = min(ms, chunked_ms)
         moved = gdn_bytes(batch * rows, batch)
-        fla = "no fla"
-        if fused_recurrent_gated_delta_rule is not None:
-            initial = states[meta.state_slots].clone() if rows == 1 else None
-            fla_ms = timer(fla_call(q, k, v, gate, beta, initial, batch, rows, chunked=rows > 1))
-            fla = f"{fla_ms * 1e3:>9.1f} {fla_ms / chunked_ms:>8.2f}"
         rate = moved / best / 1e6
         print(f"{batch:>4} {rows:>6} {ms * 1e3:>9.1f} {chunked_ms * 1e3:>10.1f} {moved / 1e6:>8.1f} "
-              f"{rate:>7.0f} {rate / copy:>7.0%} {fla:>18}", flush=True)  # fmt: skip
+              f"{rate:>7.0f} {rate / copy:>7.0%} ", end="", flush=True)  # fmt: skip
+        columns = "no fla" if fused_recurrent_gated_delta_rule is None else "fla off"
+        if fla and fused_recurrent_gated_delta_rule is not None:
+            initial = states[meta.state_slots].clone() if rows == 1 else None
+            fla_ms = timer(fla_call(q, k, v, gate, beta, initial, batch, rows, chunked=rows > 1))
+            columns = f"{fla_ms * 1e3:>9.1f} {fla_ms / chunked_ms:>8.2f}"
+        print(f"{columns:>18} {time.perf_counter() - started:>7.1f}", flush=True)
 
 
-def mamba_table(copy: float) -> None:
+def mamba_table(copy: float, shapes: list[tuple[int, int]]) -> None:
     print(f"\nMamba2 scan (Granite-4.0-H: H {MH}, P {MP}, G {MG}, N {MN}), copy {copy:.0f} GB/s")
-    print(f"{'B':>4} {'T/req':>6} {'us':>9} {'chunked us':>10} {'MB':>8} {'GB/s':>7} {'of copy':>8}")
+    print(f"{'B':>4} {'T/req':>6} {'us':>9} {'chunked us':>10} {'MB':>8} {'GB/s':>7} {'of copy':>8} "
+          f"{'wall s':>7}")
     g = torch.Generator(device="cuda").manual_seed(1)
     states = torch.randn(POOL, MH, MP, MN, device="cuda", generator=g)
     a = -torch.rand(MH, device="cuda", generator=g) * 4
     d, bias = torch.randn(MH, device="cuda", generator=g), torch.randn(MH, device="cuda", generator=g)
-    for batch, rows in [(b, 1) for b in DECODE] + PREFILL:
+    for batch, rows in shapes:
+        started = time.perf_counter()
         tokens = batch * rows
         meta = metadata(batch, rows, has_state=rows == 1)
         x = torch.randn(tokens, MH, MP, device="cuda", generator=g).to(ACT)
@@ -147,17 +162,37 @@ def mamba_table(copy: float) -> None:
         best = min(ms, chunked_ms)
         moved = batch * MH * MP * MN * 4 * 2 + tokens * (MH * MP * 2 + MH * 2 + 2 * MG * MN * 2 + MH * MP * 4)
         print(f"{batch:>4} {rows:>6} {ms * 1e3:>9.1f} {chunked_ms * 1e3:>10.1f} {moved / 1e6:>8.1f} "
-              f"{moved / best / 1e6:>7.0f} {moved / best / 1e6 / copy:>7.0%}", flush=True)  # fmt: skip
+              f"{moved / best / 1e6:>7.0f} {moved / best / 1e6 / copy:>7.0%} "
+              f"{time.perf_counter() - started:>7.1f}", flush=True)  # fmt: skip
+
+
+def shapes(decode: str, prefill: str) -> list[tuple[int, int]]:
+    """(batch, rows a request) of the table rows: --decode "1,16" and --prefill "1x512,4x2048"."""
+    rows = [(int(b), 1) for b in decode.split(",") if b]
+    for item in filter(None, prefill.split(",")):
+        batch, tokens = item.split("x")
+        rows.append((int(batch), int(tokens)))
+    return rows
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode", default=DECODE, help="decode batches, comma-separated")
+    parser.add_argument("--prefill", default=PREFILL, help="prefill rows: BATCHxTOKENS, comma-separated")
+    parser.add_argument("--tables", default="gdn,mamba", help="gdn, mamba or both")
+    parser.add_argument("--no-fla", action="store_true", help="leave fla's columns out")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_hybrid needs a CUDA GPU")
     fla = "fla importable" if chunk_gated_delta_rule is not None else "fla not importable: its columns say so"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; {fla}")
+    rows, tables = shapes(args.decode, args.prefill), args.tables.split(",")
     copy = copy_gbs()
-    gdn_table(copy)
-    mamba_table(copy)
+    if "gdn" in tables:
+        gdn_table(copy, rows, fla=not args.no_fla)
+    if "mamba" in tables:
+        mamba_table(copy, rows)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,15 @@ random values too, so that a model ignoring them fails a comparison, saves it, a
 
 from __future__ import annotations
 
+import inspect
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (
@@ -213,13 +218,64 @@ def write_hybrid(name: str, directory: Path, seed: int = 0, **config: object) ->
     return write_model(model_cls, config_cls(**{**base, **config}), directory, HYBRID_CONSTANTS, seed)
 
 
+def granite_hybrid_reference_problem(model: PreTrainedModel) -> str | None:
+    """Why transformers' GraniteMoeHybrid `model` computes another Mamba2 than Granite 4.0's, or None.
+
+    Mamba2 normalizes its gated output per group of B and C (mamba_ssm's RMSNormGated with
+    group_size = inner / n_groups; Jackfield does the same); transformers before 5.23 normalizes
+    the whole inner size at once: the same for one group (the published checkpoints), not for
+    more. Told by behaviour: normalized per group, scaling the last group leaves the first
+    group's output as it was."""
+    groups = getattr(model.config, "mamba_n_groups", 1)
+    mixers = [layer.mamba for layer in model.model.layers if getattr(layer, "mamba", None) is not None]
+    if groups == 1 or not mixers:
+        return None
+    norm = mixers[0].norm
+    width = norm.weight.shape[0] // groups
+    gen = torch.Generator().manual_seed(0)
+    x, gate = torch.randn(2, 1, groups * width, generator=gen)
+    scaled = x.clone()
+    scaled[:, -width:] *= 10.0
+    with torch.no_grad():
+        first, first_scaled = norm(x, gate)[:, :width], norm(scaled, gate)[:, :width]
+    if torch.allclose(first, first_scaled, rtol=1e-5, atol=1e-6):
+        return None
+    return (f"transformers {transformers.__version__} normalizes Mamba2's gated output over all "
+            f"{groups} groups at once, not per group (fixed in transformers 5.23)")
+
+
+@contextmanager
+def torch_paths(model: PreTrainedModel) -> Iterator[None]:
+    """transformers' own PyTorch functions in `model`'s modeling module while the block runs.
+
+    Where flash-linear-attention, mamba_ssm or causal_conv1d import, transformers binds their
+    kernels in place of its PyTorch functions (the gated delta rule, Mamba2's scan, the causal
+    conv1d) when the modeling module is imported: Triton kernels for CUDA tensors only, while
+    these references run on the CPU. Each such binding is a wrapper from transformers'
+    hub_kernels module that keeps the PyTorch function as `__wrapped__`."""
+    module = sys.modules[type(model).__module__]
+    hub_kernels = sys.modules.get("transformers.integrations.hub_kernels")
+    swapped = {
+        name: value for name, value in vars(module).items()
+        if hub_kernels is not None and inspect.isfunction(value) and hasattr(value, "__wrapped__")
+        and value.__code__.co_filename == hub_kernels.__file__
+    }  # fmt: skip
+    try:
+        for name, value in swapped.items():
+            setattr(module, name, inspect.unwrap(value))
+        yield
+    finally:
+        for name, value in swapped.items():
+            setattr(module, name, value)
+
+
 def greedy_reference(
     model: PreTrainedModel, prompt: list[int], max_new: int
 ) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens (a full forward per token, no cache, no generation-config logit
-    processors) and its logits over prompt + generated[:-1]."""
+    processors, its PyTorch paths) and its logits over prompt + generated[:-1]."""
     tokens: list[int] = []
-    with torch.no_grad():
+    with torch.no_grad(), torch_paths(model):
         for _ in range(max_new):
             ids = torch.tensor([prompt + tokens])
             logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
@@ -230,7 +286,7 @@ def greedy_reference(
 def pooled_reference(model: PreTrainedModel, pooling: str, prompts: list[list[int]]) -> torch.Tensor:
     """[len(prompts), hidden] pooled final hidden states, every key visible (a full 4D mask)."""
     rows = []
-    with torch.no_grad():
+    with torch.no_grad(), torch_paths(model):
         for prompt in prompts:
             ids = torch.tensor([prompt])
             full = torch.zeros(1, 1, len(prompt), len(prompt))  # additive mask: nothing masked
