@@ -38,9 +38,8 @@ import torch
 import torch.nn.functional as F
 from bench_spec import timed_steps
 from jackfield import LLM, SamplingParams
-from safetensors.torch import save_file
+from jackfield_spec_decode.eagle3_training import Eagle3TrainingHead, save_head
 from smollm2 import gguf_path
-from torch import nn
 
 SUBJECTS = (
     "volcanoes", "the French Revolution", "black holes", "photosynthesis", "the stock market", "honey bees",
@@ -110,92 +109,6 @@ def training_questions(count: int) -> list[str]:
     return questions[:count]
 
 
-class Head(nn.Module):
-    """The head being trained (float32 master weights), named as the published checkpoints."""
-
-    def __init__(self, cfg: dict, draft_vocab: int) -> None:
-        super().__init__()
-        h, i = cfg["hidden_size"], cfg["intermediate_size"]
-        heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        eps = cfg["rms_norm_eps"]
-        self.heads, self.kv_heads, self.head_dim = heads, kv, hd
-        self.fc = nn.Linear(3 * h, h, bias=False)
-        self.input_layernorm, self.hidden_norm = nn.RMSNorm(h, eps), nn.RMSNorm(h, eps)
-        self.q_proj = nn.Linear(2 * h, heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * h, kv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * h, kv * hd, bias=False)
-        self.o_proj = nn.Linear(heads * hd, h, bias=False)
-        self.post_attention_layernorm = nn.RMSNorm(h, eps)
-        self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-        self.norm = nn.RMSNorm(h, eps)
-        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
-        theta = cfg.get("rope_parameters", {}).get("rope_theta") or cfg.get("rope_theta", 10000.0)
-        inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, heads, T, d] at positions [T] (Llama's half-split rotation)."""
-        angles = positions.float()[:, None] * self.inv_freq[None]
-        cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-
-    def step(self, embedded: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             chain: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One unrolled step over every anchor [B, T]: `chain` holds the keys and values of the
-        steps before (step 0's first), and gets this step's."""
-        b, t, _ = hidden.shape
-        z = torch.cat((self.input_layernorm(embedded), self.hidden_norm(hidden)), -1)
-        q = self.rope(self.q_proj(z).view(b, t, self.heads, self.head_dim).transpose(1, 2), positions)
-        k = self.rope(self.k_proj(z).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), positions)
-        v = self.v_proj(z).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        repeat = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
-        chain.append((k, v))
-        scale = self.head_dim**-0.5
-        k0, v0 = chain[0]
-        scores0 = (q @ k0.transpose(-1, -2)) * scale  # anchor p sees step 0's positions <= p
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        scores0 = scores0.masked_fill(~causal, -torch.inf)
-        own = torch.stack([(q * ks).sum(-1) * scale for ks, _ in chain[1:]], -1) if len(chain) > 1 else None
-        scores = scores0 if own is None else torch.cat((scores0, own), -1)
-        probs = scores.float().softmax(-1).to(q.dtype)
-        out = probs[..., :t] @ v0
-        if own is not None:
-            out = out + (probs[..., t:, None] * torch.stack([vs for _, vs in chain[1:]], -2)).sum(-2)
-        r = self.o_proj(out.transpose(1, 2).reshape(b, t, -1)) + hidden
-        x = self.post_attention_layernorm(r)
-        return r + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def save_head(head: Head, cfg: dict, draft_ids: torch.Tensor, vocab: int, taps: tuple[int, ...],
-              directory: Path) -> None:
-    """The published layout: fc, midlayer.*, norm, lm_head, d2t (target = i + d2t[i]), t2d."""
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {name: p.detach().to(torch.bfloat16).cpu().contiguous() for name, p in head.named_parameters()}
-    top = ("fc.weight", "norm.weight", "lm_head.weight")
-    tensors = {(name if name in top else "midlayer." + {
-        "q_proj.weight": "self_attn.q_proj.weight", "k_proj.weight": "self_attn.k_proj.weight",
-        "v_proj.weight": "self_attn.v_proj.weight", "o_proj.weight": "self_attn.o_proj.weight",
-        "gate_proj.weight": "mlp.gate_proj.weight", "up_proj.weight": "mlp.up_proj.weight",
-        "down_proj.weight": "mlp.down_proj.weight"}.get(name, name)): t for name, t in state.items()}
-    ids = draft_ids.cpu()
-    tensors["d2t"] = ids - torch.arange(len(ids))
-    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)
-    save_file(tensors, str(directory / "model.safetensors"))
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-        **{key: cfg[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                     "num_key_value_heads", "head_dim", "rms_norm_eps",
-                                     "max_position_embeddings", "vocab_size") if key in cfg},
-        "rope_parameters": cfg.get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
-        "draft_vocab_size": len(ids), "target_hidden_size": cfg["hidden_size"], "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(taps)},
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-
-
 def train(model_dir: str, sequences: list[list[int]], args: argparse.Namespace, settings: Settings,
           out_dir: Path) -> dict[str, float]:
     from jackfield.contracts.model import eagle3_tap_layers
@@ -214,7 +127,7 @@ def train(model_dir: str, sequences: list[list[int]], args: argparse.Namespace, 
         draft_ids = torch.cat((draft_ids, extra)).sort().values
     target_to_draft = torch.full((vocab,), -1, dtype=torch.int64, device=device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=device)
-    head = Head(cfg, len(draft_ids)).to(device)
+    head = Eagle3TrainingHead(cfg, len(draft_ids)).to(device)
     embedding = target.get_input_embeddings().weight
     output = target.get_output_embeddings().weight
     with torch.no_grad():  # a head that starts from the target's own output layer
