@@ -10,8 +10,8 @@ against the same engine without drafts, in one run (issue 18).
    reads fc(taps) at every position p with the token at p + 1; step s reads its own previous
    output with the token at p + 1 + s at position p + s, attending the step-0 keys of positions
    <= p and its own chain's keys of steps 1..s, as drafting does. Each step's loss is the
-   cross-entropy against the target's distribution of the token it drafts, over the draft
-   vocabulary (the --draft-vocab most frequent answer ids; the target's distribution
+   cross-entropy (weighted 0.8 ** s) against the target's distribution of the token it drafts,
+   over the draft vocabulary (the --draft-vocab most frequent answer ids; the target's distribution
    renormalized there; positions whose target argmax falls outside are left out), at the anchors
    the engine drafts from: the prompt's last position and the answer's (prompt tokens are
    context, never drafted). The learning rate follows a cosine to zero over the planned steps or
@@ -264,7 +264,8 @@ def train(model_dir: str, examples: list[Example], held_out: list[Example], args
                 mask = anchors & shifted(anchors, s, False) & (wanted >= 0)
                 p = want[..., draft_ids].softmax(-1)  # the target's distribution on the draft vocabulary
                 count = mask.sum().clamp(min=1)
-                loss = loss + (-(p * logits).sum(-1) * mask).sum() / count
+                # later steps weigh less (0.8 ** s, as SpecForge): a draft counts only after the ones before
+                loss = loss + 0.8**s * (-(p * logits).sum(-1) * mask).sum() / count
                 hits.append(((logits.argmax(-1) == wanted) & mask).sum() / count)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
