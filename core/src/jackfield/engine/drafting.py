@@ -28,6 +28,7 @@ from jackfield.contracts.model import ModelFamily
 from jackfield.contracts.sampler import Sampler, SamplingMetadata
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.engine.sequence import Sequence as Request
+from jackfield.ops.staging import async_tensor_h2d
 from jackfield.sampling.speculative import target_probabilities
 
 
@@ -125,11 +126,13 @@ class RunnerDraftContext(DraftContext):
         self.drafting, self.max_drafts = found.drafting, found.max_drafts
         device = hidden.device
         step, positions = attention(found.spans, found.num_decode_spans, True)
-        index = torch.tensor(found.rows, dtype=torch.int64, device=device)
-        self.verified = DraftRows(torch.tensor(found.input_ids, dtype=torch.int64, device=device), positions,
-                                  hidden[index], step)
+        def on_device(values: list[int]) -> torch.Tensor:  # pinned and asynchronous: no wait for the device
+            return async_tensor_h2d(values, torch.int64, device, pin_memory=True)
+
+        index = on_device(found.rows)
+        self.verified = DraftRows(on_device(found.input_ids), positions, hidden[index], step)
         self.taps = tuple(state[index] for state in taps)
-        self.last_rows = torch.tensor(found.last_rows, dtype=torch.int64, device=device)
+        self.last_rows = on_device(found.last_rows)
 
     def draft_rows(self, requests: Sequence[int], draft: int, input_ids: torch.Tensor,
                    hidden: torch.Tensor) -> DraftRows:
@@ -151,15 +154,16 @@ class RunnerDraftContext(DraftContext):
     def sample(self, logits: torch.Tensor, requests: Sequence[int], draft: int,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         seqs = [self.drafting[r][0] for r in requests]
-
-        def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=logits.device)
-
-        temperature = on_device([s.params.temperature for s in seqs], torch.float32)
         if all(s.params.temperature == 0 for s in seqs):  # argmax of the finite logits, no noise
-            finite = torch.nan_to_num(logits, nan=-torch.inf, posinf=-torch.inf)
+            # neginf too: nan_to_num's default turns -inf into the lowest finite float
+            finite = torch.nan_to_num(logits, nan=-torch.inf, posinf=-torch.inf, neginf=-torch.inf)
             best, tokens = finite.max(dim=1)
             return torch.where(best == -torch.inf, -1, tokens), None
+
+        def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:  # no wait for the device
+            return async_tensor_h2d(values, dtype, logits.device, pin_memory=True)
+
+        temperature = on_device([s.params.temperature for s in seqs], torch.float32)
         rows = len(seqs)
         metadata = SamplingMetadata(
             temperature=temperature,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from jackfield.attention.checks import check_slots_on_host
 from jackfield.attention.kv_cache import is_mla
 from jackfield.config import EngineConfig
 from jackfield.contracts.attention import (
@@ -281,9 +282,13 @@ class ModelRunner:
             return [dcp_metadata(self.dcp, bs, table.long(), row_req, positions, qsl_cpu, num_decodes,
                                  self._h2d, self.dcp_prefill_metadata.build) for table in tables], positions
         slots = tables[:, row_req, positions // bs].long() * bs + positions % bs  # [groups, rows]
-        return [AttentionMetadata(block_table=self._h2d(table, torch.int32),  # type: ignore[arg-type]
-                                  slot_mapping=self._h2d(group_slots, torch.int64), **shared)
-                for table, group_slots in zip(tables, slots, strict=True)], positions
+        per_group = []
+        for table, group_slots in zip(tables, slots, strict=True):
+            slot_mapping = self._h2d(group_slots, torch.int64)
+            check_slots_on_host(slot_mapping, group_slots, self.kv.num_blocks * bs)  # no device read
+            per_group.append(AttentionMetadata(block_table=self._h2d(table, torch.int32),  # type: ignore[arg-type]
+                                               slot_mapping=slot_mapping, **shared))
+        return per_group, positions
 
     def _draft_attention(self, spans: list[Span], num_decodes: int,
                          causal: bool = True) -> tuple[StepContext, torch.Tensor]:

@@ -1,6 +1,11 @@
 """The drafting loop model drafters share: draft 0 from the hidden states of the requests'
 newest verified rows, then each further draft from one row per request that feeds the previous
-draft's token and hidden state back through the drafter's layer, while requests may draft more."""
+draft's token and hidden state back through the drafter's layer, while requests may draft more.
+
+The tokens stay on the device until the chain ends and come back in one read: the host queues
+draft j + 1's kernels while the device still runs draft j's (a read per draft would wait for
+each). A request whose draft j has no finite logit (token -1) drafts no further: its later rows
+run on a stand-in token and are dropped at the read."""
 
 from __future__ import annotations
 
@@ -20,26 +25,33 @@ def draft_chain(context: DraftContext, num_speculative_tokens: int, hidden: torc
     if not requests:
         return DraftProposal([], [])
     tokens, probs = context.sample(logits(0, hidden), requests, 0)
-    drafts: list[list[int]] = [[] for _ in requests]
-    chosen: list[list[torch.Tensor]] = [[] for _ in requests]
-    for draft in range(num_speculative_tokens):
-        if draft:
-            hidden = forward(draft, context.draft_rows(requests, draft, tokens, hidden))
-            tokens, probs = context.sample(logits(draft, hidden), requests, draft)
-        keep = []
-        for i, (r, token) in enumerate(zip(requests, tokens.tolist(), strict=True)):
-            if token < 0:  # no finite logit: this request drafts no further
-                continue
-            drafts[r].append(token)
-            if probs is not None:
-                chosen[r].append(probs[i])
-            if draft + 1 < context.max_drafts[r]:
-                keep.append(i)
+    steps = [(requests, tokens, probs)]  # per draft: its requests, tokens [R] and probabilities
+    for draft in range(1, num_speculative_tokens):
+        keep = [i for i, r in enumerate(requests) if draft < context.max_drafts[r]]
         if not keep:
             break
         if len(keep) < len(requests):
             index = torch.tensor(keep, device=hidden.device)
             requests, tokens, hidden = [requests[i] for i in keep], tokens[index], hidden[index]
+        rows = context.draft_rows(requests, draft, tokens.clamp(min=0), hidden)
+        hidden = forward(draft, rows)
+        tokens, probs = context.sample(logits(draft, hidden), requests, draft)
+        steps.append((requests, tokens, probs))
+    drawn = torch.cat([t for _, t, _ in steps]).tolist()  # the chain's one read-back
+    drafts: list[list[int]] = [[] for _ in range(context.num_drafting)]
+    chosen: list[list[torch.Tensor]] = [[] for _ in range(context.num_drafting)]
+    stopped: set[int] = set()
+    at = 0
+    for step_requests, _, step_probs in steps:
+        for i, r in enumerate(step_requests):
+            token = drawn[at + i]
+            if r in stopped or token < 0:  # no finite logit: this request drafts no further
+                stopped.add(r)
+                continue
+            drafts[r].append(token)
+            if step_probs is not None:
+                chosen[r].append(step_probs[i])
+        at += len(step_requests)
     # A greedy request's rows may lack probabilities (a step of greedy rows only has none): it needs none.
     probabilities = [torch.stack(rows) if rows and len(rows) == len(d) else None
                      for rows, d in zip(chosen, drafts, strict=True)]
