@@ -177,8 +177,10 @@ def test_verify_buffers_pad_each_request_to_the_recorded_rows(tmp_path, rng_seed
                  "speculative.prompt_lookup_min": 1, "speculative.prompt_lookup_max": 2})
     engine, runner = llm.engine, llm.engine.runner
     g = torch.Generator().manual_seed(rng_seed)
-    # a small alphabet: the last token recurs in the prompt, so n-gram lookup drafts
-    prompts = [torch.randint(0, 6, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    # A repeated motif drafts at once (its last token recurs); tokens that occur once each do
+    # not, until the model repeats one: the first decode steps mix draft counts whatever the seed.
+    motif = torch.randint(0, 6, (4,), generator=g).tolist()
+    prompts = [motif * 3, list(range(20, 29)), torch.randint(0, 6, (14,), generator=g).tolist()]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engine.add_requests([(p, params) for p in prompts])
     graphs = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
