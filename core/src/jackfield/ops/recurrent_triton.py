@@ -22,6 +22,7 @@ import triton.language as tl
 from jackfield.contracts.recurrent import RecurrentMetadata
 from jackfield.ops.launch import DirectLauncher
 
+SOLVE_BLOCK = 16  # rows of the diagonal blocks the chunked GDN inverts by substitution
 VALUE_BLOCK = 32  # value columns (GDN) / head dims (Mamba2) per program: the state slice in registers
 
 
@@ -239,3 +240,152 @@ def chunk_scan_triton(queries: torch.Tensor, attend: torch.Tensor, values: torch
                       inputs[3], inputs[4], out, state, chunks, K=k, V=v, C=rows, BK=block_k, BV=block_v,
                       HAS_CORRECTIONS=corrections is not None, **options)
     return out, state
+
+
+@triton.jit
+def _gdn_chunk_local_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, w_ptr, u_ptr, qs_ptr, cum_ptr,
+                            out_ptr, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                            DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                            SOLVE_BLOCK: tl.constexpr, SOLVE_FACTORS: tl.constexpr):
+    """Everything of one (request, chunk, value head) that does not need the state entering the
+    chunk (the WY/UT form; see the module docstring): with G the cumulative log decay within the
+    chunk and T = (I + A)^-1, A[i, j] = beta_i exp(G_i - G_j) k_i.k_j (j < i), it writes
+
+        W = T (beta exp(G) K),  U0 = T (beta V),  Q' = exp(G) Q - P W,  out = P U0
+
+    (P[i, j] = exp(G_i - G_j) q_i.k_j for j <= i) and G, so that from a state S the chunk's
+    corrections are U = U0 - W S, its outputs out + Q' S and the next state
+    exp(G_last) S + (exp(G_last - G) K)^T U (_gdn_chunk_state_kernel)."""
+    b, n, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(qsl_ptr + b) + n * C
+    end = tl.load(qsl_ptr + b + 1)
+    if start >= end:  # the grid covers the longest request's chunks
+        return
+    hk = h // (HV // HK)
+    i = tl.arange(0, C)
+    rows = start + i
+    live = rows < end  # a request's last chunk may be partial: zero rows past it change nothing
+    dk, dv = tl.arange(0, BK), tl.arange(0, BV)
+    at_k = (rows[:, None] * HK + hk) * DK + dk[None, :]
+    mask_k = live[:, None] & (dk < DK)[None, :]
+    k = tl.load(k_ptr + at_k, mask=mask_k, other=0.0).to(tl.float32)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    q = tl.load(q_ptr + at_k, mask=mask_k, other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
+    g = tl.load(g_ptr + rows * HV + h, mask=live, other=0.0)
+    beta = tl.load(beta_ptr + rows * HV + h, mask=live, other=0.0)
+    cum = tl.cumsum(g, axis=0)
+    causal = i[:, None] >= i[None, :]
+    pairwise = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    # T = (I + A)^-1, A strictly lower. First the inverses of A's diagonal blocks of 16 rows by
+    # forward substitution, the blocks side by side: row r of (I + D)^-1 - I is
+    # -D[r] - sum_{j < r} D[r, j] ((I + D)^-1 - I)[j], the rows above it already done (the
+    # matrix holds -D below them). Then with E = A - D (below the diagonal blocks),
+    # N = (I + D)^-1 E is nilpotent (N^(C / 16) = 0): T = (I + N)^-1 (I + D)^-1 and
+    # (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...
+    lower = tl.where(i[:, None] > i[None, :],
+                     tl.dot(k, tl.trans(k), input_precision="tf32x3") * pairwise * beta[:, None], 0.0)
+    same_block = (i[:, None] // SOLVE_BLOCK) == (i[None, :] // SOLVE_BLOCK)
+    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    inverse = -tl.where(same_block, lower, 0.0)
+    for r in range(1, SOLVE_BLOCK):
+        at_r = (i % SOLVE_BLOCK == r)[:, None]
+        rows_r = tl.where(at_r, inverse, 0.0)
+        inverse = tl.where(at_r, rows_r + tl.dot(rows_r, inverse, input_precision="tf32x3"), inverse)
+    inverse = inverse + eye
+    nilpotent = tl.dot(inverse, tl.where(same_block, 0.0, lower), input_precision="tf32x3")
+    series = eye - nilpotent
+    for _ in tl.static_range(1, SOLVE_FACTORS):
+        nilpotent = tl.dot(nilpotent, nilpotent, input_precision="tf32x3")
+        series = series + tl.dot(series, nilpotent, input_precision="tf32x3")
+    inverse = tl.dot(series, inverse, input_precision="tf32x3")
+    w = tl.dot(inverse, k * (beta * tl.exp(cum))[:, None], input_precision="tf32x3")
+    at_v = (rows[:, None] * HV + h) * DV + dv[None, :]
+    mask_v = live[:, None] & (dv < DV)[None, :]
+    v = tl.load(v_ptr + at_v, mask=mask_v, other=0.0).to(tl.float32)
+    u = tl.dot(inverse, v * beta[:, None], input_precision="tf32x3")
+    attend = tl.dot(q, tl.trans(k), input_precision="tf32x3") * pairwise
+    queries = q * tl.exp(cum)[:, None] - tl.dot(attend, w, input_precision="tf32x3")
+    at_w = (rows[:, None] * HV + h) * DK + dk[None, :]
+    tl.store(w_ptr + at_w, w, mask=mask_k)
+    tl.store(qs_ptr + at_w, queries, mask=mask_k)
+    tl.store(u_ptr + at_v, u, mask=mask_v)
+    tl.store(out_ptr + at_v, tl.dot(attend, u, input_precision="tf32x3"), mask=mask_v)
+    tl.store(cum_ptr + rows * HV + h, cum, mask=live)
+
+
+@triton.jit
+def _gdn_chunk_state_kernel(k_ptr, w_ptr, u_ptr, qs_ptr, cum_ptr, out_ptr, states_ptr, qsl_ptr, slots_ptr,
+                            has_state_ptr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                            DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+    """The sequential part for one (request, value head, block of BV value columns): the state
+    slice [DK, BV] stays in registers from chunk to chunk (U = U0 - W S; out += Q' S;
+    S = exp(G_last) S + (exp(G_last - G) K)^T U), read from the request's slot (or zero) and
+    written back after its last chunk."""
+    b, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hk = h // (HV // HK)
+    start, end = tl.load(qsl_ptr + b), tl.load(qsl_ptr + b + 1)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    dk = tl.arange(0, BK)
+    dv = block * BV + tl.arange(0, BV)
+    mk, mv = dk < DK, dv < DV
+    state_at = states_ptr + (slot * HV + h) * DK * DV + dk[:, None] * DV + dv[None, :]
+    state = tl.load(state_at, mask=mk[:, None] & mv[None, :], other=0.0)
+    state = tl.where(tl.load(has_state_ptr + b) != 0, state, 0.0)  # a garbage slot never leaks in
+    i = tl.arange(0, C)
+    for first in range(start, end, C):
+        rows = first + i
+        live = rows < end
+        mask_k, mask_v = live[:, None] & mk[None, :], live[:, None] & mv[None, :]
+        k = tl.load(k_ptr + (rows[:, None] * HK + hk) * DK + dk[None, :], mask=mask_k, other=0.0)
+        k = k.to(tl.float32)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        at_w = (rows[:, None] * HV + h) * DK + dk[None, :]
+        w = tl.load(w_ptr + at_w, mask=mask_k, other=0.0)
+        queries = tl.load(qs_ptr + at_w, mask=mask_k, other=0.0)
+        at_v = (rows[:, None] * HV + h) * DV + dv[None, :]
+        u = tl.load(u_ptr + at_v, mask=mask_v, other=0.0)
+        out = tl.load(out_ptr + at_v, mask=mask_v, other=0.0)
+        cum = tl.load(cum_ptr + rows * HV + h, mask=live, other=0.0)
+        last = tl.load(cum_ptr + (tl.minimum(first + C, end) - 1) * HV + h)
+        u = u - tl.dot(w, state, input_precision="tf32x3")
+        tl.store(out_ptr + at_v, out + tl.dot(queries, state, input_precision="tf32x3"), mask=mask_v)
+        to_end = tl.where(live, tl.exp(last - cum), 0.0)
+        state = tl.exp(last) * state + tl.dot(tl.trans(k * to_end[:, None]), u, input_precision="tf32x3")
+    tl.store(state_at, state, mask=mk[:, None] & mv[None, :])
+
+
+launch_gdn_chunk_local = DirectLauncher(_gdn_chunk_local_kernel)
+launch_gdn_chunk_state = DirectLauncher(_gdn_chunk_state_kernel)
+
+
+def gated_delta_rule_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                    beta: torch.Tensor, states: torch.Tensor, meta: RecurrentMetadata,
+                                    chunk: int) -> torch.Tensor:
+    """ops.recurrent.gated_delta_rule over chunks of `chunk` rows within each request of the flat
+    batch, in two launches (the chunk-local WY/UT pieces, then the scan from chunk to chunk);
+    no per-row states. Its checks ran in the caller."""
+    tokens, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    device = q.device
+    out = torch.empty(tokens, hv, dv, dtype=torch.float32, device=device)
+    w = torch.empty(tokens, hv, dk, dtype=torch.float32, device=device)
+    queries = torch.empty_like(w)
+    u = torch.empty_like(out)
+    cum = torch.empty(tokens, hv, dtype=torch.float32, device=device)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    block_k = max(16, triton.next_power_of_2(dk))  # tl.dot takes 16 or more
+    if chunk % SOLVE_BLOCK or chunk & (chunk - 1):
+        raise ValueError(f"chunked gated delta rule: chunk {chunk} is not a power of 2 >= {SOLVE_BLOCK}")
+    factors = max(1, (chunk // SOLVE_BLOCK).bit_length() - 1)  # of (I + N)^-1, N^(C / 16) = 0
+    sizes = dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=block_k, C=chunk)
+    gpu: dict[str, int] = {"num_warps": 8} if q.is_cuda else {}
+    launch_gdn_chunk_local((meta.num_reqs, triton.cdiv(meta.max_query_len, chunk), hv), q, k, v,
+                           g.float().contiguous(), beta.float().contiguous(), meta.query_start_loc, w, u,
+                           queries, cum, out, dk**-0.5, BV=max(16, triton.next_power_of_2(dv)),
+                           SOLVE_BLOCK=SOLVE_BLOCK, SOLVE_FACTORS=factors, **sizes, **gpu)
+    block_v = max(16, min(VALUE_BLOCK, triton.next_power_of_2(dv)))
+    gpu = {"num_warps": 4, "num_stages": 2} if q.is_cuda else {}
+    launch_gdn_chunk_state((meta.num_reqs, hv, triton.cdiv(dv, block_v)), k, w, u, queries, cum, out, states,
+                           meta.query_start_loc, meta.state_slots, meta.has_state, BV=block_v, **sizes, **gpu)
+    return out
