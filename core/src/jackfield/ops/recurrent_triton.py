@@ -270,8 +270,6 @@ def _gdn_chunk_local_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, w_ptr
     mask_k = live[:, None] & (dk < DK)[None, :]
     k = tl.load(k_ptr + at_k, mask=mask_k, other=0.0).to(tl.float32)
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    q = tl.load(q_ptr + at_k, mask=mask_k, other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
     g = tl.load(g_ptr + rows * HV + h, mask=live, other=0.0)
     beta = tl.load(beta_ptr + rows * HV + h, mask=live, other=0.0)
     cum = tl.cumsum(g, axis=0)
@@ -299,19 +297,22 @@ def _gdn_chunk_local_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, w_ptr
         nilpotent = tl.dot(nilpotent, nilpotent, input_precision="tf32x3")
         series = series + tl.dot(series, nilpotent, input_precision="tf32x3")
     inverse = tl.dot(series, inverse, input_precision="tf32x3")
+    tl.store(cum_ptr + rows * HV + h, cum, mask=live)
+    # each piece stored as soon as it is done: fewer [C, D] tiles live at once (register spills)
+    at_w = (rows[:, None] * HV + h) * DK + dk[None, :]
     w = tl.dot(inverse, k * (beta * tl.exp(cum))[:, None], input_precision="tf32x3")
+    tl.store(w_ptr + at_w, w, mask=mask_k)
+    q = tl.load(q_ptr + at_k, mask=mask_k, other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
+    attend = tl.dot(q, tl.trans(k), input_precision="tf32x3") * pairwise
+    queries = q * tl.exp(cum)[:, None] - tl.dot(attend, w, input_precision="tf32x3")
+    tl.store(qs_ptr + at_w, queries, mask=mask_k)
     at_v = (rows[:, None] * HV + h) * DV + dv[None, :]
     mask_v = live[:, None] & (dv < DV)[None, :]
     v = tl.load(v_ptr + at_v, mask=mask_v, other=0.0).to(tl.float32)
     u = tl.dot(inverse, v * beta[:, None], input_precision="tf32x3")
-    attend = tl.dot(q, tl.trans(k), input_precision="tf32x3") * pairwise
-    queries = q * tl.exp(cum)[:, None] - tl.dot(attend, w, input_precision="tf32x3")
-    at_w = (rows[:, None] * HV + h) * DK + dk[None, :]
-    tl.store(w_ptr + at_w, w, mask=mask_k)
-    tl.store(qs_ptr + at_w, queries, mask=mask_k)
     tl.store(u_ptr + at_v, u, mask=mask_v)
     tl.store(out_ptr + at_v, tl.dot(attend, u, input_precision="tf32x3"), mask=mask_v)
-    tl.store(cum_ptr + rows * HV + h, cum, mask=live)
 
 
 @triton.jit
@@ -321,38 +322,53 @@ def _gdn_chunk_state_kernel(k_ptr, w_ptr, u_ptr, qs_ptr, cum_ptr, out_ptr, state
     """The sequential part for one (request, value head, block of BV value columns): the state
     slice [DK, BV] stays in registers from chunk to chunk (U = U0 - W S; out += Q' S;
     S = exp(G_last) S + (exp(G_last - G) K)^T U), read from the request's slot (or zero) and
-    written back after its last chunk."""
+    written back after its last chunk. The state is held as two halves along DK, and each
+    [C, DK] operand loaded as two halves just before its dots: built for sm_90 at Dk = 128
+    (4 warps, 1 stage), 216 bytes of stack for spills instead of ~2 KiB (2 stages: ~1.2 KiB).
+    Short live ranges matter here: masks built once per chunk and kept cost ~400 more bytes."""
     b, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // (HV // HK)
     start, end = tl.load(qsl_ptr + b), tl.load(qsl_ptr + b + 1)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    dk = tl.arange(0, BK)
+    HALF: tl.constexpr = BK // 2
+    d0 = tl.arange(0, HALF)
+    d1 = HALF + d0
     dv = block * BV + tl.arange(0, BV)
-    mk, mv = dk < DK, dv < DV
-    state_at = states_ptr + (slot * HV + h) * DK * DV + dk[:, None] * DV + dv[None, :]
-    state = tl.load(state_at, mask=mk[:, None] & mv[None, :], other=0.0)
-    state = tl.where(tl.load(has_state_ptr + b) != 0, state, 0.0)  # a garbage slot never leaks in
+    m0, m1, mv = d0 < DK, d1 < DK, dv < DV
+    state_at = states_ptr + (slot * HV + h) * DK * DV + dv[None, :]
+    has_state = tl.load(has_state_ptr + b) != 0  # a garbage slot never leaks in
+    s0 = tl.load(state_at + d0[:, None] * DV, mask=m0[:, None] & mv[None, :], other=0.0)
+    s1 = tl.load(state_at + d1[:, None] * DV, mask=m1[:, None] & mv[None, :], other=0.0)
+    s0, s1 = tl.where(has_state, s0, 0.0), tl.where(has_state, s1, 0.0)
     i = tl.arange(0, C)
     for first in range(start, end, C):
         rows = first + i
         live = rows < end
-        mask_k, mask_v = live[:, None] & mk[None, :], live[:, None] & mv[None, :]
-        k = tl.load(k_ptr + (rows[:, None] * HK + hk) * DK + dk[None, :], mask=mask_k, other=0.0)
-        k = k.to(tl.float32)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-        at_w = (rows[:, None] * HV + h) * DK + dk[None, :]
-        w = tl.load(w_ptr + at_w, mask=mask_k, other=0.0)
-        queries = tl.load(qs_ptr + at_w, mask=mask_k, other=0.0)
+        at_w = (rows[:, None] * HV + h) * DK
         at_v = (rows[:, None] * HV + h) * DV + dv[None, :]
+        mask_v = live[:, None] & mv[None, :]
         u = tl.load(u_ptr + at_v, mask=mask_v, other=0.0)
+        w = tl.load(w_ptr + at_w + d0[None, :], mask=live[:, None] & m0[None, :], other=0.0)
+        u -= tl.dot(w, s0, input_precision="tf32x3")
+        w = tl.load(w_ptr + at_w + d1[None, :], mask=live[:, None] & m1[None, :], other=0.0)
+        u -= tl.dot(w, s1, input_precision="tf32x3")
         out = tl.load(out_ptr + at_v, mask=mask_v, other=0.0)
+        queries = tl.load(qs_ptr + at_w + d0[None, :], mask=live[:, None] & m0[None, :], other=0.0)
+        out += tl.dot(queries, s0, input_precision="tf32x3")
+        queries = tl.load(qs_ptr + at_w + d1[None, :], mask=live[:, None] & m1[None, :], other=0.0)
+        out += tl.dot(queries, s1, input_precision="tf32x3")
+        tl.store(out_ptr + at_v, out, mask=mask_v)
+        at_k = (rows[:, None] * HK + hk) * DK
+        k0 = tl.load(k_ptr + at_k + d0[None, :], mask=live[:, None] & m0[None, :], other=0.0).to(tl.float32)
+        k1 = tl.load(k_ptr + at_k + d1[None, :], mask=live[:, None] & m1[None, :], other=0.0).to(tl.float32)
+        norm = tl.rsqrt(tl.sum(k0 * k0, axis=1) + tl.sum(k1 * k1, axis=1) + 1e-6)
         cum = tl.load(cum_ptr + rows * HV + h, mask=live, other=0.0)
         last = tl.load(cum_ptr + (tl.minimum(first + C, end) - 1) * HV + h)
-        u = u - tl.dot(w, state, input_precision="tf32x3")
-        tl.store(out_ptr + at_v, out + tl.dot(queries, state, input_precision="tf32x3"), mask=mask_v)
-        to_end = tl.where(live, tl.exp(last - cum), 0.0)
-        state = tl.exp(last) * state + tl.dot(tl.trans(k * to_end[:, None]), u, input_precision="tf32x3")
-    tl.store(state_at, state, mask=mk[:, None] & mv[None, :])
+        to_end = tl.where(live, tl.exp(last - cum), 0.0) * norm  # k's L2 norm folded in
+        s0 = tl.exp(last) * s0 + tl.dot(tl.trans(k0 * to_end[:, None]), u, input_precision="tf32x3")
+        s1 = tl.exp(last) * s1 + tl.dot(tl.trans(k1 * to_end[:, None]), u, input_precision="tf32x3")
+    tl.store(state_at + d0[:, None] * DV, s0, mask=m0[:, None] & mv[None, :])
+    tl.store(state_at + d1[:, None] * DV, s1, mask=m1[:, None] & mv[None, :])
 
 
 launch_gdn_chunk_local = DirectLauncher(_gdn_chunk_local_kernel)
@@ -374,18 +390,18 @@ def gated_delta_rule_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.T
     u = torch.empty_like(out)
     cum = torch.empty(tokens, hv, dtype=torch.float32, device=device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    block_k = max(16, triton.next_power_of_2(dk))  # tl.dot takes 16 or more
+    block_k = max(32, triton.next_power_of_2(dk))  # tl.dot takes 16 or more: the state kernel's halves
     if chunk % SOLVE_BLOCK or chunk & (chunk - 1):
         raise ValueError(f"chunked gated delta rule: chunk {chunk} is not a power of 2 >= {SOLVE_BLOCK}")
     factors = max(1, (chunk // SOLVE_BLOCK).bit_length() - 1)  # of (I + N)^-1, N^(C / 16) = 0
     sizes = dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=block_k, C=chunk)
-    gpu: dict[str, int] = {"num_warps": 8} if q.is_cuda else {}
+    gpu: dict[str, int] = {"num_warps": 4} if q.is_cuda else {}  # 8 warps: twice the spills
     launch_gdn_chunk_local((meta.num_reqs, triton.cdiv(meta.max_query_len, chunk), hv), q, k, v,
                            g.float().contiguous(), beta.float().contiguous(), meta.query_start_loc, w, u,
                            queries, cum, out, dk**-0.5, BV=max(16, triton.next_power_of_2(dv)),
                            SOLVE_BLOCK=SOLVE_BLOCK, SOLVE_FACTORS=factors, **sizes, **gpu)
     block_v = max(16, min(VALUE_BLOCK, triton.next_power_of_2(dv)))
-    gpu = {"num_warps": 4, "num_stages": 2} if q.is_cuda else {}
+    gpu = {"num_warps": 4, "num_stages": 1} if q.is_cuda else {}  # see the kernel's spills
     launch_gdn_chunk_state((meta.num_reqs, hv, triton.cdiv(dv, block_v)), k, w, u, queries, cum, out, states,
                            meta.query_start_loc, meta.state_slots, meta.has_state, BV=block_v, **sizes, **gpu)
     return out
