@@ -275,22 +275,28 @@ def _gdn_chunk_local_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, w_ptr
     cum = tl.cumsum(g, axis=0)
     causal = i[:, None] >= i[None, :]
     pairwise = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    # T = (I + A)^-1, A strictly lower. First the inverses of A's diagonal blocks of 16 rows by
-    # forward substitution, the blocks side by side: row r of (I + D)^-1 - I is
-    # -D[r] - sum_{j < r} D[r, j] ((I + D)^-1 - I)[j], the rows above it already done (the
-    # matrix holds -D below them). Then with E = A - D (below the diagonal blocks),
-    # N = (I + D)^-1 E is nilpotent (N^(C / 16) = 0): T = (I + N)^-1 (I + D)^-1 and
-    # (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...
+    # T = (I + A)^-1, A strictly lower. First the inverses of A's diagonal blocks D (16 rows
+    # each, the blocks side by side as [C / 16, 16, 16]) by forward substitution on the CUDA
+    # cores: row r of (I + D)^-1 - I is -D[r] - sum_{j < r} D[r, j] ((I + D)^-1 - I)[j], the
+    # rows above it already done (the tile holds -D below them). Then with E = A - D (below the
+    # diagonal blocks), N = (I + D)^-1 E is nilpotent (N^(C / 16) = 0): T = (I + N)^-1 (I + D)^-1
+    # with (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (tensor-core dots).
     lower = tl.where(i[:, None] > i[None, :],
                      tl.dot(k, tl.trans(k), input_precision="tf32x3") * pairwise * beta[:, None], 0.0)
-    same_block = (i[:, None] // SOLVE_BLOCK) == (i[None, :] // SOLVE_BLOCK)
-    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-    inverse = -tl.where(same_block, lower, 0.0)
+    BLOCKS: tl.constexpr = C // SOLVE_BLOCK
+    nb, rb = tl.arange(0, BLOCKS), tl.arange(0, SOLVE_BLOCK)
+    own_block = nb[:, None, None, None] == nb[None, None, :, None]  # [blocks, 16, blocks, 16]
+    blocks = -tl.sum(tl.where(own_block, tl.reshape(lower, (BLOCKS, SOLVE_BLOCK, BLOCKS, SOLVE_BLOCK)), 0.0),
+                     axis=2)  # -D as [blocks, 16, 16]
     for r in range(1, SOLVE_BLOCK):
-        at_r = (i % SOLVE_BLOCK == r)[:, None]
-        rows_r = tl.where(at_r, inverse, 0.0)
-        inverse = tl.where(at_r, rows_r + tl.dot(rows_r, inverse, input_precision="tf32x3"), inverse)
-    inverse = inverse + eye
+        at_r = (rb == r)[None, :, None]
+        row = tl.sum(tl.where(at_r, blocks, 0.0), axis=1)  # [blocks, 16]
+        row = row + tl.sum(row[:, :, None] * blocks, axis=1)
+        blocks = tl.where(at_r, row[:, None, :], blocks)
+    diagonal = tl.reshape(tl.where(own_block, blocks[:, :, None, :], 0.0), (C, C))
+    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    same_block = (i[:, None] // SOLVE_BLOCK) == (i[None, :] // SOLVE_BLOCK)
+    inverse = diagonal + eye
     nilpotent = tl.dot(inverse, tl.where(same_block, 0.0, lower), input_precision="tf32x3")
     series = eye - nilpotent
     for _ in tl.static_range(1, SOLVE_FACTORS):
