@@ -9,6 +9,42 @@ from the state the last chunk left). Everything is float32 inside; the state is 
 written once per step (and once per row for kept requests: rows 0 .. kept_rows - 1 of the
 per-row buffer, those past a request's own rows holding the state its last row left, as the
 PyTorch ops' padding columns do).
+
+The gated delta rule's chunked form (steps with a request of more than CHUNK = 64 rows and no
+kept states; Yang et al. 2024, "Gated Delta Networks", the chunkwise WY/UT algorithm) is two
+kernels over the flat batch, chunks of C = 64 rows counted from each request's first row (the
+last one partial; nothing padded across requests):
+- `_gdn_chunk_local_kernel`, one program per (request, chunk, value head), everything that does
+  not need the state entering the chunk: the Gram matrix, the triangular solve T = (I + A)^-1,
+  W = T (beta exp(G) K), U0 = T (beta V), Q' = exp(G) Q - P W and the chunk's own outputs P U0.
+- `_gdn_chunk_state_kernel`, one program per (request, value head, 32 value columns), walks the
+  request's chunks with its [Dk, 32] state slice in registers: U = U0 - W S, out += Q' S,
+  S = exp(G_last) S + (exp(G_last - G) K)^T U.
+Dots are float32 by tf32x3 (three tf32 tensor-core passes): the tests hold the op to float64
+recurrences at 1e-4, which neither bf16 operands (fla's choice, ~4e-3 relative) nor plain tf32
+(~5e-4) meet.
+
+The count at Qwen3-Next's shape (Hk 16, Hv 32, Dk = Dv = 128), per chunk and value head, in
+FLOPs (2 per multiply-add): the Gram matrices K K^T and Q K^T, 2 x 2 C^2 Dk = 2.1 M; the solve,
+substitution within 16-row blocks (0.03 M) and the nilpotent product over them (4 dense C^3
+products, 2.1 M); W, U0, P W, P U0, 4 x 2 C^2 D = 4.2 M; the state kernel's W S, Q' S and
+K^T U, 3 x 2 C Dk Dv = 6.3 M. 14.7 M in all (12.6 M without the product: the algorithm's own),
+so 30 GFLOP for 4,096 tokens (1 x 4096) and 60 GFLOP for 8,192 (4 x 2048). Floors at 4,096
+tokens: bf16 tensor cores (~700 TFLOP/s) 43 us, tf32 (~350) 86 us, tf32x3 (three passes) 260
+us, float32 FMA (~60) 500 us. Bytes the op must move (bf16 q, k, v; float32 g, beta, out; each
+state read and written once): 140 MB at 1 x 4096, 287 MB at 4 x 2048, 33 / 68 us at 4.2 TB/s.
+These kernels also pass float32 W, Q', U0 and the partial outputs between them: ~0.6 GB
+written and read per 4,096 tokens, ~150 us at copy speed, on top of the op's own bytes. So the
+floor of this design is ~260 us of tf32x3 per 4,096 tokens, partly overlapped with ~180 us of
+memory traffic; flash-linear-attention measured 862 / 777 us (H200, s34) with bf16 dots.
+
+What the PyTorch chunked form (ops.recurrent._delta_rule_chunked, with chunk_scan_triton for
+the scan: 4,094 / 8,217 us on the H200) spends beyond that: float32 PyTorch ops without tensor
+cores (matmuls, the batched solve_triangular over every chunk), every input gathered into
+[B, max_query_len] padded copies (a long request beside short ones pads them all), the q and k
+heads repeated to the value heads in float32, [C, C] decay matrices materialized per chunk and
+head, the scan's inputs copied to contiguous float32, and a few dozen launches. The split of
+the time between those was not measured.
 """
 
 from __future__ import annotations
