@@ -365,9 +365,11 @@ def _gdn_chunk_state_kernel(k_ptr, w_ptr, u_ptr, qs_ptr, cum_ptr, out_ptr, state
     slice [DK, BV] stays in registers from chunk to chunk (U = U0 - W S; out += Q' S;
     S = exp(G_last) S + (exp(G_last - G) K)^T U), read from the request's slot (or zero) and
     written back after its last chunk. The state is held as two halves along DK, and each
-    [C, DK] operand loaded as two halves just before its dots: built for sm_90 at Dk = 128
-    (4 warps, 1 stage), 216 bytes of stack for spills instead of ~2 KiB (2 stages: ~1.2 KiB).
-    Short live ranges matter here: masks built once per chunk and kept cost ~400 more bytes."""
+    [C, DK] operand loaded as two halves just before its dots, to keep the tf32x3 dots' split
+    operands within the registers. Built for sm_90 at Dk = 128 with Triton 3.6 (the H200's),
+    8 warps and 1 stage: 744 bytes of stack for spills (4 warps: 1,432; 2 stages: 856; the
+    whole [C, DK] operands: ~2 KiB). Short live ranges matter: masks built once per chunk and
+    kept cost ~400 more bytes."""
     b, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // (HV // HK)
     start, end = tl.load(qsl_ptr + b), tl.load(qsl_ptr + b + 1)
@@ -437,13 +439,13 @@ def gated_delta_rule_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.T
         raise ValueError(f"chunked gated delta rule: chunk {chunk} is not a power of 2 >= {SOLVE_BLOCK}")
     factors = max(1, (chunk // SOLVE_BLOCK).bit_length() - 1)  # of (I + N)^-1, N^(C / 16) = 0
     sizes = dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=block_k, C=chunk)
-    gpu: dict[str, int] = {"num_warps": 4} if q.is_cuda else {}  # 8 warps: twice the spills
+    gpu: dict[str, int] = {"num_warps": 8} if q.is_cuda else {}  # Triton 3.6: 2.6 KiB of spills (4: 3.5)
     launch_gdn_chunk_local((meta.num_reqs, triton.cdiv(meta.max_query_len, chunk), hv), q, k, v,
                            g.float().contiguous(), beta.float().contiguous(), meta.query_start_loc, w, u,
                            queries, cum, out, dk**-0.5, BV=max(16, triton.next_power_of_2(dv)),
                            SOLVE_BLOCK=SOLVE_BLOCK, SOLVE_FACTORS=factors, **sizes, **gpu)
     block_v = max(16, min(VALUE_BLOCK, triton.next_power_of_2(dv)))
-    gpu = {"num_warps": 4, "num_stages": 1} if q.is_cuda else {}  # see the kernel's spills
+    gpu = {"num_warps": 8, "num_stages": 1} if q.is_cuda else {}  # the fewest spills: see the kernel
     launch_gdn_chunk_state((meta.num_reqs, hv, triton.cdiv(dv, block_v)), k, w, u, queries, cum, out, states,
                            meta.query_start_loc, meta.state_slots, meta.has_state, BV=block_v, **sizes, **gpu)
     return out
