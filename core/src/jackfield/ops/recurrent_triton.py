@@ -59,6 +59,7 @@ from jackfield.contracts.recurrent import RecurrentMetadata
 from jackfield.ops.launch import DirectLauncher
 
 SOLVE_BLOCK = 16  # rows of the diagonal blocks the chunked GDN inverts by substitution
+COLUMN_BLOCK = 32  # key / value columns a step of the chunked GDN's local kernel
 VALUE_BLOCK = 32  # value columns (GDN) / head dims (Mamba2) per program: the state slice in registers
 
 
@@ -281,7 +282,7 @@ def chunk_scan_triton(queries: torch.Tensor, attend: torch.Tensor, values: torch
 @triton.jit
 def _gdn_chunk_local_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, w_ptr, u_ptr, qs_ptr, cum_ptr,
                             out_ptr, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                            DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                            DV: tl.constexpr, CB: tl.constexpr, C: tl.constexpr,
                             SOLVE_BLOCK: tl.constexpr, SOLVE_FACTORS: tl.constexpr):
     """Everything of one (request, chunk, value head) that does not need the state entering the
     chunk (the WY/UT form; see the module docstring): with G the cumulative log decay within the
@@ -301,11 +302,25 @@ def _gdn_chunk_local_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, w_ptr
     i = tl.arange(0, C)
     rows = start + i
     live = rows < end  # a request's last chunk may be partial: zero rows past it change nothing
-    dk, dv = tl.arange(0, BK), tl.arange(0, BV)
-    at_k = (rows[:, None] * HK + hk) * DK + dk[None, :]
-    mask_k = live[:, None] & (dk < DK)[None, :]
-    k = tl.load(k_ptr + at_k, mask=mask_k, other=0.0).to(tl.float32)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    # K K^T and Q K^T (and the rows' squared norms) summed over blocks of CB columns: one
+    # tf32x3 dot of whole [C, Dk] float32 operands stages 128 KiB of shared memory on sm_90
+    # (one program an SM) and spilled 2.6 KiB of registers
+    gram = tl.zeros((C, C), dtype=tl.float32)
+    scores = tl.zeros((C, C), dtype=tl.float32)
+    k_norm = tl.zeros((C,), dtype=tl.float32)
+    q_norm = tl.zeros((C,), dtype=tl.float32)
+    for first in range(0, DK, CB):
+        cols = first + tl.arange(0, CB)
+        at = (rows[:, None] * HK + hk) * DK + cols[None, :]
+        mask = live[:, None] & (cols < DK)[None, :]
+        k = tl.load(k_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        gram += tl.dot(k, tl.trans(k), input_precision="tf32x3")
+        scores += tl.dot(q, tl.trans(k), input_precision="tf32x3")
+        k_norm += tl.sum(k * k, axis=1)
+        q_norm += tl.sum(q * q, axis=1)
+    k_norm = tl.rsqrt(k_norm + 1e-6)
+    q_norm = tl.rsqrt(q_norm + 1e-6) * scale
     g = tl.load(g_ptr + rows * HV + h, mask=live, other=0.0)
     beta = tl.load(beta_ptr + rows * HV + h, mask=live, other=0.0)
     cum = tl.cumsum(g, axis=0)
@@ -318,7 +333,7 @@ def _gdn_chunk_local_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, w_ptr
     # diagonal blocks), N = (I + D)^-1 E is nilpotent (N^(C / 16) = 0): T = (I + N)^-1 (I + D)^-1
     # with (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (tensor-core dots).
     lower = tl.where(i[:, None] > i[None, :],
-                     tl.dot(k, tl.trans(k), input_precision="tf32x3") * pairwise * beta[:, None], 0.0)
+                     gram * (k_norm * beta)[:, None] * k_norm[None, :] * pairwise, 0.0)
     BLOCKS: tl.constexpr = C // SOLVE_BLOCK
     nb, rb = tl.arange(0, BLOCKS), tl.arange(0, SOLVE_BLOCK)
     own_block = nb[:, None, None, None] == nb[None, None, :, None]  # [blocks, 16, blocks, 16]
@@ -340,21 +355,26 @@ def _gdn_chunk_local_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, w_ptr
         series = series + tl.dot(series, nilpotent, input_precision="tf32x3")
     inverse = tl.dot(series, inverse, input_precision="tf32x3")
     tl.store(cum_ptr + rows * HV + h, cum, mask=live)
-    # each piece stored as soon as it is done: fewer [C, D] tiles live at once (register spills)
-    at_w = (rows[:, None] * HV + h) * DK + dk[None, :]
-    w = tl.dot(inverse, k * (beta * tl.exp(cum))[:, None], input_precision="tf32x3")
-    tl.store(w_ptr + at_w, w, mask=mask_k)
-    q = tl.load(q_ptr + at_k, mask=mask_k, other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
-    attend = tl.dot(q, tl.trans(k), input_precision="tf32x3") * pairwise
-    queries = q * tl.exp(cum)[:, None] - tl.dot(attend, w, input_precision="tf32x3")
-    tl.store(qs_ptr + at_w, queries, mask=mask_k)
-    at_v = (rows[:, None] * HV + h) * DV + dv[None, :]
-    mask_v = live[:, None] & (dv < DV)[None, :]
-    v = tl.load(v_ptr + at_v, mask=mask_v, other=0.0).to(tl.float32)
-    u = tl.dot(inverse, v * beta[:, None], input_precision="tf32x3")
-    tl.store(u_ptr + at_v, u, mask=mask_v)
-    tl.store(out_ptr + at_v, tl.dot(attend, u, input_precision="tf32x3"), mask=mask_v)
+    attend = scores * q_norm[:, None] * k_norm[None, :] * pairwise
+    # W, Q', U0 and out by blocks of CB columns too (their inputs loaded again, from the caches)
+    for first in range(0, DK, CB):
+        cols = first + tl.arange(0, CB)
+        at = (rows[:, None] * HK + hk) * DK + cols[None, :]
+        mask = live[:, None] & (cols < DK)[None, :]
+        keys = tl.load(k_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        w = tl.dot(inverse, keys * (k_norm * beta * tl.exp(cum))[:, None], input_precision="tf32x3")
+        queries = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32) * (q_norm * tl.exp(cum))[:, None]
+        at = (rows[:, None] * HV + h) * DK + cols[None, :]
+        tl.store(w_ptr + at, w, mask=mask)
+        tl.store(qs_ptr + at, queries - tl.dot(attend, w, input_precision="tf32x3"), mask=mask)
+    for first in range(0, DV, CB):
+        cols = first + tl.arange(0, CB)
+        at = (rows[:, None] * HV + h) * DV + cols[None, :]
+        mask = live[:, None] & (cols < DV)[None, :]
+        values = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32) * beta[:, None]
+        u = tl.dot(inverse, values, input_precision="tf32x3")
+        tl.store(u_ptr + at, u, mask=mask)
+        tl.store(out_ptr + at, tl.dot(attend, u, input_precision="tf32x3"), mask=mask)
 
 
 @triton.jit
@@ -438,14 +458,17 @@ def gated_delta_rule_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.T
     if chunk % SOLVE_BLOCK or chunk & (chunk - 1):
         raise ValueError(f"chunked gated delta rule: chunk {chunk} is not a power of 2 >= {SOLVE_BLOCK}")
     factors = max(1, (chunk // SOLVE_BLOCK).bit_length() - 1)  # of (I + N)^-1, N^(C / 16) = 0
-    sizes = dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=block_k, C=chunk)
-    gpu: dict[str, int] = {"num_warps": 8} if q.is_cuda else {}  # Triton 3.6: 2.6 KiB of spills (4: 3.5)
+    sizes = dict(HK=hk, HV=hv, DK=dk, DV=dv, C=chunk)
+    # sm_90, Triton 3.6 (the H200's), Dk = Dv = 128: 96 KiB of shared memory (two programs an SM)
+    # and 168 bytes of stack for spills at 8 warps; 4 warps: 64 KiB and 968 bytes
+    gpu: dict[str, int] = {"num_warps": 8} if q.is_cuda else {}
     launch_gdn_chunk_local((meta.num_reqs, triton.cdiv(meta.max_query_len, chunk), hv), q, k, v,
                            g.float().contiguous(), beta.float().contiguous(), meta.query_start_loc, w, u,
-                           queries, cum, out, dk**-0.5, BV=max(16, triton.next_power_of_2(dv)),
-                           SOLVE_BLOCK=SOLVE_BLOCK, SOLVE_FACTORS=factors, **sizes, **gpu)
+                           queries, cum, out, dk**-0.5, CB=COLUMN_BLOCK, SOLVE_BLOCK=SOLVE_BLOCK,
+                           SOLVE_FACTORS=factors, **sizes, **gpu)
     block_v = max(16, min(VALUE_BLOCK, triton.next_power_of_2(dv)))
     gpu = {"num_warps": 8, "num_stages": 1} if q.is_cuda else {}  # the fewest spills: see the kernel
     launch_gdn_chunk_state((meta.num_reqs, hv, triton.cdiv(dv, block_v)), k, w, u, queries, cum, out, states,
-                           meta.query_start_loc, meta.state_slots, meta.has_state, BV=block_v, **sizes, **gpu)
+                           meta.query_start_loc, meta.state_slots, meta.has_state, BK=block_k, BV=block_v,
+                           **sizes, **gpu)
     return out
