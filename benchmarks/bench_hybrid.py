@@ -14,9 +14,10 @@ float32, slots shuffled in a pool of 512.
   the slots outside the timing: fla reads states by sequence, not by slot).
 - Prefill (every request T new tokens, from a zero state): the row-by-row kernel's time (the
   "us" column; what steps of at most 64 rows per request run), the chunked form's ("chunked
-  us": the public op, which takes it for longer steps: batched PyTorch within chunks and one
-  Triton launch for the scan from chunk to chunk), the same bytes floor against the faster of
-  the two, and fla's chunk_gated_delta_rule with its time ratio to the chunked form.
+  us": the public op, which takes it for longer steps; for GDN two Triton kernels over the flat
+  batch, for Mamba2 batched PyTorch within chunks and one Triton launch for the scan from chunk
+  to chunk), the same bytes floor against the faster of the two, and fla's
+  chunk_gated_delta_rule with its time ratio to the chunked form.
 Each row ends with its wall time ("wall s": Triton compiles and fla's first-call autotuning
 included) and prints our columns before fla runs, so a run stopped in fla's autotuning keeps them.
 

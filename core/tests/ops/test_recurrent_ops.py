@@ -21,16 +21,18 @@ IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not TRITON_HERE, reason="Triton needs CUDA or TRITON_INTERPRET=1"))]
 
 
-def _delta_rule_impl(impl: str, batch: str, patch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def _delta_rule_impl(impl: str, batch: str):  # type: ignore[no-untyped-def]
     """The op under test: PyTorch; Triton's row-by-row kernel (short steps); or, for long steps,
-    the chunked form whose chunk-to-chunk scan is Triton's (what CUDA runs)."""
+    Triton's chunked form over the flat batch (what CUDA runs)."""
     if impl == "torch":
         return gated_delta_rule
     from jackfield.ops import recurrent_triton
 
     if batch == "long":
-        patch.setattr(recurrent, "_chunk_scan", recurrent_triton.chunk_scan_triton)
-        return gated_delta_rule
+        def chunked(*args: torch.Tensor, kept: None = None) -> torch.Tensor:
+            return recurrent_triton.gated_delta_rule_chunked_triton(*args, recurrent.CHUNK)
+
+        return chunked
     return recurrent_triton.gated_delta_rule_triton
 
 
@@ -136,8 +138,7 @@ def _delta_rule_reference(q, k, v, g, beta, state):  # type: ignore[no-untyped-d
 
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("impl", IMPLS)
-def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str) -> None:
     gen = _generator(1)
     hk, hv, dk, dv = 2, 4, 8, 6
     requests, tol = BATCHES[batch], TOLERANCE[batch]
@@ -151,8 +152,9 @@ def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str,
     before = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
     states = before.to(device, copy=True)
     kept: list[torch.Tensor] = []
-    op = _delta_rule_impl(impl, batch, monkeypatch)
-    out = op(*(x.to(device) for x in (q, k, v, g, beta)), states, meta, kept if batch == "short" else None)
+    op = _delta_rule_impl(impl, batch)
+    kept_or_none = kept if batch == "short" else None
+    out = op(*(x.to(device) for x in (q, k, v, g, beta)), states, meta, kept=kept_or_none)
     out, states, kept = out.cpu(), states.cpu(), [rows.cpu() for rows in kept]
     for b, (_, has_state, keep) in enumerate(requests):
         rows = _rows(b, requests)
@@ -163,6 +165,33 @@ def test_gated_delta_rule_matches_float64_recurrence(impl: str, batch: str,
         torch.testing.assert_close(states[SLOTS[b]].double(), after[-1], rtol=tol, atol=tol)
         if keep:
             _check_kept(kept[0], b, after, tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_gated_delta_rule_with_weak_decay_and_similar_keys(impl: str) -> None:
+    """The chunked form where rows far apart within a chunk still interact: log decays near 0
+    and keys close to one another (|A[i, j]| up to ~1 across the whole chunk, so every term of
+    the chunk's triangular solve matters, not only those near the diagonal)."""
+    gen = _generator(4)
+    hk, hv, dk, dv = 1, 2, 16, 16
+    requests, slots = [(150, True, False), (64, False, False), (80, True, False)], [4, 0, 2]
+    device = DEVICE if impl == "triton" else "cpu"
+    meta = recurrent_metadata([r[0] for r in requests], slots, [r[1] for r in requests], [], set(), device)
+    t = meta.num_tokens
+    k = torch.randn(1, hk, dk, generator=gen) + 0.3 * torch.randn(t, hk, dk, generator=gen)
+    q, v = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hv, dv, generator=gen)
+    g = -0.02 * torch.rand(t, hv, generator=gen)
+    beta = 0.5 + 0.5 * torch.rand(t, hv, generator=gen)
+    before = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
+    states = before.to(device, copy=True)
+    out = _delta_rule_impl(impl, "long")(*(x.to(device) for x in (q, k, v, g, beta)), states, meta).cpu()
+    for b, (_, has_state, _) in enumerate(requests):
+        rows = _rows(b, requests)
+        start = before[slots[b]].double() if has_state else torch.zeros(hv, dk, dv, dtype=torch.float64)
+        expect, after = _delta_rule_reference(q[rows].double(), k[rows].double(), v[rows].double(),
+                                              g[rows].double(), beta[rows].double(), start)
+        torch.testing.assert_close(out[rows].double(), expect, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(states.cpu()[slots[b]].double(), after[-1], rtol=1e-4, atol=1e-4)
 
 
 def _mamba2_reference(x, dt, a, b, c, d, dt_bias, state):  # type: ignore[no-untyped-def]

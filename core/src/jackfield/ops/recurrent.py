@@ -15,9 +15,10 @@ row left.
 
 A step with a request of more than CHUNK rows (and no kept states) runs the recurrences in the
 chunked matmul form instead of row by row: what is parallel over chunks in batched PyTorch, the
-scan from chunk to chunk in one loop (`_chunk_scan`). On CUDA that loop, and the row-by-row
-recurrences of shorter steps, are Triton kernels (ops/recurrent_triton.py, held to these loops
-by the tests); the conv1d stays one batched PyTorch conv.
+scan from chunk to chunk in one loop (`_chunk_scan`). On CUDA the row-by-row recurrences of
+shorter steps are Triton kernels (ops/recurrent_triton.py, held to these loops by the tests), so
+are the gated delta rule's whole chunked form (two kernels over the flat batch, no padding) and
+Mamba2's chunk scan; the conv1d stays one batched PyTorch conv.
 """
 
 from __future__ import annotations
@@ -157,9 +158,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         raise ValueError(f"gated delta rule states must be float32, got {states.dtype}")
     _check_slots(states, meta)
     chunked = kept is None and meta.max_query_len > CHUNK
-    if q.is_cuda and not chunked:
-        from jackfield.ops.recurrent_triton import gated_delta_rule_triton  # Triton only where it runs
+    if q.is_cuda:  # Triton only where it runs
+        from jackfield.ops.recurrent_triton import gated_delta_rule_chunked_triton, gated_delta_rule_triton
 
+        if chunked:
+            return gated_delta_rule_chunked_triton(q, k, v, g, beta, states, meta, CHUNK)
         return gated_delta_rule_triton(q, k, v, g, beta, states, meta, kept)
     repeat = heads // q.shape[1]
     q = _l2_normalize(q).repeat_interleave(repeat, dim=1) * dk**-0.5
