@@ -211,7 +211,9 @@ def test_piecewise_pieces_hand_the_drafter_the_eager_taps(dirs: dict[str, Path],
         got_tokens, got = drafts(replayed, prompt)
         assert got_tokens == want_tokens and len(got) == len(want) > 0
         for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+            # float32 products of a padded piece and of the eager rows may take different GEMM
+            # kernels (oneDNN's packed weight from 4 rows on): probabilities a few 1e-6 apart
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
 
 
 def test_run_json_reports_the_eagle3_drafts(dirs: dict[str, Path],
