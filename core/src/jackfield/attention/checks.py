@@ -178,14 +178,21 @@ def _check_slot_range(slot_mapping: torch.Tensor, capacity: int, too_large: Call
     if not slot_mapping.numel():
         return False
     last = _LastCheckedSlots
-    remembered = not slot_mapping.is_inference()
-    if (remembered and last.tensor is not None and last.tensor() is slot_mapping
+    if (not slot_mapping.is_inference() and last.tensor is not None and last.tensor() is slot_mapping
             and last.version == slot_mapping._version and last.capacity == capacity):
         return last.padded
-    low, top = torch.stack(torch.aminmax(slot_mapping)).tolist()  # the one device sync
+    return _read_slot_range(slot_mapping, slot_mapping, capacity, too_large)  # the one device sync
+
+
+def _read_slot_range(slot_mapping: torch.Tensor, values: torch.Tensor, capacity: int,
+                     too_large: Callable[[int], str]) -> bool:
+    """`values` (slot_mapping itself, or its host copy) checked against capacity and remembered
+    as slot_mapping's range; returns whether it holds padding."""
+    low, top = torch.stack(torch.aminmax(values)).tolist()
     if top >= capacity:
         raise ValueError(too_large(top))
-    if remembered:
+    if not slot_mapping.is_inference():
+        last = _LastCheckedSlots
         last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
         last.padded = low < 0
     return low < 0
@@ -197,15 +204,9 @@ def check_slots_on_host(slot_mapping: torch.Tensor, host_slots: torch.Tensor, ca
     `slot_mapping`'s, so the kernels' own check of it (once per tensor, version and capacity) has
     nothing to read back from the device. A drafter's eager rows would otherwise wait for the
     device once a forward."""
-    if not host_slots.numel():
-        return
-    low, top = torch.stack(torch.aminmax(host_slots)).tolist()
-    if top >= capacity:
-        raise ValueError(f"slot {top} is out of range: the cache has {capacity} slots")
-    if not slot_mapping.is_inference():
-        last = _LastCheckedSlots
-        last.tensor, last.version, last.capacity = weakref.ref(slot_mapping), slot_mapping._version, capacity
-        last.padded = low < 0
+    if host_slots.numel():
+        _read_slot_range(slot_mapping, host_slots, capacity,
+                         lambda top: f"slot {top} is out of range: the cache has {capacity} slots")
 
 
 def check_slot_range_once(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:

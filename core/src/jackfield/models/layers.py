@@ -34,9 +34,10 @@ def fused_cuda_ops() -> ModuleType | None:
     return fused_triton
 
 
-def _fused_for(x: torch.Tensor) -> ModuleType | None:
-    """The fused kernels for a 16-bit CUDA activation with contiguous rows, else None."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 2 and x.stride(-1) == 1:
+def _fused_for(x: torch.Tensor, dims: int) -> ModuleType | None:
+    """The fused kernels for a 16-bit CUDA activation of `dims` dimensions with contiguous rows,
+    else None."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == dims and x.stride(-1) == 1:
         return fused_cuda_ops()
     return None
 
@@ -104,7 +105,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # nothing to round: one call scales too
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        fused = _fused_for(x) if x.dim() == 2 else None
+        fused = _fused_for(x, 2)
         if fused is not None:
             return fused.rms_norm(x, self.weight, self.eps)
         # The fused kernel normalizes a 16-bit input in float32 and rounds once, as the reference's
@@ -122,7 +123,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        fused = _fused_for(gate_up) if gate_up.dim() == 2 else None
+        fused = _fused_for(gate_up, 2)
         if fused is not None:
             return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -152,7 +153,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, R], positions [T] -> rotated x (same dtype)."""
-        fused = None if self.interleaved or x.dim() != 3 else _fused_for(x)
+        fused = None if self.interleaved else _fused_for(x, 3)
         if fused is not None:  # reads the tables at `positions` itself
             return fused.rope(x, self.cos, self.sin, positions)
         x32 = x.float()
