@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Trit
 def compile_sm90(block_m: int) -> tuple[str, int]:
     """(SASS, shared memory bytes) of the bf16 kernel as decode.py launches it."""
     nope_slots, rope_slots = few.ring_slots(block_m, RANK, ROPE)
-    constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, SPLITS=1, CAUSAL=True)
+    constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, CAUSAL=True)
     constants.update(NOPE_SLOTS=nope_slots, ROPE_SLOTS=rope_slots)
     return sm90_sass(few.mla_decode_few_rows, False, constants, f"few_{block_m}")
 
@@ -109,7 +109,7 @@ def test_launcher_plans_rows_and_ring(heads: int, monkeypatch: pytest.MonkeyPatc
     few.launch_few_rows(query, cache, table, lengths, lengths, out, lse, 0, 0, 0.1, heads, 2, True, RANK)
     ((grid, args, constants),) = kernel.launches
     block_m = 16 if heads == 16 else 32
-    assert grid == (3, 2) and constants["BLOCK_M"] == block_m and constants["SPLITS"] == 2
+    assert grid == (3, 2) and constants["BLOCK_M"] == block_m and constants["num_splits"] == 2
     assert (constants["NOPE_SLOTS"], constants["ROPE_SLOTS"]) == few.ring_slots(block_m, RANK, ROPE)
     assert args[0] is query and args[6] is out and args[7] is lse
 

@@ -44,7 +44,7 @@ RANK, ROPE, PAGE = sm90.RANK, sm90.ROPE, sm90.PAGE
 
 def compile_sm90(block_m: int) -> tuple[str, int]:
     """(SASS, shared memory bytes) of the kernel as decode_gluon_fp8.launch_register_operands launches it."""
-    constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, SPLITS=1, CAUSAL=True)
+    constants = dict(RANK=RANK, ROPE=ROPE, BLOCK_M=block_m, PAGE=PAGE, CAUSAL=True)
     constants["SLOTS"] = regs.ring_tiles(RANK, ROPE, block_m)
     kernel = regs.mla_decode_fp8_register_operands
     return sm90.sm90_sass(kernel, True, constants, f"fp8_regs_{block_m}")

@@ -49,7 +49,7 @@ def compile_default_tile(out_dir: Path) -> None:
         "lse": "*fp32",
         "sm_scale_log2": "fp32",
         **{name: "i32" for name in ("num_heads", "stride_bt", "stride_ot", "stride_oh", "stride_os")},
-        **{name: "i32" for name in ("stride_lt", "stride_lh", "stride_ls")},
+        **{name: "i32" for name in ("stride_lt", "stride_lh", "stride_ls", "num_splits")},
     }
     constants = dict(
         RANK=512,
@@ -57,7 +57,6 @@ def compile_default_tile(out_dir: Path) -> None:
         BLOCK_N=block_n,
         STAGES=stages,
         PAGE=64,
-        SPLITS=1,
         CAUSAL=True,
     )
     signature.update({name: "constexpr" for name in constants})

@@ -328,7 +328,7 @@ def mla_decode(
             lse.stride(1),
             RANK=kv_lora_rank,
             BLOCK_R=triton.next_power_of_2(kv_lora_rank),
-            SPLITS=splits,
+            num_splits=splits,
             BLOCK_S=triton.next_power_of_2(splits),
             num_warps=4,
         )
@@ -446,7 +446,7 @@ def _launch_triton_stage1(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         PAGE=page,
-        SPLITS=grid[2],
+        num_splits=grid[2],
         SPARSE=sparse,
         CAUSAL=causal and not sparse,
         FP8=kv_cache.dtype == FP8,

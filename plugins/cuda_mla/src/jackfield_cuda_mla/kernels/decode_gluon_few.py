@@ -365,11 +365,11 @@ def mla_decode_few_rows(
     stride_lt,
     stride_lh,
     stride_ls,
+    num_splits,  # a runtime value: a constexpr compiled a kernel per split count (one per step size)
     RANK: gl.constexpr,
     ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr,
     PAGE: gl.constexpr,
-    SPLITS: gl.constexpr,
     CAUSAL: gl.constexpr,
     NOPE_SLOTS: gl.constexpr,
     ROPE_SLOTS: gl.constexpr,
@@ -391,7 +391,7 @@ def mla_decode_few_rows(
     first_tok = gl.load(query_start_loc + req)
     q_len = gl.load(query_start_loc + req + 1) - first_tok
     seq_len = gl.load(seq_lens + req)
-    chunk = gl.cdiv(gl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = gl.minimum(start + chunk, seq_len)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -688,7 +688,7 @@ def launch_few_rows(
         ROPE=rope,
         BLOCK_M=block_m,
         PAGE=page,
-        SPLITS=splits,
+        num_splits=splits,
         CAUSAL=causal,
         NOPE_SLOTS=nope_slots,
         ROPE_SLOTS=rope_slots,

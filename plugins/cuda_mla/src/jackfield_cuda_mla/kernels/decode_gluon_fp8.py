@@ -480,11 +480,11 @@ def mla_decode_fp8_register_operands(
     stride_lh,
     stride_ls,
     kv_scale,
+    num_splits,  # a runtime value: a constexpr compiled a kernel per split count (one per step size)
     RANK: gl.constexpr,
     ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr,
     PAGE: gl.constexpr,
-    SPLITS: gl.constexpr,
     CAUSAL: gl.constexpr,
     SLOTS: gl.constexpr,
 ):
@@ -497,7 +497,7 @@ def mla_decode_fp8_register_operands(
     q_len = gl.load(query_start_loc + req + 1) - first_tok
     seq_len = gl.load(seq_lens + req)
     value_scale = gl.load(kv_scale)
-    chunk = gl.cdiv(gl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = gl.minimum(start + chunk, seq_len)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -654,7 +654,7 @@ def launch_register_operands(
         ROPE=width - kv_lora_rank,
         BLOCK_M=block_m,
         PAGE=page,
-        SPLITS=splits,
+        num_splits=splits,
         CAUSAL=causal,
         SLOTS=ring_tiles(kv_lora_rank, width - kv_lora_rank, block_m),
         num_warps=NUM_WARPS,

@@ -119,12 +119,12 @@ def mla_decode_many_rows(
     stride_lt,
     stride_lh,
     stride_ls,
+    num_splits,  # a runtime value: a constexpr compiled a kernel per split count (one per step size)
     RANK: gl.constexpr,
     ROPE: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     PAGE: gl.constexpr,
-    SPLITS: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = q_nope_desc.block_type.shape[0]
@@ -147,7 +147,7 @@ def mla_decode_many_rows(
     block_valid = tok_in_req < q_len
     tok = first_tok + tok_in_req
 
-    chunk = gl.cdiv(gl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = gl.minimum(start + chunk, seq_len)
     if CAUSAL:
@@ -348,7 +348,7 @@ def launch_many_rows(
         BLOCK_N=block_n,
         STAGES=stages,
         PAGE=page,
-        SPLITS=splits,
+        num_splits=splits,
         CAUSAL=causal,
         num_warps=NUM_WARPS,
     )

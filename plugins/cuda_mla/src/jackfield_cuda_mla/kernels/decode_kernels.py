@@ -143,6 +143,7 @@ def mla_decode_stage1(
     stride_lt,
     stride_lh,
     stride_ls,
+    num_splits,  # a runtime value: a constexpr compiled a kernel per split count (one per step size)
     RANK: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -150,7 +151,6 @@ def mla_decode_stage1(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
-    SPLITS: tl.constexpr,
     SPARSE: tl.constexpr,
     CAUSAL: tl.constexpr,
     FP8: tl.constexpr,
@@ -191,7 +191,7 @@ def mla_decode_stage1(
     q_nope = tl.load(q_row[:, None] + r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     q_pe = tl.load(q_row[:, None] + RANK + p[None, :], mask=row_ok[:, None] & p_ok[None, :], other=0.0)
 
-    chunk = tl.cdiv(tl.cdiv(n_keys, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, n_keys)
 

@@ -25,9 +25,9 @@ def mla_decode_stage2(
     stride_oh,
     stride_lt,
     stride_lh,
+    num_splits,  # a runtime value: a constexpr compiled a kernel per split count (one per step size)
     RANK: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -35,7 +35,7 @@ def mla_decode_stage2(
     s = tl.arange(0, BLOCK_S)
     r = tl.arange(0, BLOCK_R)
     split_lse = tl.load(
-        part_lse + tok * stride_plt + head * stride_plh + s, mask=s < SPLITS, other=float("-inf")
+        part_lse + tok * stride_plt + head * stride_plh + s, mask=s < num_splits, other=float("-inf")
     )
     top = tl.max(split_lse, 0)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
@@ -43,7 +43,7 @@ def mla_decode_stage2(
     total = tl.sum(weight, 0)
     parts = tl.load(
         part_out + tok * stride_pt + head * stride_ph + s[:, None] * stride_ps + r[None, :],
-        mask=(s[:, None] < SPLITS) & (r[None, :] < RANK) & (weight[:, None] > 0.0),
+        mask=(s[:, None] < num_splits) & (r[None, :] < RANK) & (weight[:, None] > 0.0),
         other=0.0,
     )
     denom = tl.where(total > 0.0, total, 1.0)

@@ -49,6 +49,7 @@ def sm90_sass(kernel, fp8: bool, constants: dict, tag: str) -> tuple[str, int]:
         "sm_scale_log2": "fp32",
         **{name: "i32" for name in SCALARS},
         **({"kv_scale": "*fp32"} if fp8 else {}),
+        "num_splits": "i32",
     }
     names = list(signature) + list(constants)
     signature.update({name: "constexpr" for name in constants})
