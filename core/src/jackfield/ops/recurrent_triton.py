@@ -387,9 +387,9 @@ def _gdn_chunk_state_kernel(k_ptr, w_ptr, u_ptr, qs_ptr, cum_ptr, out_ptr, state
     written back after its last chunk. The state is held as two halves along DK, and each
     [C, DK] operand loaded as two halves just before its dots, to keep the tf32x3 dots' split
     operands within the registers. Built for sm_90 at Dk = 128 with Triton 3.6 (the H200's),
-    8 warps and 1 stage: 744 bytes of stack for spills (4 warps: 1,432; 2 stages: 856; the
-    whole [C, DK] operands: ~2 KiB). Short live ranges matter: masks built once per chunk and
-    kept cost ~400 more bytes."""
+    4 warps and 1 stage: 1,432 bytes of stack for spills (8 warps: 744, but 1.3-2.3x the time
+    on the H200; 2 stages: 856; the whole [C, DK] operands: ~2 KiB). Short live ranges matter:
+    masks built once per chunk and kept cost ~400 more bytes."""
     b, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // (HV // HK)
     start, end = tl.load(qsl_ptr + b), tl.load(qsl_ptr + b + 1)
@@ -461,15 +461,16 @@ def gated_delta_rule_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.T
         raise ValueError(f"chunked gated delta rule: chunk {chunk} is not a power of 2 >= {SOLVE_BLOCK}")
     factors = max(1, (chunk // SOLVE_BLOCK).bit_length() - 1)  # of (I + N)^-1, N^(C / 16) = 0
     sizes = dict(HK=hk, HV=hv, DK=dk, DV=dv, C=chunk)
-    # sm_90, Triton 3.6 (the H200's), Dk = Dv = 128: 96 KiB of shared memory (two programs an SM)
-    # and 168 bytes of stack for spills at 8 warps; 4 warps: 64 KiB and 968 bytes
-    gpu: dict[str, int] = {"num_warps": 8} if q.is_cuda else {}
+    # sm_90, Triton 3.6 (the H200's), Dk = Dv = 128: 64 KiB of shared memory and 968 bytes of
+    # stack for spills at 4 warps (8 warps: 96 KiB and 168 bytes, yet 2.2x the time: 847 against
+    # 390 us at 1 x 4096 tokens, Qwen3-Next's heads; RESULTS.md "gdn-tuning-s35")
+    gpu: dict[str, int] = {"num_warps": 4} if q.is_cuda else {}
     launch_gdn_chunk_local((meta.num_reqs, triton.cdiv(meta.max_query_len, chunk), hv), q, k, v,
                            g.float().contiguous(), beta.float().contiguous(), meta.query_start_loc, w, u,
                            queries, cum, out, dk**-0.5, CB=COLUMN_BLOCK, SOLVE_BLOCK=SOLVE_BLOCK,
                            SOLVE_FACTORS=factors, **sizes, **gpu)
     block_v = max(16, min(VALUE_BLOCK, triton.next_power_of_2(dv)))
-    gpu = {"num_warps": 8, "num_stages": 1} if q.is_cuda else {}  # the fewest spills: see the kernel
+    gpu = {"num_warps": 4, "num_stages": 1} if q.is_cuda else {}  # fastest measured: see the kernel
     launch_gdn_chunk_state((meta.num_reqs, hv, triton.cdiv(dv, block_v)), k, w, u, queries, cum, out, states,
                            meta.query_start_loc, meta.state_slots, meta.has_state, BK=block_k, BV=block_v,
                            **sizes, **gpu)
