@@ -17,7 +17,7 @@ import pytest
 import torch
 from jackfield import LLM, SamplingParams
 from jackfield.engine.engine import Engine
-from jackfield.engine.sequence import Sequence
+from jackfield.engine.sequence import Sequence, Status
 from jackfield.testing.checkpoints import write_deepseek, write_granite
 
 BLOCK = 4
@@ -63,6 +63,7 @@ class Calls:
     def __init__(self, engine: Engine) -> None:
         self.order: list[tuple[str, int]] = []
         self.launched_with_in_flight = 0
+        self.dropped = 0  # launched tokens of requests that had finished by their read-back
         runner = engine.runner
         launch, finish = runner.launch, runner.finish
         numbers: dict[int, int] = {}
@@ -76,6 +77,7 @@ class Calls:
 
         def recording_finish(launched):  # type: ignore[no-untyped-def]
             self.order.append(("finish", numbers[id(launched)]))
+            self.dropped += sum(c.seq.status == Status.FINISHED for c in launched.chunks)
             return finish(launched)
 
         runner.launch, runner.finish = recording_launch, recording_finish  # type: ignore[method-assign]
@@ -118,6 +120,7 @@ def test_pipelined_decode_gives_the_synchronous_tokens(family: Path, rng_seed: i
     calls = Calls(pipelined.engine)
     assert outputs(pipelined.generate(prompts, params, use_tqdm=False)) == want
     assert calls.overlapped >= 10 and calls.launched_with_in_flight >= 10, calls.order
+    assert calls.dropped == 0  # max_tokens and max_model_len are known when scheduling
     engine = pipelined.engine
     assert engine._launched is None and not engine.scheduler.has_work()
     assert engine.block_manager.num_free == engine.block_manager.num_usable
@@ -158,8 +161,10 @@ def test_eos_and_stop_tokens_end_the_output_one_step_late_without_leaking(family
     for async_on in (False, True):
         llm = make(family, async_on)
         llm.engine.eos_token_ids = {eos}
+        calls = Calls(llm.engine)
         runs.append(outputs(llm.generate(prompts, params, use_tqdm=False)))
     assert runs[1] == runs[0]
+    assert calls.dropped >= 1  # a stop read back after the request's next step was launched
     assert sum(reason == "stop" for _, reason in runs[0]) >= 2, runs[0]
     for (tokens, reason), p in zip(runs[1], params, strict=True):
         if reason == "stop":
