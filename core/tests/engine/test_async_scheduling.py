@@ -392,3 +392,33 @@ def test_decode_graph_fill_takes_the_in_flight_tokens(tmp_path: Path, rng_seed: 
     assert results[1] == results[0]
     assert len(runs[0]) >= 10 and not any(runs[0])  # replayed synchronously
     assert sum(runs[1]) >= 8, runs[1]  # replayed with the previous step's tokens on the device
+
+
+@pytest.mark.parametrize("failing", ["launch", "finish"])
+def test_a_failed_pipelined_step_leaves_the_engine_serving(family: Path, failing: str, rng_seed: int) -> None:
+    """A launch (the device step) or a read-back (e.g. no finite logit) fails mid-run with a
+    step in flight: the call raises, its requests are aborted with nothing left in flight and
+    every block free, and the next call gives the first call's tokens."""
+    llm = make(family, True)
+    prompts = prompts_of(llm, rng_seed, (4, 10, 7))
+    params = mixed_params((9, 12, 10), ignore_eos=True)
+    want = outputs(llm.generate(prompts, params, use_tqdm=False))
+    runner = llm.engine.runner
+    working = getattr(runner, failing)
+    calls = 0
+
+    def fails_on_the_fourth(*args):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise RuntimeError("device step failed")
+        return working(*args)
+
+    setattr(runner, failing, fails_on_the_fourth)
+    with pytest.raises(RuntimeError, match="device step failed"):
+        llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    assert engine._launched is None and not engine.scheduler.has_work()
+    assert engine.block_manager.num_free == engine.block_manager.num_usable
+    setattr(runner, failing, working)
+    assert outputs(llm.generate(prompts, params, use_tqdm=False)) == want

@@ -270,9 +270,9 @@ class Engine:
         if connector is not None:
             self.scheduler.update_from_connector(self.runner.connector_finished())
         chunks = self.scheduler.schedule()
-        launched, self._launched = self._launched, None
+        launched = self._launched
         if chunks and self._pipelines(chunks):
-            self._launched = self.runner.launch(chunks, launched)
+            self._launched = self.runner.launch(chunks, launched)  # (a failed launch keeps N pending)
             for chunk in chunks:  # their KV is being written; their tokens come back next step
                 chunk.seq.num_computed += 1
                 chunk.seq.num_in_flight += 1
@@ -281,6 +281,7 @@ class Engine:
             return finished
         # Drain: this step is built from the host's tokens. Requests that stopped at the drained
         # step were scheduled again (their blocks are freed now): their chunks go.
+        self._launched = None
         finished = self._finish_launched(launched) if launched is not None else []
         chunks = [c for c in chunks if c.seq.status == Status.RUNNING]
         metadata = (connector.build_connector_meta(self.scheduler.scheduled_requests(chunks))
