@@ -523,7 +523,8 @@ def main() -> None:
         f"weights {weight_bytes / 2**20:.0f} MiB, "
         f"prompt {args.prompt_len}, new tokens {args.new_tokens} (transformers {hf_new_tokens}), "
         f"max_num_batched_tokens {args.max_batched_tokens}, decode CUDA graphs: "
-        f"{llm.engine.runner.decode_graphs_off or 'on'}"
+        f"{llm.engine.runner.decode_graphs_off or 'on'}, "
+        f"async scheduling: {'on' if llm.engine.async_scheduling else 'off'}"
     )
     print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     if device == "cuda":  # the KV cache, both models and every captured graph's pool
