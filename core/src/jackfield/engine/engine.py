@@ -272,7 +272,8 @@ class Engine:
         chunks = self.scheduler.schedule()
         launched = self._launched
         if chunks and self._pipelines(chunks):
-            self._launched = self.runner.launch(chunks, launched)  # (a failed launch keeps N pending)
+            # a launch that raises leaves the previous step the one to read back (or drop)
+            self._launched = self.runner.launch(chunks, launched)
             for chunk in chunks:  # their KV is being written; their tokens come back next step
                 chunk.seq.num_computed += 1
                 chunk.seq.num_in_flight += 1
