@@ -66,17 +66,20 @@ class Calls:
         self.dropped = 0  # launched tokens of requests that had finished by their read-back
         runner = engine.runner
         launch, finish = runner.launch, runner.finish
-        numbers: dict[int, int] = {}
+        steps: list[object] = []  # every launched step, kept (an id() could be reused once freed)
+
+        def number(launched: object) -> int:
+            return next(i for i, step in enumerate(steps) if step is launched)
 
         def recording_launch(chunks, previous):  # type: ignore[no-untyped-def]
             self.launched_with_in_flight += any(c.seq.num_in_flight for c in chunks)
             launched = launch(chunks, previous)
-            numbers[id(launched)] = len(numbers)
-            self.order.append(("launch", numbers[id(launched)]))
+            steps.append(launched)
+            self.order.append(("launch", number(launched)))
             return launched
 
         def recording_finish(launched):  # type: ignore[no-untyped-def]
-            self.order.append(("finish", numbers[id(launched)]))
+            self.order.append(("finish", number(launched)))
             self.dropped += sum(c.seq.status == Status.FINISHED for c in launched.chunks)
             return finish(launched)
 
