@@ -325,6 +325,7 @@ def compare_kv_cache_dtypes(args: argparse.Namespace, hf, directory: str, dtype:
             "engine.max_num_batched_tokens": args.max_batched_tokens,
             "engine.enable_prefix_caching": False,
             "engine.cuda_graphs": not args.no_cuda_graphs,
+            "engine.async_scheduling": False if args.no_async_scheduling else None,  # None: the default
             "engine.max_model_len": args.prompt_len + args.new_tokens,
         })
         kv = llm.engine.runner.kv
@@ -413,6 +414,8 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="engine.max_num_batched_tokens")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per batch (medians reported)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="engine.cuda_graphs = false")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="engine.async_scheduling = false (default: on for CUDA)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                         help="fp8_e4m3: the engine's fp8 against its model-dtype KV cache (docstring)")
     parser.add_argument("--json-out")
@@ -457,6 +460,7 @@ def main() -> None:
             "engine.max_num_seqs": max(batches),
             "engine.enable_prefix_caching": False,
             "engine.cuda_graphs": not args.no_cuda_graphs,
+            "engine.async_scheduling": False if args.no_async_scheduling else None,  # None: the default
         },
     )
     stage("engine loaded, warmed up and its graphs recorded")
@@ -519,7 +523,8 @@ def main() -> None:
         f"weights {weight_bytes / 2**20:.0f} MiB, "
         f"prompt {args.prompt_len}, new tokens {args.new_tokens} (transformers {hf_new_tokens}), "
         f"max_num_batched_tokens {args.max_batched_tokens}, decode CUDA graphs: "
-        f"{llm.engine.runner.decode_graphs_off or 'on'}"
+        f"{llm.engine.runner.decode_graphs_off or 'on'}, "
+        f"async scheduling: {'on' if llm.engine.async_scheduling else 'off'}"
     )
     print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     if device == "cuda":  # the KV cache, both models and every captured graph's pool

@@ -121,6 +121,8 @@ def probe(family: str, batch: int, args: argparse.Namespace) -> dict[str, float]
         "engine.block_size": args.block_size, "engine.max_num_seqs": batch,
         "engine.max_num_batched_tokens": budget, "engine.max_model_len": max_len,
         "engine.enable_prefix_caching": args.prefix_caching, "engine.cpu_kv_cache_gib": 1.0,
+        # phases of the synchronous step: a pipelined step's host work overlaps the device's
+        "engine.async_scheduling": False,
     })
     engine, runner = llm.engine, llm.engine.runner
     gen = torch.Generator().manual_seed(args.seed)

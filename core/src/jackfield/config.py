@@ -96,6 +96,9 @@ class EngineConfig:
     # (GPU-bound: on the H200 a replayed 8192-token step ran 5-10% slower than the eager one, a
     # 512-token step 3x faster); 0: prefill steps always run eagerly
     prefill_graph_max_tokens: int = 2048
+    # schedule and stage step N+1 while the device runs step N (decode steps; vLLM's
+    # --async-scheduling); None: on for CUDA, off on the CPU (nothing to overlap there)
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -220,15 +220,18 @@ class BlockManager:
                 table.append(block_id)
         self.table_rows.extend(seq.table_row, seq.block_tables)
 
-    def commit(self, seq: Sequence) -> None:
-        """Register the full blocks whose KV is now computed so later requests can share them.
-        (Runs after every step, before the next `trim`, so no window has dropped them yet.)"""
+    def commit(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register the full blocks among the first `num_tokens` (default: num_computed), whose
+        KV is computed, so later requests can share them. (Runs after every step, before the next
+        `trim`, so no window has dropped them yet; under async scheduling the next step's trim
+        came first, and a window group's block that it dropped is not registered.)"""
         if not self.enable_prefix_caching:
             return
         hashes = self.hashes.setdefault(seq.request_id, [])
-        if seq.num_computed // self.block_size <= len(hashes):
+        num_blocks = (seq.num_computed if num_tokens is None else num_tokens) // self.block_size
+        if num_blocks <= len(hashes):
             return  # no block filled since the last commit (most decode steps)
-        chain = self.block_hashes(seq, seq.num_computed // self.block_size)
+        chain = self.block_hashes(seq, num_blocks)
         for index in range(len(hashes), len(chain)):
             tokens = seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
             h = chain[index]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,7 +44,10 @@ from jackfield.engine.block_table import BlockTableRows
 from jackfield.engine.recurrent_state import RecurrentStates
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import StepContextBuilder
-from jackfield.ops.staging import CpuGpuBuffer
+from jackfield.ops.staging import CopyFence, CpuGpuBuffer
+
+if TYPE_CHECKING:
+    from jackfield.engine.model_runner import InFlightIds
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -96,6 +100,7 @@ class DecodeGraphs:
         self.recurrent = recurrent
         self.state_slots = CpuGpuBuffer(largest, dtype=torch.int64, device=device)
         self.has_state = CpuGpuBuffer(largest, dtype=torch.bool, device=device)
+        self.fence = CopyFence(device)  # the host buffers above are rewritten each step
         # per (batch size, rows a request): the graph, its final hidden states and its tapped
         # layer inputs (output buffers), and the step context it was recorded with: a replay reads
         # the context's tensors by address (a hybrid model's recurrent metadata is made for the
@@ -153,12 +158,16 @@ class DecodeGraphs:
             return None
         return q
 
-    def run(self, chunks: list[ScheduledChunk], q: int, taps: LayerTaps | None = None) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], q: int, taps: LayerTaps | None = None,
+            in_flight: InFlightIds | None = None) -> torch.Tensor:
         """The hidden states of the step's rows, request by request ([sum of num_tokens, D]; with
         q = 1 a view of the graph's output buffer, valid until the next replay); `taps` (of the
-        recorded `tap_layers`) gets the tapped layers' inputs of the same rows."""
+        recorded `tap_layers`) gets the tapped layers' inputs of the same rows; `in_flight`
+        writes the input tokens that are still on the device (async scheduling)."""
         size = next(s for s in self.sizes if s >= len(chunks))
         total = self._fill(chunks, size, q)
+        if in_flight is not None:
+            in_flight.write(self.input_ids.gpu)
         if self.record:
             graph, hidden, states, _ = self.graphs[size, q]
             graph.replay()
@@ -177,12 +186,13 @@ class DecodeGraphs:
     def _fill(self, chunks: list[ScheduledChunk], size: int, q: int) -> int:
         """Write the step's rows into the static buffers (q rows a request); rows past the batch
         see no KV and write none; returns the real rows. The pinned host buffers are rewritten
-        safely: the previous step's copies finished at its token read-back (the one sync a step)."""
+        once the previous fill's copies out of them ran (`CopyFence`: under async scheduling
+        they may still be queued)."""
+        self.fence.wait()
         n, bs, rows, pad = len(chunks), self.block_size, size * q, size - len(chunks)
         ids: list[int] = []
         for c in chunks:
-            seq, start = c.seq, c.seq.num_computed
-            real = seq.token_ids[start : start + c.num_tokens - c.num_drafts] + seq.draft_ids[: c.num_drafts]
+            real = c.input_ids
             ids += real + real[-1:] * (q - len(real))  # padding rows repeat the last token
         starts = [c.seq.num_computed for c in chunks]
         offsets = torch.arange(q)
@@ -227,6 +237,7 @@ class DecodeGraphs:
             # entries past a request's blocks are read only by padding rows (output dropped)
             block_table.cpu[:n, :width] = group_table
             block_table.copy_to_device(n)
+        self.fence.record()
         return total
 
     def _context(self, size: int, q: int) -> StepContext:

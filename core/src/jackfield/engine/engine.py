@@ -7,6 +7,14 @@ commits full blocks to the prefix cache and finishes requests. Speculative verif
 connector loads/saves and tensor parallelism enter at those points, nowhere else: a KV
 connector's report is read at the start of a step (and right after a step with in-step loads),
 its metadata built once after scheduling.
+
+Async scheduling (`engine.async_scheduling`, vLLM's --async-scheduling) pipelines decode steps:
+schedule N+1 -> launch N+1 -> finish N. The host schedules and stages step N+1 while the device
+runs step N; step N's sampled tokens stay on the device and feed step N+1's inputs there; the
+host reads them back (stops, per-request update) after N+1 is queued. `_pipelines` says which
+steps qualify; any other step first drains the pipeline (finishes the launched step), then runs
+as above. A stop is seen a step late: a request that stopped at N was already launched at N+1,
+whose token is dropped.
 """
 
 from __future__ import annotations
@@ -38,9 +46,9 @@ from jackfield.contracts.kv_connector import (
 from jackfield.contracts.sampler import Sampler, SamplingParams
 from jackfield.distributed.cp_common import init_parallel
 from jackfield.engine.block_manager import BlockManager, max_request_blocks
-from jackfield.engine.model_runner import ModelRunner
-from jackfield.engine.scheduler import Scheduler
-from jackfield.engine.sequence import Sequence
+from jackfield.engine.model_runner import LaunchedStep, ModelRunner
+from jackfield.engine.scheduler import ScheduledChunk, Scheduler
+from jackfield.engine.sequence import Sequence, Status
 from jackfield.engine.tokenizer import load_tokenizer
 from jackfield.gguf_files import checkpoint_dir
 from jackfield.models import load_model
@@ -146,6 +154,10 @@ class Engine:
                                    self.max_model_len)
         self._seeds = random.Random(config.sampler.seed)
         self._next_id = 0
+        # nothing to overlap on the CPU: the host computes the step itself
+        self.async_scheduling = (engine.async_scheduling if engine.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self._launched: LaunchedStep | None = None  # a pipelined step, its tokens not read back yet
         if self.device.type == "cuda" and self.capabilities.causal:
             say("warming up")
             self._warm_up()
@@ -186,8 +198,11 @@ class Engine:
         return self.scheduler.has_work()
 
     def abort(self, seq: Sequence) -> None:
-        """Finish `seq` as aborted and free its blocks (a no-op once it finished)."""
+        """Finish `seq` as aborted and free its blocks (a no-op once it finished). A token it has
+        in flight is dropped when its step is read back; the blocks that step still writes are
+        reused only by steps queued after it."""
         self.scheduler.abort(seq)
+        self._settle()
 
     def add_request(self, token_ids: list[int], params: SamplingParams,
                     pooling: str | None = None) -> Sequence:
@@ -249,14 +264,32 @@ class Engine:
                              "use stop_token_ids")
 
     def step(self) -> list[Sequence]:
-        """One engine step; returns the requests it finished."""
+        """One engine step; returns the requests it finished (under async scheduling, those the
+        previous step finished)."""
         connector = self.scheduler.connector
         if connector is not None:
             self.scheduler.update_from_connector(self.runner.connector_finished())
         chunks = self.scheduler.schedule()
+        launched = self._launched
+        if chunks and self._pipelines(chunks):
+            # a launch that raises leaves the previous step the one to read back (or drop)
+            self._launched = self.runner.launch(chunks, launched)
+            for chunk in chunks:  # their KV is being written; their tokens come back next step
+                chunk.seq.num_computed += 1
+                chunk.seq.num_in_flight += 1
+            finished = self._finish_launched(launched) if launched is not None else []
+            self._settle()
+            return finished
+        # Drain: this step is built from the host's tokens. Requests that stopped at the drained
+        # step were scheduled again (their blocks are freed now): their chunks go.
+        self._launched = None
+        finished = self._finish_launched(launched) if launched is not None else []
+        chunks = [c for c in chunks if c.seq.status == Status.RUNNING]
         metadata = (connector.build_connector_meta(self.scheduler.scheduled_requests(chunks))
                     if connector is not None else None)
         if not chunks:
+            if launched is not None:  # the scheduled requests waited for their last tokens
+                return finished
             if metadata is None or not (self.scheduler.loading or self.scheduler.held):
                 raise RuntimeError("scheduler made no progress (a request cannot fit the KV cache)")
             self.runner.transfer(metadata)  # only loads in flight: they finish in a later step
@@ -316,6 +349,65 @@ class Engine:
         if isinstance(self.drafter, TokenDrafter):
             self._propose([c.seq for c in chunks if c.seq in self.scheduler.running])
         return finished
+
+    def _pipelines(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether this step is pipelined (async scheduling): launched now, its tokens read back
+        during the next step, whose inputs take them on the device. That needs a step whose every
+        row is a plain decode, and nothing that needs a step's tokens on the host before the next
+        step is built. Ruled out, so run synchronously after a drain:
+        - engine.async_scheduling off (the default on the CPU);
+        - a drafter (a verify step's accepted count moves positions; proposals read the tokens),
+          a KV connector (per-step reports, exportable tokens), recurrent layers (their eager
+          step and verify rollback), several ranks, a pending fp8 scale calibration;
+        - a step with a prefill chunk or an embedding request (a new request is admitted through
+          a drain and one synchronous step), penalties and logprobs (they read the tokens).
+        A request preempted with a token in flight needs no drain: its token is appended when
+        read back and recomputed with the rest (Scheduler.finish takes it from the queue if that
+        token stopped it)."""
+        if (not self.async_scheduling or self.drafter is not None or self.scheduler.connector is not None
+                or self.model.recurrent_state_layers or self.parallel.tp_size > 1
+                or self.runner.calibrate_at_next_step):
+            return False
+        return all(c.num_tokens == 1 and c.samples and c.seq.pooling is None and not c.seq.params.penalized
+                   and c.seq.params.logprobs is None for c in chunks)
+
+    def _finish_launched(self, launched: LaunchedStep) -> list[Sequence]:
+        """Read a pipelined step's tokens back and apply them; returns the requests they
+        finished. A request finished since the launch (stopped by the step before, or aborted)
+        drops its token."""
+        tokens = self.runner.finish(launched)
+        now = time.perf_counter()
+        finished = []
+        for chunk, token in zip(launched.chunks, tokens, strict=True):
+            seq = chunk.seq
+            seq.num_in_flight -= 1
+            if seq.status == Status.FINISHED:
+                continue
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if seq.status == Status.RUNNING:
+                # The tokens before the newest, as a synchronous step commits: the next step (in
+                # flight) is computing the newest token's KV, committed once that step is read back.
+                self.block_manager.commit(seq, seq.num_tokens - 1)
+            if reason:
+                seq.finish_time = now
+                self.scheduler.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _settle(self) -> None:
+        """Drop the launched step when none of its requests runs any more (they stopped a step
+        late or were aborted): its tokens would all be dropped, and callers step only while the
+        scheduler has work. Its device work needs no wait: blocks it writes are reused only by
+        steps queued after it."""
+        launched = self._launched
+        if launched is None or any(c.seq.status == Status.RUNNING for c in launched.chunks):
+            return
+        self._launched = None
+        for chunk in launched.chunks:
+            chunk.seq.num_in_flight -= 1
 
     def _propose(self, seqs: list[Sequence]) -> None:
         """Drafts for the requests that decode next step, no more than their remaining tokens and

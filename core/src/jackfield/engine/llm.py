@@ -93,7 +93,7 @@ class LLM:
                         progress(done, len(seqs))
             except BaseException:
                 for seq in seqs:
-                    engine.scheduler.abort(seq)
+                    engine.abort(seq)
                 raise
             finally:
                 bar.close()

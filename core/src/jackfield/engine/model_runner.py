@@ -48,7 +48,7 @@ from jackfield.engine.sequence import Sequence
 from jackfield.models.attention import StepContextBuilder
 from jackfield.models.embedding import pool
 from jackfield.models.kv_scales import KVScalePlan
-from jackfield.ops.staging import async_tensor_h2d, host_single_threaded
+from jackfield.ops.staging import async_tensor_h2d, host_empty, host_single_threaded
 from jackfield.sampling.filters import filter_cutoffs
 from jackfield.sampling.processors import apply_processors, bias_and_mask_from_params, penalties_from_rows
 from jackfield.sampling.speculative import NO_TOKEN, greedy_accept, rejection_verify, target_probabilities
@@ -66,6 +66,34 @@ class StepResult:
     # A model drafter's drafts per sampling chunk: (token ids, their probabilities or None); None
     # without a model drafter.
     drafts: list[tuple[list[int], torch.Tensor | None]] | None = None
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A decode step launched under async scheduling (`ModelRunner.launch`): its sampled tokens
+    are still on the device, their copy to the host queued behind the step."""
+
+    chunks: list[ScheduledChunk]
+    tokens: torch.Tensor  # [len(chunks)] int64 on the device, chunk order (-1: no finite logit)
+    host_tokens: torch.Tensor  # the same, copied into pinned host memory without blocking
+    copied: torch.cuda.Event | None  # recorded after that copy (None off CUDA: copied already)
+    rows: dict[int, int]  # request id -> its row of `tokens`
+
+
+@dataclass(frozen=True)
+class InFlightIds:
+    """Input rows of a step whose token a launched step sampled and the host has not read back:
+    `rows` of the step's input ids take `source[index]`, on the device (a gather by row)."""
+
+    rows: torch.Tensor  # int64 on the device
+    source: torch.Tensor  # the launched step's sampled tokens
+    index: torch.Tensor  # int64 on the device: each row's token in `source`
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        # -1 marks a row without a finite logit: its step fails at read-back, but this step was
+        # launched first and must not index the embedding out of range
+        tokens = self.source.index_select(0, self.index).clamp(min=0)
+        input_ids.index_copy_(0, self.rows, tokens.to(input_ids.dtype))
 
 
 def greedy(logits: torch.Tensor) -> SamplerOutput:
@@ -240,10 +268,7 @@ class ModelRunner:
     def _metadata(self, chunks: list[ScheduledChunk],
                   ) -> tuple[list[AttentionMetadata], list[int], torch.Tensor]:
         """(metadata per KV cache group, input ids, positions) for the step's flat batch."""
-        input_ids: list[int] = []
-        for chunk in chunks:
-            seq, start, known = chunk.seq, chunk.seq.num_computed, chunk.num_tokens - chunk.num_drafts
-            input_ids += seq.token_ids[start : start + known] + seq.draft_ids[: chunk.num_drafts]
+        input_ids = [token for chunk in chunks for token in chunk.input_ids]
         spans = [Span(c.seq, c.seq.num_computed, c.num_tokens) for c in chunks]
         per_group, positions = self._span_metadata(spans, sum(c.is_decode for c in chunks))  # decodes first
         return per_group, input_ids, positions
@@ -300,7 +325,7 @@ class ModelRunner:
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
         """One row per sampled position: a verify chunk's row i samples position num_tokens + i
         (its last row is the bonus token's distribution)."""
-        rows = [(c.seq, c.seq.num_tokens + i) for c in sampling for i in range(1 + c.num_drafts)]
+        rows = [(c.seq, c.seq.num_tokens_ahead + i) for c in sampling for i in range(1 + c.num_drafts)]
         params = [seq.params for seq, _ in rows]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         vocab = self.capabilities.vocab_size
@@ -329,10 +354,11 @@ class ModelRunner:
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def forward(self, chunks: list[ScheduledChunk], output_rows: list[int] | None = None,
                 hooks: LayerHooks | None = None, recurrent: RecurrentStep | None = None,
-                taps: LayerTaps | None = None) -> torch.Tensor:
+                taps: LayerTaps | None = None, in_flight: InFlightIds | None = None) -> torch.Tensor:
         """Final hidden states of `output_rows` of the step's flat batch (all rows when None),
         writing every row's KV (`hooks` around each layer's attention; `recurrent`: a hybrid
-        model's recurrent layers' part of the step; `taps` collects layer inputs over every row)."""
+        model's recurrent layers' part of the step; `taps` collects layer inputs over every row;
+        `in_flight` writes the input tokens still on the device)."""
         calibrate, self.calibrate_at_next_step = self.calibrate_at_next_step, False
         with host_single_threaded():
             per_group, input_ids, positions = self._metadata(chunks)
@@ -342,6 +368,8 @@ class ModelRunner:
                 context = dataclasses.replace(context, recurrent=recurrent)
             rows = None if output_rows is None else self._h2d(output_rows, torch.int64)
             ids, pos = self._h2d(input_ids, torch.int64), self._h2d(positions, torch.int64)
+            if in_flight is not None:
+                in_flight.write(ids)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):
             hidden = self.pieces.run(ids, pos, context, hooks, taps)  # every row (a graph has no row choice)
             return hidden if rows is None else hidden[rows]
@@ -391,19 +419,8 @@ class ModelRunner:
             self._end_saves(connector_metadata)
             return StepResult([], [], embeddings, prompt_logprobs, drafts)
         logits = self.model.compute_logits(hidden)  # one row per sampled position
-        metadata = None
-        if all(_plain_greedy(c.seq.params) for c in sampling):
-            out = greedy(logits)
-        else:
-            with host_single_threaded():
-                metadata = self._sampling_metadata(sampling)
-            out = self.sampler.sample(logits, metadata)
-        tokens = out.token_ids
-        if out.invalid_rows is not None:
-            tokens = torch.where(out.invalid_rows, -1, tokens)
-        token_ids = tokens.tolist()  # the step's one host sync (a random verify adds one)
-        if -1 in token_ids:
-            raise FloatingPointError("the model produced no finite logit for a request (NaN/inf activations)")
+        tokens, out, metadata = self._sample(logits, sampling)
+        token_ids = _checked(tokens.tolist())  # the step's one host sync (a random verify adds one)
         first_row = list(itertools.accumulate((1 + c.num_drafts for c in sampling), initial=0))
         emitted = [greedy_accept(c.seq.draft_ids[: c.num_drafts], token_ids[first_row[i] : first_row[i + 1]])
                    for i, c in enumerate(sampling)]
@@ -435,6 +452,57 @@ class ModelRunner:
         drafts = self._draft(chunks, every_row, emitted, taps, hooks)
         self._end_saves(connector_metadata)
         return StepResult(emitted, logprobs, embeddings, prompt_logprobs, drafts)
+
+    @torch.no_grad()
+    def launch(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> LaunchedStep:
+        """Async scheduling's first half of a decode step (one sampling row a request; the
+        engine's `_pipelines` chose the step): stage it, replay its graph or run it eagerly, sample
+        into a device tensor and queue the tokens' copy to the host; nothing waits for the device.
+        A request whose input token `previous` sampled takes it from `previous.tokens` on the
+        device. `finish` reads the tokens back."""
+        in_flight = None
+        moved = [(row, c.seq.request_id) for row, c in enumerate(chunks) if c.seq.num_in_flight]
+        if moved:
+            assert previous is not None, "a token in flight comes from the launched step"
+            in_flight = InFlightIds(self._h2d([row for row, _ in moved], torch.int64), previous.tokens,
+                                    self._h2d([previous.rows[rid] for _, rid in moved], torch.int64))
+        q = self.graphs.query_len(chunks) if self.graphs is not None else None
+        if q is not None:
+            assert self.graphs is not None
+            with host_single_threaded():  # the replay itself is GPU work
+                hidden = self.graphs.run(chunks, q, in_flight=in_flight)
+        else:
+            hidden = self.forward(chunks, in_flight=in_flight)
+        tokens = self._sample(self.model.compute_logits(hidden), chunks)[0]
+        host = host_empty(tuple(tokens.shape), tokens.dtype)  # a fresh buffer: nothing rewrites it
+        host.copy_(tokens, non_blocking=True)
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        return LaunchedStep(chunks, tokens, host, copied, {c.seq.request_id: i for i, c in enumerate(chunks)})
+
+    def finish(self, launched: LaunchedStep) -> list[int]:
+        """A launched step's tokens on the host, one per chunk (waits for their copy)."""
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        return _checked(launched.host_tokens.tolist())
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk],
+                ) -> tuple[torch.Tensor, SamplerOutput, SamplingMetadata | None]:
+        """(each row's token on the device, -1 where no logit was finite; the sampler's output;
+        the sampling metadata, None for an all-greedy step)."""
+        metadata = None
+        if all(_plain_greedy(c.seq.params) for c in sampling):
+            out = greedy(logits)
+        else:
+            with host_single_threaded():
+                metadata = self._sampling_metadata(sampling)
+            out = self.sampler.sample(logits, metadata)
+        tokens = out.token_ids
+        if out.invalid_rows is not None:
+            tokens = torch.where(out.invalid_rows, -1, tokens)
+        return tokens, out, metadata
 
     def _end_saves(self, metadata: ConnectorMetadata | None) -> None:
         """The model drafter's caches go to the connector's save once the drafter wrote them; then
@@ -562,6 +630,12 @@ def _output_rows(chunks: list[ScheduledChunk]) -> list[int]:
             rows += range(start if chunk.seq.pooling is not None else end - 1 - chunk.num_drafts, end)
         start = end
     return rows
+
+
+def _checked(token_ids: list[int]) -> list[int]:
+    if -1 in token_ids:
+        raise FloatingPointError("the model produced no finite logit for a request (NaN/inf activations)")
+    return token_ids
 
 
 def _plain_greedy(params: SamplingParams) -> bool:

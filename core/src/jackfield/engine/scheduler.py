@@ -20,6 +20,10 @@ A model drafter writes KV past a step's rows (its draft rows); a running request
 also cover `lookahead` slots past them where the pool has them (never at the cost of another
 request, and never for a request's first step, the P/D rule: a remote prefill allocates the
 prompt's blocks only); the drafter drafts no further than its blocks reach.
+
+Under async scheduling (engine.py) a decoding request may have its previous token in flight: it is
+counted as known (`Sequence.num_tokens_ahead`), so the request decodes its next position, unless
+that token is its last by max_tokens or max_model_len (then it waits for its read-back and finish).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class ScheduledChunk:
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        reaches = self.seq.num_computed + self.num_tokens - self.num_drafts == self.seq.num_tokens
+        reaches = self.seq.num_computed + self.num_tokens - self.num_drafts == self.seq.num_tokens_ahead
         object.__setattr__(self, "samples", reaches)  # frozen: set once, here
 
     @property
@@ -58,6 +62,15 @@ class ScheduledChunk:
         if seq.params.prompt_logprobs is None or seq.pooling is not None:
             return range(0)
         return range(seq.num_computed, min(seq.num_computed + self.num_tokens, seq.prompt_len - 1))
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The chunk's query tokens: its known tokens, then its drafts. A token still in flight
+        (async scheduling: the previous step's, not read back yet) is a 0 here; the step writes
+        it on the device from the previous step's sampled tokens (`InFlightIds`)."""
+        seq, start, known = self.seq, self.seq.num_computed, self.num_tokens - self.num_drafts
+        ids = seq.token_ids[start : start + known]
+        return ids + [0] * (known - len(ids)) + seq.draft_ids[: self.num_drafts]
 
     @property
     def is_decode(self) -> bool:
@@ -151,6 +164,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.num_in_flight and self._ends_in_flight(seq):
+                index += 1
+                continue
             count = min(seq.num_uncomputed, budget)
             # A decode verifies its drafts when all of them fit the budget (their KV slots are
             # reserved with the rest; rejected ones are overwritten later), else decodes plainly.
@@ -216,6 +232,12 @@ class Scheduler:
                                f"{seq.num_tokens}-token request: whole blocks, short of the last token")
         return external, load_async
 
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether the token `seq` has in flight is its last (max_tokens, max_model_len)."""
+        ahead = seq.num_tokens_ahead
+        return (ahead - seq.prompt_len >= seq.params.max_tokens
+                or self.max_model_len is not None and ahead >= self.max_model_len)
+
     def _with_lookahead(self, seq: Sequence, num_tokens: int) -> int:
         """The slots to hold: `num_tokens` and the lookahead past them, where the pool has it."""
         if not self.lookahead:
@@ -237,8 +259,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        self.running.remove(seq)
-        self._release(seq)
+        if seq.status == Status.WAITING:  # preempted while its last token was in flight
+            self.waiting.remove(seq)
+            self.blocks.release(seq)
+        else:
+            self.running.remove(seq)
+            self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 

@@ -60,7 +60,10 @@ class SpeculativeStats:
 @dataclass(eq=False)  # identity: the scheduler's lists hold each request once
 class Sequence:
     """`token_ids` is prompt + generated so far. `num_computed` tokens have their KV in the cache
-    (after a preemption it drops to 0 and everything is recomputed, generated tokens included)."""
+    (after a preemption it drops to 0 and everything is recomputed, generated tokens included).
+    Under async scheduling a decode step's token is `in flight` from its launch until the engine
+    reads it back a step later: `num_computed` already counts the step's position (its KV is
+    being written), `token_ids` does not yet hold the token."""
 
     request_id: int
     prompt_len: int
@@ -76,6 +79,7 @@ class Sequence:
     num_cached_prefix: int = 0  # tokens served by the prefix cache on the first admission
     num_loading: int = 0  # tokens past num_computed whose KV a connector is loading
     num_preemptions: int = 0
+    num_in_flight: int = 0  # sampled tokens launched but not read back yet (async scheduling)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), filled by prefill
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -114,5 +118,10 @@ class Sequence:
         return self.block_tables[0] if self.block_tables else []
 
     @property
+    def num_tokens_ahead(self) -> int:
+        """Known tokens and those in flight: the position after the newest launched token."""
+        return len(self.token_ids) + self.num_in_flight
+
+    @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
+        return self.num_tokens_ahead - self.num_computed

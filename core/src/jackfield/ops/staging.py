@@ -74,3 +74,27 @@ class CpuGpuBuffer:
         if self.gpu is not self.cpu:
             self.gpu[:rows].copy_(self.cpu[:rows], non_blocking=True)
         return self.gpu[:rows]
+
+
+class CopyFence:
+    """Pinned host buffers that each step rewrites, guarded: `wait()` before rewriting them
+    returns once the copies out of them that the last `record()` followed have run. A step's
+    non-blocking copies run when the device reaches them in its stream; while the engine ended
+    every step in a read-back they had always run by the next step, but under async scheduling
+    the host fills step N+1 while the device may still be on step N - 1, with step N's copies
+    queued behind it: rewriting the buffers then would hand step N step N+1's inputs. The wait
+    costs little: by the time N+1 is filled, step N - 1 was read back, so step N's copies are
+    next in the stream. A no-op off CUDA (the copies are synchronous there)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.event: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def record(self) -> None:
+        if self.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
