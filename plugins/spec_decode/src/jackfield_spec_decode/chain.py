@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 from jackfield.contracts.drafter import DraftContext, DraftProposal, DraftRows
+from jackfield.ops.staging import async_tensor_h2d
 
 
 def draft_chain(context: DraftContext, num_speculative_tokens: int, hidden: torch.Tensor,
@@ -31,7 +32,8 @@ def draft_chain(context: DraftContext, num_speculative_tokens: int, hidden: torc
         if not keep:
             break
         if len(keep) < len(requests):
-            index = torch.tensor(keep, device=hidden.device)
+            # pinned and asynchronous: a tensor made from a list on the device waits for the device
+            index = async_tensor_h2d(keep, torch.int64, hidden.device, pin_memory=True)
             requests, tokens, hidden = [requests[i] for i in keep], tokens[index], hidden[index]
         rows = context.draft_rows(requests, draft, tokens.clamp(min=0), hidden)
         hidden = forward(draft, rows)

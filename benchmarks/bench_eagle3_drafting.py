@@ -1,0 +1,121 @@
+"""The host cost of EAGLE-3 drafting (issue 18): a random Llama target and a random EAGLE-3 head,
+no checkpoint download. Per batch size, the median of an engine step without drafts, of an
+eagle3 step, and of the eagle3 step's drafting phase alone (the model runner's `_draft`: the head
+over the verified rows and the chain of drafts, between device syncs), all greedy with
+`ignore_eos`. A random head's drafts are rarely accepted: the figures are per step, not tokens/s.
+
+  python benchmarks/bench_eagle3_drafting.py                      # CUDA when present (graphs on)
+  python benchmarks/bench_eagle3_drafting.py --device cpu --profile 1   # cProfile of batch 1's drafting
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from jackfield import LLM, SamplingParams
+from jackfield.testing.checkpoints import write_granite
+from jackfield_spec_decode.testing import write_eagle3
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_phase(llm: LLM, batch: list[list[int]], params: SamplingParams, device: str,
+                profile: cProfile.Profile | None = None) -> tuple[list[float], list[float]]:
+    """(seconds of each decode step, seconds of each step's drafting phase), each between syncs."""
+    runner, engine = llm.engine.runner, llm.engine
+    inner = runner._draft
+    drafting: list[float] = []
+
+    def timed(*args: object) -> object:
+        sync(device)
+        start = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        out = inner(*args)
+        sync(device)
+        if profile is not None:
+            profile.disable()
+        drafting.append(time.perf_counter() - start)
+        return out
+
+    if runner.drafter is not None:
+        runner._draft = timed
+    steps: list[float] = []
+    try:
+        seqs = engine.add_requests([(p, params) for p in batch])
+        while engine.scheduler.has_work():
+            prefilling = any(s.num_computed < s.prompt_len for s in seqs)
+            sync(device)
+            start = time.perf_counter()
+            engine.step()
+            sync(device)
+            if not prefilling:
+                steps.append(time.perf_counter() - start)
+    finally:
+        if runner.drafter is not None:
+            del runner._draft  # the method again
+    return steps, drafting
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=30, help="the target's layers (SmolLM2-135M: 30)")
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--draft-vocab", type=int, default=16384)
+    parser.add_argument("--profile", type=int, metavar="BATCH",
+                        help="cProfile the drafting at this batch size")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    with tempfile.TemporaryDirectory() as tmp:
+        target, head = Path(tmp) / "target", Path(tmp) / "head"
+        write_granite("llama", target, vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=4 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=9,
+                      num_key_value_heads=3, max_position_embeddings=2048)
+        taps = None if args.layers >= 8 else [0, 1, args.layers - 1]  # the default needs 8 layers
+        write_eagle3(head, target, 0, taps=taps, draft_vocab=args.draft_vocab, heads=9, kv_heads=3,
+                     head_dim=args.hidden // 9, intermediate=4 * args.hidden, max_position_embeddings=2048)
+        base = {"engine.device": args.device, "model.dtype": str(dtype).removeprefix("torch."),
+                "engine.enable_prefix_caching": False}
+        spec = {"speculative.method": "eagle3", "speculative.num_speculative_tokens": args.k,
+                "speculative.model": str(head)}
+        plain, eagle = LLM(str(target), **base), LLM(str(target), **base, **spec)
+        params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+        g = torch.Generator().manual_seed(0)
+        print(f"device {args.device}, target {args.layers} layers x {args.hidden}, vocab {args.vocab}, "
+              f"draft vocab {args.draft_vocab}, k {args.k}, {args.new_tokens} new tokens")
+        print("| batch | plain step ms | eagle3 step ms | its drafting ms |")
+        print("|---:|---:|---:|---:|")
+        for batch_size in args.batch_sizes:
+            batch = [torch.randint(0, args.vocab, (32,), generator=g).tolist() for _ in range(batch_size)]
+            median: Callable[[list[float]], float] = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+            timed_phase(plain, batch, params, args.device)  # warm-up
+            timed_phase(eagle, batch, params, args.device)
+            plain_steps, _ = timed_phase(plain, batch, params, args.device)
+            profile = cProfile.Profile() if batch_size == args.profile else None
+            eagle_steps, drafting = timed_phase(eagle, batch, params, args.device, profile)
+            print(f"| {batch_size} | {median(plain_steps):.2f} | {median(eagle_steps):.2f} | "
+                  f"{median(drafting):.2f} |", flush=True)
+            if profile is not None:
+                print(f"cProfile of {len(drafting)} drafting phases at batch {batch_size}:")
+                pstats.Stats(profile).sort_stats("tottime").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
