@@ -1,8 +1,10 @@
-"""The host cost of EAGLE-3 drafting (issue 18): a random Llama target and a random EAGLE-3 head,
-no checkpoint download. Per batch size, the median of an engine step without drafts, of an
-eagle3 step, and of the eagle3 step's drafting phase alone (the model runner's `_draft`: the head
-over the verified rows and the chain of drafts, between device syncs), all greedy with
-`ignore_eos`. A random head's drafts are rarely accepted: the figures are per step, not tokens/s.
+"""The host cost of EAGLE-3 drafting (issue 18): a random Llama target and a random EAGLE-3 head
+(SmolLM2-135M's shapes by default), no checkpoint download. Per batch size, the median of an
+engine step without drafts, of an eagle3 step, and of the eagle3 step's drafting phase alone (the
+model runner's `_draft`: the head over the verified rows and the chain of drafts, between device
+syncs), all greedy with `ignore_eos`. A random head's drafts are rarely accepted: the figures
+are per step, not tokens/s. On CUDA, a further run counts each drafting phase's host syncs (the
+chain's one read-back is one).
 
   python benchmarks/bench_eagle3_drafting.py                      # CUDA when present (graphs on)
   python benchmarks/bench_eagle3_drafting.py --device cpu --profile 1   # cProfile of batch 1's drafting
@@ -16,6 +18,7 @@ import pstats
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,8 +34,11 @@ def sync(device: str) -> None:
 
 
 def timed_phase(llm: LLM, batch: list[list[int]], params: SamplingParams, device: str,
-                profile: cProfile.Profile | None = None) -> tuple[list[float], list[float]]:
-    """(seconds of each decode step, seconds of each step's drafting phase), each between syncs."""
+                profile: cProfile.Profile | None = None, syncs: list[int] | None = None,
+                ) -> tuple[list[float], list[float]]:
+    """(seconds of each decode step, seconds of each step's drafting phase), each between syncs.
+    `syncs` (CUDA): gets the host syncs of each drafting phase, as CUDA's sync debug mode counts
+    them (each timed phase then runs with the warnings on)."""
     runner, engine = llm.engine.runner, llm.engine
     inner = runner._draft
     drafting: list[float] = []
@@ -42,7 +48,17 @@ def timed_phase(llm: LLM, batch: list[list[int]], params: SamplingParams, device
         start = time.perf_counter()
         if profile is not None:
             profile.enable()
-        out = inner(*args)
+        if syncs is not None:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = inner(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        else:
+            out = inner(*args)
         sync(device)
         if profile is not None:
             profile.disable()
@@ -112,6 +128,11 @@ def main() -> None:
             eagle_steps, drafting = timed_phase(eagle, batch, params, args.device, profile)
             print(f"| {batch_size} | {median(plain_steps):.2f} | {median(eagle_steps):.2f} | "
                   f"{median(drafting):.2f} |", flush=True)
+            if args.device == "cuda":
+                syncs: list[int] = []
+                timed_phase(eagle, batch, params, args.device, syncs=syncs)
+                print(f"host syncs per drafting phase at batch {batch_size} (CUDA sync debug mode): "
+                      f"min {min(syncs)}, max {max(syncs)}, over {len(syncs)} phases", flush=True)
             if profile is not None:
                 print(f"cProfile of {len(drafting)} drafting phases at batch {batch_size}:")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(40)
