@@ -124,8 +124,7 @@ def main() -> None:
             timed_phase(plain, batch, params, args.device)  # warm-up
             timed_phase(eagle, batch, params, args.device)
             plain_steps, _ = timed_phase(plain, batch, params, args.device)
-            profile = cProfile.Profile() if batch_size == args.profile else None
-            eagle_steps, drafting = timed_phase(eagle, batch, params, args.device, profile)
+            eagle_steps, drafting = timed_phase(eagle, batch, params, args.device)
             print(f"| {batch_size} | {median(plain_steps):.2f} | {median(eagle_steps):.2f} | "
                   f"{median(drafting):.2f} |", flush=True)
             if args.device == "cuda":
@@ -133,8 +132,10 @@ def main() -> None:
                 timed_phase(eagle, batch, params, args.device, syncs=syncs)
                 print(f"host syncs per drafting phase at batch {batch_size} (CUDA sync debug mode): "
                       f"min {min(syncs)}, max {max(syncs)}, over {len(syncs)} phases", flush=True)
-            if profile is not None:
-                print(f"cProfile of {len(drafting)} drafting phases at batch {batch_size}:")
+            if batch_size == args.profile:  # a run of its own: the profiler slows what it sees
+                profile = cProfile.Profile()
+                _, phases = timed_phase(eagle, batch, params, args.device, profile)
+                print(f"cProfile of {len(phases)} drafting phases at batch {batch_size}:")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(40)
 
 

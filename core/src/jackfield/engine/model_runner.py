@@ -311,6 +311,7 @@ class ModelRunner:
             positions = self._h2d(positions, torch.int64)
 
         def built(parts: list[AttentionMetadata], rows: torch.Tensor) -> tuple[StepContext, torch.Tensor]:
+            # a chain's rows are one per request: too few for the thread pool's barriers to cost
             return self.contexts.build(self.kv_caches, parts), rows
 
         chain: list[Callable[[], tuple[StepContext, torch.Tensor]]] = []
