@@ -40,8 +40,13 @@ def draft_chain(context: DraftContext, num_speculative_tokens: int, hidden: torc
         tokens, probs = context.sample(logits(draft, hidden), requests, draft)
         steps.append((requests, tokens, probs))
     drawn = torch.cat([t for _, t, _ in steps]).tolist()  # the chain's one read-back
-    drafts: list[list[int]] = [[] for _ in range(context.num_drafting)]
-    chosen: list[list[torch.Tensor]] = [[] for _ in range(context.num_drafting)]
+    num_drafting = context.num_drafting
+    # Every request in every step, each with probabilities (the usual sampled chain): one stack
+    # of the steps' probabilities, whose first rows of a request are its drafts' (a request stops
+    # for good), rather than a stack per request.
+    every_step = all(probs is not None and len(rows) == num_drafting for rows, _, probs in steps)
+    drafts: list[list[int]] = [[] for _ in range(num_drafting)]
+    chosen: list[list[torch.Tensor]] = [[] for _ in range(num_drafting)]
     stopped: set[int] = set()
     at = 0
     for step_requests, _, step_probs in steps:
@@ -51,9 +56,12 @@ def draft_chain(context: DraftContext, num_speculative_tokens: int, hidden: torc
                 stopped.add(r)
                 continue
             drafts[r].append(token)
-            if step_probs is not None:
+            if step_probs is not None and not every_step:
                 chosen[r].append(step_probs[i])
         at += len(step_requests)
+    if every_step:
+        stacked = torch.stack([probs for _, _, probs in steps], dim=1)  # type: ignore[misc]  # [R, steps, V]
+        return DraftProposal(drafts, [stacked[r, : len(d)] if d else None for r, d in enumerate(drafts)])
     # A greedy request's rows may lack probabilities (a step of greedy rows only has none): it needs none.
     probabilities = [torch.stack(rows) if rows and len(rows) == len(d) else None
                      for rows, d in zip(chosen, drafts, strict=True)]
