@@ -107,8 +107,10 @@ def main() -> None:
         taps = None if args.layers >= 8 else [0, 1, args.layers - 1]  # the default needs 8 layers
         write_eagle3(head, target, 0, taps=taps, draft_vocab=args.draft_vocab, heads=9, kv_heads=3,
                      head_dim=args.hidden // 9, intermediate=4 * args.hidden, max_position_embeddings=2048)
-        base = {"engine.device": args.device, "model.dtype": str(dtype).removeprefix("torch."),
-                "engine.enable_prefix_caching": False}
+        base: dict[str, object] = {"engine.device": args.device, "engine.enable_prefix_caching": False,
+                                   "model.dtype": str(dtype).removeprefix("torch.")}
+        if args.device == "cuda":  # two engines share the device (as train_eagle3's)
+            base["engine.gpu_memory_fraction"] = 0.2
         spec = {"speculative.method": "eagle3", "speculative.num_speculative_tokens": args.k,
                 "speculative.model": str(head)}
         plain, eagle = LLM(str(target), **base), LLM(str(target), **base, **spec)
