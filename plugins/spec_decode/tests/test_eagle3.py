@@ -7,6 +7,7 @@ refused at start-up and by `jackfield doctor`, naming the file and field."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -236,6 +237,43 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(dirs: dict[str, Path],
     for prompt, output in zip(batch, together, strict=False):
         assert spec.generate([prompt], params)[0].token_ids == output.token_ids
     assert sum(o.speculative.draft_tokens for o in together if o.speculative) > 0
+
+
+def test_the_chain_metadata_in_one_pass_drafts_as_a_pass_per_draft(dirs: dict[str, Path],
+                                                                     rng_seed: int) -> None:
+    """The model runner makes the rows of every draft of a chain in one metadata pass, sliced per
+    draft (requests near max_tokens stop drafting early, so the slices differ in size); a pass per
+    draft (its DCP path) must draw the same drafts with the same probabilities."""
+    def drafts(per_draft: bool) -> list[object]:
+        llm = LLM(str(dirs["llama"]), **BASE, **eagle3(dirs["head_d2t"], k=4))
+        runner = llm.engine.runner
+        if per_draft:
+            runner._draft_chain_attention = lambda chain: [functools.partial(runner._draft_attention, spans,
+                                                                             len(spans)) for spans in chain]
+        inner, seen = runner._draft, []
+
+        def recorded(*args: object) -> object:
+            out = inner(*args)
+            seen.append(out)
+            return out
+
+        runner._draft = recorded
+        batch = prompts(llm.engine.capabilities.vocab_size, rng_seed)
+        params = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=rng_seed % 1000 + n)
+                  for n in (9, 12, 14)]
+        llm.generate(batch, params)
+        return seen
+
+    one_pass, per_draft = drafts(False), drafts(True)
+    assert len(one_pass) == len(per_draft)
+    lengths = set()
+    for got, want in zip(one_pass, per_draft, strict=True):
+        for (got_ids, got_q), (want_ids, want_q) in zip(got, want, strict=True):
+            assert got_ids == want_ids
+            assert (got_q is None) == (want_q is None)
+            assert got_q is None or torch.equal(got_q, want_q)
+        lengths.add(tuple(len(ids) for ids, _ in got))
+    assert any(len(set(step)) > 1 for step in lengths), "no step whose requests drafted different counts"
 
 
 @pytest.mark.parametrize(("case", "reason"), [

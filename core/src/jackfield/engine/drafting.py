@@ -43,6 +43,10 @@ class Span:
 
 # (spans, how many of them are decodes (first), causal) -> (the step context, positions [T] on the device)
 AttentionFor = Callable[[list[Span], int, bool], tuple[StepContext, torch.Tensor]]
+# per draft of a chain, its spans (one decode row each) -> per draft, a function that builds (its
+# step context, positions [R] on the device) when that draft runs; the rows' metadata of every
+# draft are made at once (one pass on the host, one copy to the device)
+ChainAttentionFor = Callable[[list[list[Span]]], list[Callable[[], tuple[StepContext, torch.Tensor]]]]
 
 
 @dataclass(frozen=True)
@@ -120,26 +124,44 @@ class RunnerDraftContext(DraftContext):
     """`hidden`: the target's final hidden states of every row of the step; `taps`: the inputs
     of the drafter's tapped layers over every row of the step."""
 
-    def __init__(self, model: ModelFamily, sampler: Sampler, attention: AttentionFor, found: VerifiedRows,
-                 hidden: torch.Tensor, taps: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(self, model: ModelFamily, sampler: Sampler, attention: AttentionFor,
+                 chain_attention: ChainAttentionFor, found: VerifiedRows, hidden: torch.Tensor,
+                 taps: Sequence[torch.Tensor] = ()) -> None:
         self.model, self.sampler, self.attention = model, sampler, attention
+        self.chain_attention = chain_attention
         self.drafting, self.max_drafts = found.drafting, found.max_drafts
-        device = hidden.device
+        self.device = hidden.device
         step, positions = attention(found.spans, found.num_decode_spans, True)
-        def on_device(values: list[int]) -> torch.Tensor:  # pinned and asynchronous: no wait for the device
-            return async_tensor_h2d(values, torch.int64, device, pin_memory=True)
-
-        index = on_device(found.rows)
-        self.verified = DraftRows(on_device(found.input_ids), positions, hidden[index], step)
+        index = self._on_device(found.rows, torch.int64)
+        input_ids = self._on_device(found.input_ids, torch.int64)
+        self.verified = DraftRows(input_ids, positions, hidden[index], step)
         self.taps = tuple(state[index] for state in taps)
-        self.last_rows = on_device(found.last_rows)
+        self.last_rows = self._on_device(found.last_rows, torch.int64)
+        # The chain's rows of every draft, made at the first draft_rows (a block drafter never asks):
+        # per draft j >= 1, the requests that may draft it (a chain drafts j for exactly these) and
+        # what builds their attention.
+        self._chain: list[tuple[list[int], Callable[[], tuple[StepContext, torch.Tensor]]]] | None = None
+        self._sampling: dict[tuple[int, ...], _DraftSampling] = {}  # per set of requests, see sample()
+
+    def _on_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return async_tensor_h2d(values, dtype, self.device, pin_memory=True)  # pinned: no wait for the device
 
     def draft_rows(self, requests: Sequence[int], draft: int, input_ids: torch.Tensor,
                    hidden: torch.Tensor) -> DraftRows:
         if draft < 1 or any(draft >= self.max_drafts[r] for r in requests):
             raise ValueError(f"draft {draft} is beyond what requests {list(requests)} may draft")
-        spans = [Span(self.drafting[r][0], self.drafting[r][1] + draft - 2, 1) for r in requests]
-        step, positions = self.attention(spans, len(spans), True)
+        if self._chain is None:
+            chain = [[r for r, limit in enumerate(self.max_drafts) if j < limit]
+                     for j in range(1, max(self.max_drafts))]
+            builds = self.chain_attention([[Span(self.drafting[r][0], self.drafting[r][1] + j - 2, 1)
+                                             for r in rows] for j, rows in enumerate(chain, start=1)])
+            self._chain = list(zip(chain, builds, strict=True))
+        rows, build = self._chain[draft - 1]
+        if list(requests) == rows:
+            step, positions = build()
+        else:  # a drafter that stops some requests early: rows of its own
+            spans = [Span(self.drafting[r][0], self.drafting[r][1] + draft - 2, 1) for r in requests]
+            step, positions = self.attention(spans, len(spans), True)
         return DraftRows(input_ids, positions, hidden, step)
 
     def block_attention(self, requests: Sequence[int],
@@ -160,30 +182,47 @@ class RunnerDraftContext(DraftContext):
             best, tokens = finite.max(dim=1)
             return torch.where(best == -torch.inf, -1, tokens), None
 
-        def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:  # no wait for the device
-            return async_tensor_h2d(values, dtype, logits.device, pin_memory=True)
-
-        temperature = on_device([s.params.temperature for s in seqs], torch.float32)
-        rows = len(seqs)
+        # The requests' sampling inputs go to the device once per step and set of requests (a
+        # chain samples every draft of the same requests but for the last drafts of some).
+        key = tuple(requests)
+        inputs = self._sampling.get(key)
+        if inputs is None:
+            rows = len(seqs)
+            inputs = self._sampling[key] = _DraftSampling(
+                temperature=self._on_device([s.params.temperature for s in seqs], torch.float32),
+                top_k=self._on_device([0] * rows, torch.int64),
+                top_p=self._on_device([1.0] * rows, torch.float32),
+                min_p=self._on_device([0.0] * rows, torch.float32),
+                seeds=self._on_device([s.seed for s in seqs], torch.int64),
+                num_tokens=self._on_device([self.drafting[r][1] for r in requests], torch.int64),
+            )
         metadata = SamplingMetadata(
-            temperature=temperature,
-            top_k=on_device([0] * rows, torch.int64),
-            top_p=on_device([1.0] * rows, torch.float32),
-            min_p=on_device([0.0] * rows, torch.float32),
-            seeds=on_device([s.seed for s in seqs], torch.int64),
-            positions=on_device([self.drafting[r][1] + draft for r in requests], torch.int64),
-            drafting=True,
+            temperature=inputs.temperature, top_k=inputs.top_k, top_p=inputs.top_p, min_p=inputs.min_p,
+            seeds=inputs.seeds, positions=inputs.num_tokens + draft, drafting=True,
         )
         out = self.sampler.sample(logits, metadata)
         tokens = out.token_ids
         if out.invalid_rows is not None:
             tokens = torch.where(out.invalid_rows, -1, tokens)
-        return tokens, target_probabilities(logits, temperature)
+        return tokens, target_probabilities(logits, inputs.temperature)
+
+
+@dataclass(frozen=True)
+class _DraftSampling:
+    """Sampling inputs of a set of drafting requests, on the device (draft j's positions:
+    num_tokens + j)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    num_tokens: torch.Tensor
 
 
 def draft_in_step(drafter: ModelDrafter, model: ModelFamily, sampler: Sampler, attention: AttentionFor,
-                  limits: DraftLimits, chunks: list[ScheduledChunk], hidden: torch.Tensor,
-                  emitted: list[list[int]], taps: Sequence[torch.Tensor] = (),
+                  chain_attention: ChainAttentionFor, limits: DraftLimits, chunks: list[ScheduledChunk],
+                  hidden: torch.Tensor, emitted: list[list[int]], taps: Sequence[torch.Tensor] = (),
                   ) -> list[tuple[list[int], torch.Tensor | None]]:
     """The drafter's layers over the step's verified rows, then per sampling, non-pooling chunk
     (in order) its drafts and their probabilities (None: greedy, or certain drafts). `taps`: the
@@ -191,7 +230,8 @@ def draft_in_step(drafter: ModelDrafter, model: ModelFamily, sampler: Sampler, a
     found = verified_rows(chunks, emitted, limits)
     proposal = None
     if found.spans:
-        proposal = drafter.propose(RunnerDraftContext(model, sampler, attention, found, hidden, taps))
+        context = RunnerDraftContext(model, sampler, attention, chain_attention, found, hidden, taps)
+        proposal = drafter.propose(context)
     index = {seq: i for i, (seq, _) in enumerate(found.drafting)}
     drafts: list[tuple[list[int], torch.Tensor | None]] = []
     for chunk in chunks:

@@ -14,6 +14,7 @@ after a verify step their state is rolled back to each request's last accepted t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -322,6 +323,32 @@ class ModelRunner:
             per_group, positions = self._span_metadata(spans, num_decodes, causal)
             return self.contexts.build(self.kv_caches, per_group), self._h2d(positions, torch.int64)
 
+    def _draft_chain_attention(self, drafts: list[list[Span]],
+                               ) -> list[Callable[[], tuple[StepContext, torch.Tensor]]]:
+        """A model drafter's chain (drafting.ChainAttentionFor): the rows of every draft (one row
+        per span) in one metadata pass and one copy to the device, sliced per draft. A draft's
+        context is built when it runs: a backend's builder may reuse its buffers per build."""
+        if self.dcp is not None:  # a DCP layout is per batch: each draft's own pass
+            return [functools.partial(self._draft_attention, spans, len(spans)) for spans in drafts]
+        every = [span for spans in drafts for span in spans]
+        with host_single_threaded():
+            per_group, positions = self._span_metadata(every, len(every))
+            positions = self._h2d(positions, torch.int64)
+
+        def built(parts: list[AttentionMetadata], rows: torch.Tensor) -> tuple[StepContext, torch.Tensor]:
+            # a chain's rows are one per request: too few for the thread pool's barriers to cost
+            return self.contexts.build(self.kv_caches, parts), rows
+
+        chain: list[Callable[[], tuple[StepContext, torch.Tensor]]] = []
+        start = 0
+        for spans in drafts:
+            end = start + len(spans)
+            longest = max(s.start + 1 for s in spans)
+            parts = [_decode_rows(common, start, end, longest) for common in per_group]
+            chain.append(functools.partial(built, parts, positions[start:end]))
+            start = end
+        return chain
+
     def _sampling_metadata(self, sampling: list[ScheduledChunk]) -> SamplingMetadata:
         """One row per sampled position: a verify chunk's row i samples position num_tokens + i
         (its last row is the bonus token's distribution)."""
@@ -523,8 +550,8 @@ class ModelRunner:
         if hooks is not None:
             hooks.before_drafter()
         states = [] if taps is None else [s for s in taps.states if s is not None]
-        return draft_in_step(self.drafter, self.model, self.sampler, self._draft_attention, self.draft_limits,
-                             chunks, hidden, emitted, states)
+        return draft_in_step(self.drafter, self.model, self.sampler, self._draft_attention,
+                             self._draft_chain_attention, self.draft_limits, chunks, hidden, emitted, states)
 
     def _rejection_verify(self, chunks: list[ScheduledChunk], first_rows: list[int], logits: torch.Tensor,
                           sampled: torch.Tensor, metadata: SamplingMetadata) -> list[list[int]]:
@@ -615,6 +642,19 @@ def fp8_kv_scales(layers: list[AttentionLayerSpec], plan: KVScalePlan | None, nu
             raise ValueError(f"KV cache {j} takes {size} scale(s), the plan gives {len(values)}")
         scales.append(torch.tensor(values, dtype=torch.float32, device=device))
     return scales
+
+
+def _decode_rows(common: AttentionMetadata, start: int, end: int, max_seq_len: int) -> AttentionMetadata:
+    """Rows start .. end - 1 of `common`, a batch of one-row decodes (views, no device work); its
+    query_start_loc is 0, 1, .. so any slice's is its first end - start + 1 entries."""
+    rows = end - start
+    return AttentionMetadata(
+        query_start_loc=common.query_start_loc[: rows + 1], seq_lens=common.seq_lens[start:end],
+        block_table=common.block_table[start:end], slot_mapping=common.slot_mapping[start:end],
+        query_start_loc_cpu=common.query_start_loc_cpu[: rows + 1],
+        seq_lens_cpu=common.seq_lens_cpu[start:end], max_query_len=1, max_seq_len=max_seq_len,
+        num_decodes=rows, num_decode_tokens=rows, causal=common.causal,
+    )
 
 
 def _output_rows(chunks: list[ScheduledChunk]) -> list[int]:

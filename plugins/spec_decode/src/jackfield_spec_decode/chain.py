@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 from jackfield.contracts.drafter import DraftContext, DraftProposal, DraftRows
+from jackfield.ops.staging import async_tensor_h2d
 
 
 def draft_chain(context: DraftContext, num_speculative_tokens: int, hidden: torch.Tensor,
@@ -31,15 +32,21 @@ def draft_chain(context: DraftContext, num_speculative_tokens: int, hidden: torc
         if not keep:
             break
         if len(keep) < len(requests):
-            index = torch.tensor(keep, device=hidden.device)
+            # pinned and asynchronous: a tensor made from a list on the device waits for the device
+            index = async_tensor_h2d(keep, torch.int64, hidden.device, pin_memory=True)
             requests, tokens, hidden = [requests[i] for i in keep], tokens[index], hidden[index]
         rows = context.draft_rows(requests, draft, tokens.clamp(min=0), hidden)
         hidden = forward(draft, rows)
         tokens, probs = context.sample(logits(draft, hidden), requests, draft)
         steps.append((requests, tokens, probs))
     drawn = torch.cat([t for _, t, _ in steps]).tolist()  # the chain's one read-back
-    drafts: list[list[int]] = [[] for _ in range(context.num_drafting)]
-    chosen: list[list[torch.Tensor]] = [[] for _ in range(context.num_drafting)]
+    num_drafting = context.num_drafting
+    # Every request in every step, each with probabilities (the usual sampled chain): one stack
+    # of the steps' probabilities, whose first rows of a request are its drafts' (a request stops
+    # for good), rather than a stack per request.
+    every_step = all(probs is not None and len(rows) == num_drafting for rows, _, probs in steps)
+    drafts: list[list[int]] = [[] for _ in range(num_drafting)]
+    chosen: list[list[torch.Tensor]] = [[] for _ in range(num_drafting)]
     stopped: set[int] = set()
     at = 0
     for step_requests, _, step_probs in steps:
@@ -49,9 +56,12 @@ def draft_chain(context: DraftContext, num_speculative_tokens: int, hidden: torc
                 stopped.add(r)
                 continue
             drafts[r].append(token)
-            if step_probs is not None:
+            if step_probs is not None and not every_step:
                 chosen[r].append(step_probs[i])
         at += len(step_requests)
+    if every_step:
+        stacked = torch.stack([probs for _, _, probs in steps], dim=1)  # type: ignore[misc]  # [R, steps, V]
+        return DraftProposal(drafts, [stacked[r, : len(d)] if d else None for r, d in enumerate(drafts)])
     # A greedy request's rows may lack probabilities (a step of greedy rows only has none): it needs none.
     probabilities = [torch.stack(rows) if rows and len(rows) == len(d) else None
                      for rows, d in zip(chosen, drafts, strict=True)]
