@@ -46,9 +46,10 @@ def test_ngram_verify_graphs_give_the_tokens_of_the_run_without_drafts(
     replays: list[int] = []
     recorded_run = DecodeGraphs.run
 
-    def counting_run(self: DecodeGraphs, chunks: list, q: int, taps: LayerTaps | None) -> torch.Tensor:
+    def counting_run(self: DecodeGraphs, chunks: list, q: int, taps: LayerTaps | None = None,
+                     **kwargs: object) -> torch.Tensor:  # kwargs: async scheduling's in-flight ids
         replays.append(q)
-        return recorded_run(self, chunks, q, taps)
+        return recorded_run(self, chunks, q, taps, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(DecodeGraphs, "run", counting_run)
     plain = _generate(str(tmp_path), prompts, {})
