@@ -415,6 +415,8 @@ def main() -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="engine.cuda_graphs = false")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                         help="fp8_e4m3: the engine's fp8 against its model-dtype KV cache (docstring)")
+    parser.add_argument("--cpu-threads", default="auto",
+                        help="engine.cpu_threads (auto: measured at start-up); transformers keeps torch's")
     parser.add_argument("--json-out")
     parser.add_argument(
         "--profile",
@@ -423,6 +425,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     from jackfield import LLM, SamplingParams
+    from jackfield.commands.run import cpu_threads_line
 
     started = time.perf_counter()
 
@@ -457,6 +460,7 @@ def main() -> None:
             "engine.max_num_seqs": max(batches),
             "engine.enable_prefix_caching": False,
             "engine.cuda_graphs": not args.no_cuda_graphs,
+            "engine.cpu_threads": args.cpu_threads if args.cpu_threads == "auto" else int(args.cpu_threads),
         },
     )
     stage("engine loaded, warmed up and its graphs recorded")
@@ -522,6 +526,10 @@ def main() -> None:
         f"{llm.engine.runner.decode_graphs_off or 'on'}"
     )
     print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    threads = llm.engine.runner.cpu_threads
+    if threads is not None:  # the engine's steps' count; transformers runs at torch's
+        print(f"torch threads {torch.get_num_threads()} (transformers); engine "
+              + cpu_threads_line(threads.summary()))
     if device == "cuda":  # the KV cache, both models and every captured graph's pool
         print(
             f"GPU memory: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, peak "
@@ -550,6 +558,7 @@ def main() -> None:
                     weight_bytes=weight_bytes,
                     matmul_flops=flops,
                     bandwidth=bandwidth,
+                    cpu_threads=threads and threads.summary(),
                     rows=rows,
                 ),
                 f,
