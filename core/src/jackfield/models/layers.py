@@ -163,12 +163,13 @@ class RotaryEmbedding(nn.Module):
         fused = None if self.interleaved else _fused_for(x, 3)
         if fused is not None:  # reads the tables at `positions` itself
             return fused.rope(x, self.cos, self.sin, positions)
-        x32 = x.float()
+        float32 = x.dtype == torch.float32  # no casts to call (each a dispatch, per layer and step)
+        x32 = x if float32 else x.float()
         if self.interleaved:  # pairs (x0, x1), (x2, x3), ... -> [x0, x2, ... ‖ x1, x3, ...]
             x32 = x32.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         cos, sin = self._tables(positions)
         out = torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), sin)
-        return out.to(x.dtype)
+        return out if float32 else out.to(x.dtype)
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin rows [T, 1, rotary_dim] of `positions` (reused while it is the same tensor)."""
