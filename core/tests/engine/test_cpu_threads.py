@@ -5,11 +5,13 @@ The engine tests run the real warm-up on the tiny model, with a simulated clock:
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 from jackfield import LLM, SamplingParams
+from jackfield.cli import main
 from jackfield.config import ConfigError
 from jackfield.engine import engine as engine_module
 from jackfield.engine.cpu_threads import ROUNDS, CpuThreads, thread_candidates
@@ -118,3 +120,17 @@ def test_a_pinned_count_is_never_measured(v3_dir) -> None:
     for bad in (0, -1, "fast"):
         with pytest.raises(ConfigError, match="engine.cpu_threads"):
             LLM(str(v3_dir), **{"engine.device": "cpu", "engine.cpu_threads": bad})
+
+
+@pytest.mark.usefixtures("pool_of_four")
+def test_jackfield_run_reports_the_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """`jackfield run` on the CPU: the count and where it came from, in --json and in a line."""
+    args = ["run", "--max-tokens", "2", "--device", "cpu", "--prompt-token-ids", "5,17,42"]
+    assert main([*args, "--json", "--set", "engine.cpu_threads=1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cpu_threads"] == {"threads": 1, "source": "engine.cpu_threads", "decode_step_ms": {}}
+    assert main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("cpu threads:"))
+    count, timed = line.removeprefix("cpu threads: ").split(" (measured: decode step ")
+    assert int(count) in (4, 2, 1)
+    assert [part.split(" ms at ")[1] for part in timed.rstrip(")").split(", ")] == ["4", "2", "1"]
