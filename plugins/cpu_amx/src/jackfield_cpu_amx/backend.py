@@ -5,7 +5,9 @@ MLA: decode groups go to the native AMX kernel (native.py) when it is built and 
 it, everything else to the PyTorch kernels (kernels.py): gather the group's cache, then the flash
 kernel (or, for many float32 rows, two batched products).
 MHA: every group gathers its keys and values with one index op, then runs one call of the flash
-kernel with the KV heads shared in it (GQA), masks from the step's plan.
+kernel with the KV heads shared in it (GQA), masks from the step's plan. A group of one query
+token a request (decode) gathers record by record only the keys its requests see (plan.DecodeRows);
+a step of decodes alone returns the kernel's output itself.
 """
 
 from __future__ import annotations
