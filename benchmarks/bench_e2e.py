@@ -202,9 +202,11 @@ def ceilings(device: str, dtype: torch.dtype) -> tuple[float, float]:
     return flops, bandwidth
 
 
-def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple[float, float]:
+def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str,  # type: ignore[no-untyped-def]
+            threads: int | None = None) -> tuple[float, float]:
     """(time to first token, decode time after it) of one generate call, from the times its
-    streamer is handed each step's tokens (generate reads every step's tokens on the host)."""
+    streamer is handed each step's tokens (generate reads every step's tokens on the host);
+    `threads`: torch's intra-op thread count for the call (None: torch's as it is)."""
     from transformers.generation.streamers import BaseStreamer
 
     class Clock(BaseStreamer):
@@ -218,6 +220,8 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple
             """Nothing to flush: only the step times are kept (BaseStreamer requires the method)."""
 
     clock = Clock()
+    pool = torch.get_num_threads()
+    torch.set_num_threads(threads or pool)
     sync(device)
     start = time.perf_counter()
     model.generate(
@@ -232,6 +236,7 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple
     )
     sync(device)
     end = time.perf_counter()
+    torch.set_num_threads(pool)
     first = clock.times[1]  # times[0]: the prompt
     return first - start, end - first
 
@@ -418,6 +423,10 @@ def main() -> None:
                         help="engine.async_scheduling = false (default: on for CUDA)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                         help="fp8_e4m3: the engine's fp8 against its model-dtype KV cache (docstring)")
+    parser.add_argument("--cpu-threads", default="auto",
+                        help="engine.cpu_threads (auto: measured at start-up); transformers keeps torch's")
+    parser.add_argument("--hf-threads", type=int,
+                        help="torch's thread count for transformers' generate calls (default: torch's own)")
     parser.add_argument("--json-out")
     parser.add_argument(
         "--profile",
@@ -426,6 +435,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     from jackfield import LLM, SamplingParams
+    from jackfield.commands.run import cpu_threads_line
 
     started = time.perf_counter()
 
@@ -461,6 +471,7 @@ def main() -> None:
             "engine.enable_prefix_caching": False,
             "engine.cuda_graphs": not args.no_cuda_graphs,
             "engine.async_scheduling": False if args.no_async_scheduling else None,  # None: the default
+            "engine.cpu_threads": args.cpu_threads if args.cpu_threads == "auto" else int(args.cpu_threads),
         },
     )
     stage("engine loaded, warmed up and its graphs recorded")
@@ -482,7 +493,7 @@ def main() -> None:
         # (Triton, cuDNN) are one-time start-up costs, not time to first token
         llm.generate([p.tolist() for p in prompts], SamplingParams(temperature=0.0, max_tokens=2))
         hf_prompts = prompts.to(device)
-        time_hf(hf, hf_prompts, 2, device)  # warm-up
+        time_hf(hf, hf_prompts, 2, device, args.hf_threads)  # warm-up
         stage(f"batch {batch}: both warmed up")
         jf_runs, hf_runs = [], []
         for _ in range(args.repeats):  # interleaved, so a load spike on a shared host hits both
@@ -498,7 +509,7 @@ def main() -> None:
                     batch * (args.new_tokens - 1) / (total - last_first),
                 )
             )
-            hf_ttft_s, hf_decode_s = time_hf(hf, hf_prompts, hf_new_tokens, device)
+            hf_ttft_s, hf_decode_s = time_hf(hf, hf_prompts, hf_new_tokens, device, args.hf_threads)
             hf_runs.append((hf_ttft_s, batch * (hf_new_tokens - 1) / hf_decode_s))
         jf_ttft, jf_decode = (statistics.median(r[i] for r in jf_runs) for i in (0, 1))
         hf_ttft, hf_decode = (statistics.median(r[i] for r in hf_runs) for i in (0, 1))
@@ -527,6 +538,10 @@ def main() -> None:
         f"async scheduling: {'on' if llm.engine.async_scheduling else 'off'}"
     )
     print(f"ceilings: matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    threads = llm.engine.runner.cpu_threads
+    if threads is not None:  # the engine's steps' count; transformers runs at torch's
+        print(f"transformers threads {args.hf_threads or torch.get_num_threads()}; engine "
+              + cpu_threads_line(threads.summary()))
     if device == "cuda":  # the KV cache, both models and every captured graph's pool
         print(
             f"GPU memory: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, peak "
@@ -555,6 +570,7 @@ def main() -> None:
                     weight_bytes=weight_bytes,
                     matmul_flops=flops,
                     bandwidth=bandwidth,
+                    cpu_threads=threads and threads.summary(),
                     rows=rows,
                 ),
                 f,

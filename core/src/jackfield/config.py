@@ -86,6 +86,9 @@ class EngineConfig:
     max_model_len: int | None = None
     gpu_memory_fraction: float = 0.85  # of the free device memory, for the KV cache
     cpu_kv_cache_gib: float = 1.0
+    # intra-op threads of CPU steps: "auto" times decode steps at torch's thread count and its
+    # halvings once, at start-up, and keeps the fastest (engine/cpu_threads.py); a number pins it
+    cpu_threads: int | Literal["auto"] = "auto"
     enable_prefix_caching: bool = True
     # the root of the chained block hashes (prefix cache and KV connector keys): processes that
     # share a KV tier must use the same seed
@@ -177,6 +180,8 @@ def _range_problems(config: JackfieldConfig) -> list[str]:
          f"engine.gpu_memory_fraction must be in (0, 1], got {e.gpu_memory_fraction}"),
         (0 < e.cpu_kv_cache_gib <= 2**33,  # 2**33 GiB = 2**63 bytes, the most a byte count can hold
          f"engine.cpu_kv_cache_gib must be > 0 and <= 2**33, got {e.cpu_kv_cache_gib}"),
+        (e.cpu_threads == "auto" or e.cpu_threads >= 1,  # type: ignore[operator]
+         f"engine.cpu_threads must be \"auto\" or >= 1, got {e.cpu_threads}"),
         (s.num_speculative_tokens >= 0,
          f"speculative.num_speculative_tokens must be >= 0, got {s.num_speculative_tokens}"),
         (s.method is None or s.num_speculative_tokens > 0,

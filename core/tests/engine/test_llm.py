@@ -178,10 +178,11 @@ def test_bad_configs_fail_with_clear_errors(v3_dir) -> None:
 
 def test_step_preparation_runs_on_one_thread_and_the_model_on_the_pool(v3_dir, monkeypatch) -> None:
     """The per-row index arithmetic runs single-threaded (see ops.staging.host_single_threaded);
-    the forward, which does the real work on a CPU device, keeps every thread."""
+    the forward, which does the real work on a CPU device, runs at the step's thread count (pinned
+    to 2 here; engine/cpu_threads.py measures it otherwise)."""
     from jackfield.engine.model_runner import ModelRunner
 
-    llm = LLM(v3_dir, backend="torch_ref", block_size=16)
+    llm = LLM(v3_dir, backend="torch_ref", block_size=16, **{"engine.cpu_threads": 2})
     seen: dict[str, list[int]] = {"metadata": [], "logits": []}
     metadata, logits = ModelRunner._metadata, type(llm.engine.runner.model).compute_logits
 

@@ -1,12 +1,15 @@
 """Building blocks against float64 references written from their definitions: RoPE as a complex
-rotation of each pair, RMSNorm as x / sqrt(mean(x^2) + eps), and the one-token routed-experts
-path against the same token inside a larger batch."""
+rotation of each pair, RMSNorm as x / sqrt(mean(x^2) + eps), a linear layer's packed and plain
+CPU products as x W^T, and the one-token routed-experts path against the same token inside a
+larger batch."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from jackfield.models.layers import RMSNorm, RotaryEmbedding
+from jackfield.models.layers import PACKED_MIN_ROWS, Linear, RMSNorm, RotaryEmbedding
 from jackfield.models.moe import Experts
 
 
@@ -38,6 +41,22 @@ def test_rope_matches_complex_rotation(interleaved: bool, dtype: torch.dtype) ->
     torch.testing.assert_close(
         got.double(), _rope_reference(x, positions, inv_freq, interleaved), rtol=tol, atol=tol
     )
+
+
+@pytest.mark.parametrize("rows", [1, 2, PACKED_MIN_ROWS, 9])
+@pytest.mark.parametrize("packed_min_rows", [1, PACKED_MIN_ROWS])
+def test_cpu_linear_matches_float64(rows: int, packed_min_rows: int) -> None:
+    """A float32 CPU Linear with oneDNN's packed copy (an LM head packs from one row, the others
+    from PACKED_MIN_ROWS): x W^T on either side of the threshold, as x W^T in float64."""
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    layer = Linear(96, 200, torch.float32, packed_min_rows=packed_min_rows)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(200, 96, generator=gen))
+    layer.pack_for_cpu()
+    x = torch.randn(rows, 96, generator=gen)
+    torch.testing.assert_close(layer(x).double(), x.double() @ layer.weight.double().T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

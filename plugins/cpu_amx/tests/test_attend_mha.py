@@ -30,6 +30,9 @@ BATCHES = {  # name: (q_lens, seq_lens, num_decodes, block_size, causal)
     "multi-token decode": ([2, 2, 3, 4], [9, 40, 17, 33], 4, 8, True),
     "multi-token decode, non-causal": ([3, 3, 6], [10, 7, 6], 3, 4, False),
     "requests without rows or keys": ([1, 0, 1, 0, 4], [7, 0, 12, 5, 4], 3, 5, True),
+    # decode-only steps take the record gather (plan.DecodeRows): ragged (padded, masked) and not
+    "decodes only, ragged": ([1, 1, 1, 1], [20, 31, 5, 64], 4, 4, True),
+    "decodes only, one length, non-causal": ([1, 1, 1], [16, 16, 16], 3, 8, False),
 }
 # (sliding window, sinks): a window of one token (each row sees itself), windows inside a block
 # and across several, with and without sinks.
@@ -111,6 +114,40 @@ def test_a_window_gathers_only_the_blocks_it_reaches(rng_seed) -> None:
     table = problem.metadata.block_table.long()
     assert chunks.blocks_per_req == 2
     assert chunks.block_ids.tolist() == [*table[0, 11:13].tolist(), *table[1, 2:4].tolist()]
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_decode_rows_read_only_written_records(rng_seed, window: int | None) -> None:
+    """A decode-only step gathers each request's visible keys record by record: positions
+    [seq_len - window, seq_len) (or from 0), padded with repeats of the first, which alone are
+    masked; the rows index the [2 * blocks * block_size, H_kv * D] view, keys then values."""
+    layer = mha_layer(4, 2, 32, sliding_window=window)
+    seq_lens, block_size = [100, 30, 7], 8
+    problem = make_problem(layer, [1, 1, 1], seq_lens, block_size, torch.float32, num_decodes=3,
+                           seed=rng_seed)
+    md = CpuAmxBackend.metadata_builder().build(problem.metadata)
+    (group,) = md.extra[PLANS_KEY][plan_key(md)].groups
+    num_blocks = problem.kv_cache.shape[1]
+    rows = group.decode_rows(block_size, num_blocks, window)
+    table = problem.metadata.block_table.long()
+    firsts = [max(0, n - window) if window else 0 for n in seq_lens]
+    counts = [n - f for n, f in zip(seq_lens, firsts, strict=True)]
+    assert rows.num_keys == max(counts)
+    want = []
+    for b, (first, count) in enumerate(zip(firsts, counts, strict=True)):
+        positions = torch.tensor([*range(first, first + count), *[first] * (rows.num_keys - count)])
+        want.append(table[b, positions // block_size] * block_size + positions % block_size)
+    slots = torch.cat(want)
+    assert rows.row_ids.tolist() == [*slots.tolist(), *(slots + num_blocks * block_size).tolist()]
+    records = problem.kv_cache.view(2 * num_blocks * block_size, -1)[rows.row_ids]
+    assert not records.isnan().any()  # never-written slots hold NaN in this cache
+    hidden = torch.tensor([[k >= c for k in range(rows.num_keys)] for c in counts])
+    if hidden.any():
+        assert rows.mask is not None
+        assert rows.mask.view(3, -1).eq(float("-inf")).equal(hidden)
+        assert rows.mask.view(3, -1)[~hidden].eq(0).all()
+    else:
+        assert rows.mask is None
 
 
 def test_long_prefills_are_grouped_within_the_mask_budget() -> None:

@@ -124,10 +124,13 @@ def test_a_prefill_engine_killed_mid_transfer_ends_in_recompute(model_dirs: dict
 
 
 def test_run_pd_json(model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The counts of both engines' connectors: a pinned CPU thread count means no warm-up request
+    (which times each count, engine/cpu_threads.py, and is exported as any other)."""
     prompt = ",".join(str(t) for t in range(50))
     args = ["run", "--pd", "--model", str(model_dirs["deepseek"]), "--json", "--max-tokens", "3",
             "--temperature", "0", "--prompt-token-ids", prompt, "--prompt-token-ids", "7,8,9",
-            *[f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in BASE.items()]]
+            *[f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in BASE.items()],
+            "--set=engine.cpu_threads=1"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     plain = LLM(model_dirs["deepseek"], **BASE).generate([list(range(50)), [7, 8, 9]],

@@ -161,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
         summary["kv_connector"] = connector_stats
     if isinstance(llm, PDLLM):  # the prefill engine's side of the handoff
         summary["pd_prefill"] = {"kv_connector": llm.producer_stats(), "error": llm.producer_error}
+    threads = engine.runner.cpu_threads  # None off the CPU
     if args.json:
         results = [  # one entry per sample (index: which of the prompt's n)
             {"prompt": p if isinstance(p, str) else None, "index": c.index, "text": c.text,
@@ -172,6 +173,7 @@ def main(args: argparse.Namespace) -> int:
                           "kv_cache": engine.kv_cache_summary(),
                           "cuda_graphs_off_reason": engine.runner.decode_graphs_off,
                           "prefill_graphs_off_reason": engine.runner.prefill_graphs_off,
+                          "cpu_threads": threads and threads.summary(),
                           "outputs": results, "summary": summary}, indent=2))
         return 0
     dtype_name = str(engine.capabilities.dtype).removeprefix("torch.")
@@ -183,6 +185,8 @@ def main(args: argparse.Namespace) -> int:
     pieces = "on" if engine.runner.prefill_graphs_off is None else f"off: {engine.runner.prefill_graphs_off}"
     print(f"prefill CUDA graphs (pieces between attention calls): {pieces}")
     print(kv_cache_line(engine.kv_cache_summary()))
+    if threads is not None:
+        print(cpu_threads_line(threads.summary()))
     for prompt, out in samples:
         print(f"\n--- {prompt!r}{f' [{out.index}]' if params.n > 1 else ''} ({out.finish_reason})")
         print(out.text if out.text is not None else out.token_ids)
@@ -203,6 +207,15 @@ def main(args: argparse.Namespace) -> int:
         print("prefill engine: " + (", ".join(f"{k} {v}" for k, v in stats.items()) or "no report")
               + (f" (stopped: {prefill['error']})" if prefill["error"] else ""))
     return 0
+
+
+def cpu_threads_line(summary: dict[str, object]) -> str:
+    """`CpuThreads.summary()` in one line: the count, and the decode step times it was chosen by."""
+    times = summary["decode_step_ms"]
+    assert isinstance(times, dict)
+    measured = ", ".join(f"{ms} ms at {count}" for count, ms in times.items())
+    how = f"{summary['source']}: decode step {measured}" if measured else summary["source"]
+    return f"cpu threads: {summary['threads']} ({how})"
 
 
 def kv_cache_line(summary: dict[str, object]) -> str:

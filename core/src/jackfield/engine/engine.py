@@ -46,6 +46,7 @@ from jackfield.contracts.kv_connector import (
 from jackfield.contracts.sampler import Sampler, SamplingParams
 from jackfield.distributed.cp_common import init_parallel
 from jackfield.engine.block_manager import BlockManager, max_request_blocks
+from jackfield.engine.cpu_threads import ROUNDS
 from jackfield.engine.model_runner import LaunchedStep, ModelRunner
 from jackfield.engine.scheduler import ScheduledChunk, Scheduler
 from jackfield.engine.sequence import Sequence, Status
@@ -158,9 +159,11 @@ class Engine:
         self.async_scheduling = (engine.async_scheduling if engine.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._launched: LaunchedStep | None = None  # a pipelined step, its tokens not read back yet
-        if self.device.type == "cuda" and self.capabilities.causal:
-            say("warming up")
-            self._warm_up()
+        threads = self.runner.cpu_threads
+        measure = threads is not None and threads.needs_measuring and self.capabilities.causal
+        if (self.device.type == "cuda" or measure) and self.capabilities.causal:
+            say("warming up" + (", timing decode steps at each CPU thread count" if measure else ""))
+            self._warm_up(measure)
         # Calibrated fp8 scales come from the first request's prefill, not the warm-up's zeros.
         self.runner.calibrate_at_next_step = self.kv_scales is not None and self.kv_scales.layers is None
 
@@ -181,17 +184,38 @@ class Engine:
             return None
         return {"name": self.config.kv_connector.name, **self.scheduler.connector.stats()}
 
-    def _warm_up(self) -> None:
-        """One short sampled request through prefill and decode, so kernel compiles (Triton) and
+    def _warm_up(self, measure_threads: bool = False) -> None:
+        """Short sampled requests through prefill and decode, so kernel compiles (Triton) and
         library plan builds happen at start-up, not in the first request's time to first token.
-        It leaves nothing behind: it never fills a block (so the prefix cache keeps nothing), its
-        blocks are freed and request ids start at 0 again."""
-        length = min(self.config.engine.block_size, self.max_model_len) - 2
-        if length < 1:
-            return
-        self.add_request([0] * length, SamplingParams(temperature=1.0, seed=0, max_tokens=2, ignore_eos=True))
-        while self.scheduler.has_work():
-            self.step()
+        `measure_threads`: their decode steps are also timed at each CPU thread count, in rounds
+        (one untimed, then cpu_threads.ROUNDS timed), and the fastest count is kept for every
+        later step (engine/cpu_threads.py). They leave nothing behind: no request fills a block
+        (so the prefix cache keeps nothing), their blocks are freed and request ids start at 0 again."""
+        threads = self.runner.cpu_threads
+        counts: list[int | None] = [None]  # per decode step: its thread count (None: as configured)
+        if measure_threads:
+            assert threads is not None
+            counts = [c for _ in range(1 + ROUNDS) for c in threads.candidates]
+        first_timed = len(counts) // (1 + ROUNDS)  # the first round is not timed (one-time set-up)
+        block = min(self.config.engine.block_size, self.max_model_len)
+        done = 0
+        while 0 < (steps := min(len(counts) - done, block - 2)):  # >= 1 prompt token, the block unfilled
+            params = SamplingParams(temperature=1.0, seed=0, max_tokens=1 + steps, ignore_eos=True)
+            seq = self.add_request([0] * (block - 1 - steps), params)
+            while self.scheduler.has_work():
+                decode = bool(seq.output_ids)  # the prompt's steps come first
+                count = counts[done] if decode else None
+                if count is not None:
+                    assert threads is not None
+                    threads.threads = count
+                start = time.perf_counter()
+                self.step()
+                if count is not None and done >= first_timed:
+                    threads.record(count, time.perf_counter() - start)  # type: ignore[union-attr]
+                done += decode
+        if measure_threads:
+            assert threads is not None
+            threads.choose()
         self._next_id = 0
 
     def has_work(self) -> bool:

@@ -39,6 +39,7 @@ from jackfield.contracts.sampler import Sampler, SamplerOutput, SamplingMetadata
 from jackfield.distributed.cp_common import parallel_state
 from jackfield.distributed.dcp import DCPLayout, dcp_metadata
 from jackfield.engine.block_table import BlockTableRows
+from jackfield.engine.cpu_threads import CpuThreads
 from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.drafting import DraftLimits, Span, draft_in_step
 from jackfield.engine.kv_cache import KVCache
@@ -144,6 +145,8 @@ class ModelRunner:
         `num_speculative_tokens`: the drafter's k, any kind (0: none); verify steps of k + 1 rows
         a request get CUDA graphs of their own."""
         self.model, self.backends, self.sampler, self.device = model, backends, sampler, device
+        # the thread count of CPU steps (the Engine's warm-up measures it under "auto")
+        self.cpu_threads = CpuThreads.from_config(engine.cpu_threads) if device.type == "cpu" else None
         self.drafter = drafter
         # the target layers whose inputs the drafter reads, collected by every forward
         self.tap_layers = drafter.tap_layers if drafter is not None else ()
@@ -402,9 +405,18 @@ class ModelRunner:
             return hidden if rows is None else hidden[rows]
         return self.model(ids, pos, context, rows, taps=taps, hooks=hooks)
 
-    @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def step(self, chunks: list[ScheduledChunk], connector_metadata: ConnectorMetadata | None = None,
              ) -> StepResult:
+        """The step's forward, sampling and drafting; on the CPU at the engine's thread count
+        (engine/cpu_threads.py), torch's pool size restored after."""
+        if self.cpu_threads is None:
+            return self._step(chunks, connector_metadata)
+        with self.cpu_threads.run_at():
+            return self._step(chunks, connector_metadata)
+
+    @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
+    def _step(self, chunks: list[ScheduledChunk], connector_metadata: ConnectorMetadata | None = None,
+              ) -> StepResult:
         sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
         hooks = self._layer_hooks(connector_metadata)
         recurrent = None  # a hybrid model's eager step: its recurrent layers' part (a replay has its own)

@@ -34,6 +34,7 @@ from jackfield.distributed.tensor_parallel import (
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import GraniteArch, granite_arch, rope_inv_freq
 from jackfield.models.layers import (
+    HEAD_PACKED_MIN_ROWS,
     DecoderStack,
     GatedMLP,
     Linear,
@@ -252,7 +253,8 @@ class GraniteForCausalLM(DecoderStack):
         )
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         tied = self.model.embed_tokens.weight if arch.tie_word_embeddings else None
-        self.lm_head = Linear(arch.hidden_size, stop - start, dtype, weight=tied)  # loaded once when tied
+        self.lm_head = Linear(arch.hidden_size, stop - start, dtype, weight=tied,  # loaded once when tied
+                              packed_min_rows=HEAD_PACKED_MIN_ROWS)
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:

@@ -21,6 +21,10 @@ from jackfield.contracts.model import ModelFamily
 # 0.6-0.8x MKL's time at 4-64 rows (MKL's GEMM slows from 4 rows; SmolLM2's 49152 x 576 head 0.4x
 # at 8), the same at 512; below 4 rows MKL's product on the plain weight is the faster one.
 PACKED_MIN_ROWS = 4
+# ...except for an LM head's product (SmolLM2's tied 49152 x 576): at one row, on the 2-core
+# AVX2 EPYC VM, oneDNN took 10.9-11.3 ms against MKL's 12.7-13.0 at one thread and 6.5 against
+# 12.2 at two (MKL's one-row product ran no faster on two threads).
+HEAD_PACKED_MIN_ROWS = 1
 
 
 @functools.cache
@@ -50,9 +54,10 @@ def cpu_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T; through `packed` (cpu_packed_weight(W)) for PACKED_MIN_ROWS rows or more."""
-    if packed is not None and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]:
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
+           packed_min_rows: int = PACKED_MIN_ROWS) -> torch.Tensor:
+    """x W^T; through `packed` (cpu_packed_weight(W)) for `packed_min_rows` rows or more."""
+    if packed is not None and x.numel() >= packed_min_rows * x.shape[-1]:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return F.linear(x, weight)
 
@@ -60,18 +65,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = 
 class Linear(nn.Module):
     """y = x W^T, with W [out, in] (the Hugging Face layout), no bias, no init. `weight`: a
     parameter to share instead (a head tied to the embedding). `pack_for_cpu` (after loading)
-    adds oneDNN's copy of a CPU float32 weight, as many bytes again, for products of many rows."""
+    adds oneDNN's copy of a CPU float32 weight, as many bytes again, for products of
+    `packed_min_rows` rows or more."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 weight: nn.Parameter | None = None) -> None:
+                 weight: nn.Parameter | None = None, packed_min_rows: int = PACKED_MIN_ROWS) -> None:
         super().__init__()
+        self.packed_min_rows = packed_min_rows
         if weight is None:
             weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.weight = weight
         self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed)
+        return linear(x, self.weight, self.packed, self.packed_min_rows)
 
     def pack_for_cpu(self) -> None:
         self.packed = cpu_packed_weight(self.weight)
@@ -156,12 +163,13 @@ class RotaryEmbedding(nn.Module):
         fused = None if self.interleaved else _fused_for(x, 3)
         if fused is not None:  # reads the tables at `positions` itself
             return fused.rope(x, self.cos, self.sin, positions)
-        x32 = x.float()
+        float32 = x.dtype == torch.float32  # no casts to call (each a dispatch, per layer and step)
+        x32 = x if float32 else x.float()
         if self.interleaved:  # pairs (x0, x1), (x2, x3), ... -> [x0, x2, ... ‖ x1, x3, ...]
             x32 = x32.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         cos, sin = self._tables(positions)
         out = torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), sin)
-        return out.to(x.dtype)
+        return out if float32 else out.to(x.dtype)
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin rows [T, 1, rotary_dim] of `positions` (reused while it is the same tensor)."""

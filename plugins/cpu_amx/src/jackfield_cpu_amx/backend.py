@@ -5,7 +5,9 @@ MLA: decode groups go to the native AMX kernel (native.py) when it is built and 
 it, everything else to the PyTorch kernels (kernels.py): gather the group's cache, then the flash
 kernel (or, for many float32 rows, two batched products).
 MHA: every group gathers its keys and values with one index op, then runs one call of the flash
-kernel with the KV heads shared in it (GQA), masks from the step's plan.
+kernel with the KV heads shared in it (GQA), masks from the step's plan. A group of one query
+token a request (decode) gathers record by record only the keys its requests see (plan.DecodeRows);
+a step of decodes alone returns the kernel's output itself.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from jackfield_cpu_amx.capabilities import (
 )
 from jackfield_cpu_amx.kernels import (
     add_sinks,
+    attend_decode_mha,
     attend_group_bmm,
     attend_group_fused,
     attend_group_mha,
+    gather_decode_kv,
     gather_group_cache,
     gather_group_kv,
 )
@@ -199,28 +203,55 @@ class CpuAmxMHAImpl(MHAImpl):
     ) -> AttentionOutput:
         check_attend_inputs(self.layer, query, kv_cache, metadata, kv_scale, sinks, topk_indices)
         _refuse_topk(topk_indices)
-        lay = self.layer
         dtype = compute_dtype(self.path, query.dtype)
         plan, scratch = _checked_plan(query, kv_cache, metadata, kv_scale)
         q = query.to(dtype)
+        with_lse = return_lse or sinks is not None
+        if len(plan.groups) == 1 and plan.groups[0].q_len == 1:  # decode only: the kernel's outputs
+            out, lse = self._decode(plan.groups[0], q, kv_cache, scratch, with_lse)
+            out = out.to(query.dtype)
+        else:
+            out, lse = self._attend_groups(plan, q, kv_cache, scratch, with_lse, query.dtype)
+        if sinks is not None:
+            assert lse is not None
+            add_sinks(out, lse, sinks)
+        return AttentionOutput(out, lse if return_lse else None)
+
+    def _decode(self, group: RequestGroup, q: torch.Tensor, kv_cache: torch.Tensor, scratch: Scratch,
+                with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A group of one query token a request: only the written records of each request's
+        visible keys are gathered (plan.DecodeRows), no block padding to zero or mask."""
+        rows = group.decode_rows(kv_cache.shape[2], kv_cache.shape[1], self.layer.sliding_window)
+        _check_block_span(rows.block_span, kv_cache.shape[1])
+        kv = gather_decode_kv(kv_cache, rows, q.dtype, scratch)
+        return attend_decode_mha(q, kv, rows, self.layer.scale, with_lse)
+
+    def _attend_groups(self, plan: StepPlan, q: torch.Tensor, kv_cache: torch.Tensor, scratch: Scratch,
+                       with_lse: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every group of the plan into one output (and LSE), in `out_dtype`."""
+        lay = self.layer
         # Every row is written below: the plan's groups tile the query rows (StepPlan checks).
-        out = query.new_empty(query.shape)
-        lse = torch.empty(query.shape[:2], dtype=torch.float32)
+        out = q.new_empty(q.shape, dtype=out_dtype)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
         for group in plan.groups:
             t0, t1 = group.token_start, group.token_start + group.num_reqs * group.q_len
-            # Short queries (decode, speculative verification) have few rows per KV head: split
-            # their keys so every core has work, and read each key tile once for the heads that
-            # share it. Prefill rows fill the cores themselves; a fresh causal one needs no mask.
+            if group.q_len == 1:
+                group_out, group_lse = self._decode(group, q[t0:t1], kv_cache, scratch, with_lse)
+                out[t0:t1].copy_(group_out)
+                if group_lse is not None:
+                    lse[t0:t1].copy_(group_lse)
+                continue
+            # Short queries (speculative verification) have few rows per KV head: split their keys
+            # so every core has work, and read each key tile once for the heads that share it.
+            # Prefill rows fill the cores themselves; a fresh causal one needs no mask.
             short = group.q_len <= NATIVE_MAX_Q_LEN
             chunks = group.key_chunks(
                 kv_cache.shape[2], split=short, sliding_window=lay.sliding_window, kernel_causal=not short
             )
             _check_block_span(chunks.block_span, kv_cache.shape[1])
-            kv = gather_group_kv(kv_cache, group, chunks, dtype, scratch)
+            kv = gather_group_kv(kv_cache, group, chunks, q.dtype, scratch)
             attend_group_mha(q[t0:t1], kv, group, chunks, lay.scale, short, out[t0:t1], lse[t0:t1])
-        if sinks is not None:
-            add_sinks(out, lse, sinks)
-        return AttentionOutput(out, lse if return_lse else None)
+        return out, lse
 
 
 def _refuse_topk(topk_indices: torch.Tensor | None) -> None:

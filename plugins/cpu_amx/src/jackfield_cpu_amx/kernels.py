@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from jackfield_cpu_amx.plan import KeyChunks, RequestGroup, Scratch
+from jackfield_cpu_amx.plan import DecodeRows, KeyChunks, RequestGroup, Scratch
 
 # index_select memcpys rows shorter than this many elements in parallel over the indices, and
 # copies longer rows one at a time through a parallel element-wise copy (ATen's GRAIN_SIZE).
@@ -91,6 +91,42 @@ def gather_group_kv(
     blocks = kv_cache.view(2 * num_blocks, block_size, num_kv_heads * head_size)  # keys', then values'
     gathered = _gather_blocks(blocks, chunks, 2, compute_dtype, scratch)
     return gathered.view(2, group.num_reqs, -1, num_kv_heads, head_size)
+
+
+def gather_decode_kv(
+    kv_cache: torch.Tensor, rows: DecodeRows, compute_dtype: torch.dtype, scratch: Scratch
+) -> torch.Tensor:
+    """An MHA cache's records of `rows` (keys and values in one index op), in `compute_dtype`:
+    [2, num_reqs, rows.num_keys, H_kv, D]."""
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    width = num_kv_heads * head_size
+    records = kv_cache.view(2 * num_blocks * block_size, width)
+    gathered = scratch.get(kv_cache.dtype, rows.row_ids.numel() * width).view(-1, width)
+    torch.index_select(records, 0, rows.row_ids, out=gathered)
+    if kv_cache.dtype != compute_dtype:
+        gathered = scratch.get(compute_dtype, gathered.numel()).view_as(gathered).copy_(gathered)
+    return gathered.view(2, -1, rows.num_keys, num_kv_heads, head_size)
+
+
+def attend_decode_mha(
+    query: torch.Tensor, kv: torch.Tensor, rows: DecodeRows, scale: float, with_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """query [g, H, D] (one token a request, in kv's dtype) over kv [2, g, keys, H_kv, D]
+    (gather_decode_kv): out [g, H, D] and, `with_lse`, lse [g, H] float32 (else None).
+
+    One call of PyTorch's CPU flash kernel with the query heads that share a KV head as rows of
+    one kernel head: each (request, KV head) task reads its keys once for all of them. Its output
+    is contiguous [g, H_kv, fold, D], so `out` is a view of it (no copy).
+    """
+    g, num_heads, head_size = query.shape
+    num_kv_heads = kv.shape[3]
+    fold = num_heads // num_kv_heads  # query head h reads KV head h // fold
+    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [g, H_kv, keys, D]
+    part_out, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query.view(g, num_kv_heads, fold, head_size), keys, values, 0.0, False, attn_mask=rows.mask,
+        scale=scale,
+    )
+    return part_out.reshape(g, num_heads, head_size), part_lse.reshape(g, num_heads) if with_lse else None
 
 
 def attend_group_fused(

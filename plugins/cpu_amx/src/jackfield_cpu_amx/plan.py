@@ -120,6 +120,21 @@ class KeyChunks:
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """A one-token-a-request group's visible keys, gathered record by record (not block by block):
+    request r's keys at positions [first_r, seq_len_r), first_r = 0 or where its query's window
+    starts, padded to the longest such run with repeats of its first key. Every record read was
+    written, so nothing gathered needs zeroing (a block gather reads never-written slots, which may
+    hold NaN); only the repeats are masked."""
+
+    num_keys: int  # keys per request after padding
+    row_ids: torch.Tensor  # [2 * num_reqs * num_keys] int64 rows of the [2 * blocks * block_size,
+    # H_kv * D] view of an MHA cache: the keys', then the values'
+    mask: torch.Tensor | None  # [num_reqs, 1, 1, num_keys] float32, -inf on the repeats; None: none
+    block_span: tuple[int, int]  # smallest and largest block id read, checked against each cache
+
+
+@dataclass(frozen=True)
 class DecodeTables:
     """What the native decode kernel reads besides the query, the cache and the outputs: int32,
     contiguous, built once per step."""
@@ -170,6 +185,46 @@ class RequestGroup:
         default_factory=dict, compare=False, repr=False
     )
     _native: dict[tuple[int, int, int], NativeLayout] = field(default_factory=dict, compare=False, repr=False)
+    # (block size, blocks in the cache, sliding window) -> rows
+    _decode_rows: dict[tuple[int, int, int | None], DecodeRows] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def decode_rows(self, block_size: int, num_blocks: int, sliding_window: int | None) -> DecodeRows:
+        """The gather of a group of one query token a request (DecodeRows), memoized: every layer
+        of a step reads caches of one shape, and the window is the layer's."""
+        key = (block_size, num_blocks, sliding_window)
+        rows = self._decode_rows.get(key)
+        if rows is None:
+            rows = self._decode_rows[key] = self._decode_rows_for(block_size, num_blocks, sliding_window)
+        return rows
+
+    def _decode_rows_for(self, block_size: int, num_blocks: int, sliding_window: int | None) -> DecodeRows:
+        if self.q_len != 1:
+            raise ValueError(f"decode rows serve one query token a request, the group has {self.q_len}")
+        owned_blocks = -(-self.seq_lens // block_size)
+        if int(owned_blocks.max()) > self.block_table.shape[1]:
+            raise ValueError(
+                f"block_table has {self.block_table.shape[1]} columns, seq_len {self.num_keys} "
+                f"needs {int(owned_blocks.max())} blocks of {block_size}"
+            )
+        # The query at position n - 1 sees keys > n - 1 - window (causal or not: none come after it).
+        first = torch.zeros_like(self.seq_lens)
+        if sliding_window is not None:
+            first = (self.seq_lens - sliding_window).clamp_(min=0)
+        counts = self.seq_lens - first
+        num_keys = int(counts.max())
+        offsets = torch.arange(num_keys)
+        visible = offsets < counts[:, None]
+        positions = first[:, None] + torch.where(visible, offsets, 0)  # [num_reqs, num_keys]
+        blocks = self.block_table.long().gather(1, positions // block_size)
+        slots = (blocks * block_size + positions % block_size).view(-1)
+        row_ids = torch.cat((slots, slots + num_blocks * block_size))
+        mask = None
+        if not bool(visible.all()):
+            mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+            mask = mask.view(self.num_reqs, 1, 1, num_keys)
+        return DecodeRows(num_keys, row_ids, mask, (int(blocks.min()), int(blocks.max())))
 
     def native_layout(self, block_size: int, num_heads: int, num_threads: int) -> NativeLayout:
         """Enough (request, 16-row group, split) work items for NATIVE_ITEMS_PER_THREAD per thread,
