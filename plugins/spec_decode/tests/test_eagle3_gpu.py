@@ -69,12 +69,16 @@ def test_eagle3_greedy_tokens_match_the_run_without_drafts(checkpoints: Checkpoi
 LOGIT_DELTA = 0.08
 
 
-def assert_rounding_apart(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_rounding_apart(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
     bound = want * math.expm1(2 * LOGIT_DELTA) + 1e-3  # 1e-3: float32 sums of the distributions
     excess = (got - want).abs() - bound
     worst = int(excess.argmax())
-    assert excess[worst] <= 0, (f"entry {worst}: {got[worst]:.4f} with graphs, {want[worst]:.4f} eager, "
-                                f"beyond the rounding bound {bound[worst]:.4f}")
+    # How many entries and how much mass moved tell one outlier (rounding near a tie) from a
+    # whole distribution apart (the head fed other hidden states); the H200 failed on one entry.
+    assert excess[worst] <= 0, (f"{where}, entry {worst}: {got[worst]:.4f} with graphs, {want[worst]:.4f} "
+                                f"eager, beyond the rounding bound {bound[worst]:.4f}; "
+                                f"{int((excess > 0).sum())} of {want.numel()} entries beyond, "
+                                f"total variation {0.5 * float((got - want).abs().sum()):.4f}")
 
 
 def test_eagle3_drafts_with_graphs_equal_the_eager_drafts(checkpoints: Checkpoints) -> None:
@@ -105,7 +109,8 @@ def test_eagle3_drafts_with_graphs_equal_the_eager_drafts(checkpoints: Checkpoin
             if got_tokens != want_tokens:  # a rounding difference drew another token: paths part
                 break
             for row, (got_id, want_id) in enumerate(zip(got_ids, want_ids, strict=True)):
-                assert_rounding_apart(got[row], want[row])
+                where = f"prompt of {len(prompt)}, {len(got_tokens)} tokens, draft {row}"
+                assert_rounding_apart(got[row], want[row], where)
                 compared += 1
                 if got_id != want_id:  # drawn apart at a near-tie: later rows see another draft
                     break
