@@ -110,9 +110,10 @@ def test_pieces_over_static_buffers_give_the_eager_tokens(v3_dir) -> None:
     assert pieces.sizes == [16, 32, 48]
     llm.engine.runner.pieces = pieces
     replayed = llm.generate(prompts, params)
-    # The indexer scores keys by sums of ReLUs, so keys tie or nearly tie; the eager path scores
-    # each request's keys [S, D] and the replay every row's gathered keys [T, span, D], which may
-    # round differently by an ulp, and a near tie at the top-4 boundary then selects another key
+    # The indexer scores keys by sums of ReLUs, so keys tie or nearly tie; an eager step scores
+    # its rows' keys up to the step's longest context, a replay up to max_model_len (other einsum
+    # shapes and chunks), which may round differently by an ulp, and a near tie at the top-4
+    # boundary then selects another key
     # (seed 3181184273: one position of 71 off by 0.023, the tokens unchanged; the same at
     # 99954d1). Such positions are allowed, one in 25; a replay that reads wrong buffers moves most.
     apart = []
@@ -348,9 +349,10 @@ def test_v32_decode_over_static_buffers_gives_the_eager_tokens(tmp_path, rng_see
     runner.pieces.capture()
     replayed = llm.generate(prompts, params)
     assert {1, 1 + k} <= set(replayed_rows), replayed_rows  # decode and verify steps replayed
-    # The indexer scores keys by sums of ReLUs, so keys tie or nearly tie; the eager path scores
-    # each request's keys [S, D] and the replay every row's gathered keys [T, span, D], which may
-    # round differently by an ulp, and a near tie at the top-4 boundary then selects another key
+    # The indexer scores keys by sums of ReLUs, so keys tie or nearly tie; an eager step scores
+    # its rows' keys up to the step's longest context, a replay up to max_model_len (other einsum
+    # shapes and chunks), which may round differently by an ulp, and a near tie at the top-4
+    # boundary then selects another key
     # (seed 3181184273: one position of 71 off by 0.023, the tokens unchanged; the same at
     # 99954d1). Such positions are allowed, one in 25; a replay that reads wrong buffers moves most.
     apart = []
