@@ -109,6 +109,25 @@ def test_auto_measures_once_and_keeps_the_fastest(v3_dir, monkeypatch) -> None:
 
 
 @pytest.mark.usefixtures("pool_of_four")
+def test_pipelined_steps_run_at_the_count_too(v3_dir) -> None:
+    """Async scheduling on the CPU: the launched decode steps, not only the synchronous ones, run
+    at the engine's count."""
+    llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.cpu_threads": 1,
+                              "engine.async_scheduling": True})
+    seen = spy_steps(llm)
+    launched: list[int] = []
+    launch = llm.engine.runner._launch
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        launched.append(torch.get_num_threads())
+        return launch(*args, **kwargs)
+
+    llm.engine.runner._launch = spy  # type: ignore[method-assign]
+    llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_tokens=6))
+    assert seen and launched and set(seen + launched) == {1} and torch.get_num_threads() == 4
+
+
+@pytest.mark.usefixtures("pool_of_four")
 def test_a_pinned_count_is_never_measured(v3_dir) -> None:
     llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.cpu_threads": 1})
     threads = llm.engine.runner.cpu_threads

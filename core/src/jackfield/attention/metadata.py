@@ -1,5 +1,6 @@
 """A step's metadata divided by role: the one rule that decides whether a KV cache group's batch
-is divided (`GroupMetadataBuilder`) and the slicing into decode and prefill halves.
+is divided (`GroupMetadataBuilder`) and the slicing into decode and prefill halves
+(`slice_requests`, which a model drafter's chain also slices its drafts' rows with).
 
 The engine builds every step's metadata through GroupMetadataBuilder (one per KV cache group, in
 jackfield.models.attention.StepContextBuilder), and so does the conformance kit's forward test.
@@ -8,6 +9,8 @@ jackfield.models.attention.StepContextBuilder), and so does the conformance kit'
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import torch
 
 from jackfield.contracts.attention import (
     AttentionBackend,
@@ -69,17 +72,22 @@ def split_decode_prefill(
             f"num_decodes={nd}, num_decode_tokens={ndt} disagree with query_start_loc "
             f"{metadata.query_start_loc_cpu.tolist()}"
         )
-    decode = _slice(metadata, 0, nd, is_decode=True) if nd else None
-    prefill = _slice(metadata, nd, num_reqs, is_decode=False) if nd < num_reqs else None
+    decode = slice_requests(metadata, 0, nd, is_decode=True) if nd else None
+    prefill = slice_requests(metadata, nd, num_reqs, is_decode=False) if nd < num_reqs else None
     return decode, prefill
 
 
-def _slice(md: AttentionMetadata, r0: int, r1: int, *, is_decode: bool) -> AttentionMetadata:
+def slice_requests(md: AttentionMetadata, r0: int, r1: int, *, is_decode: bool) -> AttentionMetadata:
+    """Requests r0 .. r1 - 1 of `md` as metadata of their own (query_start_loc from 0; views
+    where they can be, so a slice costs no device work when its offsets repeat the batch's first:
+    a batch of one-row decodes, such as a draft chain's rows sliced per draft)."""
     qsl_cpu = md.query_start_loc_cpu[r0 : r1 + 1]
     t0, t1 = int(qsl_cpu[0]), int(qsl_cpu[-1])
     qsl = md.query_start_loc[r0 : r1 + 1]
     if t0:
-        qsl, qsl_cpu = qsl - t0, qsl_cpu - t0
+        qsl_cpu = qsl_cpu - t0
+        first = md.query_start_loc_cpu[: r1 - r0 + 1]
+        qsl = md.query_start_loc[: r1 - r0 + 1] if torch.equal(first, qsl_cpu) else qsl - t0
     seq_lens_cpu = md.seq_lens_cpu[r0:r1]
     return AttentionMetadata(
         query_start_loc=qsl,

@@ -13,6 +13,7 @@ after a verify step their state is rolled back to each request's last accepted t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -24,6 +25,7 @@ import torch
 
 from jackfield.attention.checks import check_slots_on_host
 from jackfield.attention.kv_cache import is_mla
+from jackfield.attention.metadata import slice_requests
 from jackfield.config import EngineConfig
 from jackfield.contracts.attention import (
     AttentionBackends,
@@ -346,8 +348,7 @@ class ModelRunner:
         start = 0
         for spans in drafts:
             end = start + len(spans)
-            longest = max(s.start + 1 for s in spans)
-            parts = [_decode_rows(common, start, end, longest) for common in per_group]
+            parts = [slice_requests(common, start, end, is_decode=True) for common in per_group]
             chain.append(functools.partial(built, parts, positions[start:end]))
             start = end
         return chain
@@ -407,12 +408,14 @@ class ModelRunner:
 
     def step(self, chunks: list[ScheduledChunk], connector_metadata: ConnectorMetadata | None = None,
              ) -> StepResult:
-        """The step's forward, sampling and drafting; on the CPU at the engine's thread count
-        (engine/cpu_threads.py), torch's pool size restored after."""
-        if self.cpu_threads is None:
+        """The step's forward, sampling and drafting."""
+        with self._step_threads():
             return self._step(chunks, connector_metadata)
-        with self.cpu_threads.run_at():
-            return self._step(chunks, connector_metadata)
+
+    def _step_threads(self) -> contextlib.AbstractContextManager[None]:
+        """A step's device work at the engine's thread count on the CPU (engine/cpu_threads.py;
+        torch's pool size restored after): synchronous and pipelined steps alike."""
+        return contextlib.nullcontext() if self.cpu_threads is None else self.cpu_threads.run_at()
 
     @torch.no_grad()  # not inference_mode: backends may key checks on a tensor's version counter
     def _step(self, chunks: list[ScheduledChunk], connector_metadata: ConnectorMetadata | None = None,
@@ -492,13 +495,17 @@ class ModelRunner:
         self._end_saves(connector_metadata)
         return StepResult(emitted, logprobs, embeddings, prompt_logprobs, drafts)
 
-    @torch.no_grad()
     def launch(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> LaunchedStep:
         """Async scheduling's first half of a decode step (one sampling row a request; the
         engine's `_pipelines` chose the step): stage it, replay its graph or run it eagerly, sample
         into a device tensor and queue the tokens' copy to the host; nothing waits for the device.
         A request whose input token `previous` sampled takes it from `previous.tokens` on the
         device. `finish` reads the tokens back."""
+        with self._step_threads():
+            return self._launch(chunks, previous)
+
+    @torch.no_grad()
+    def _launch(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> LaunchedStep:
         in_flight = None
         moved = [(row, c.seq.request_id) for row, c in enumerate(chunks) if c.seq.num_in_flight]
         if moved:
@@ -654,19 +661,6 @@ def fp8_kv_scales(layers: list[AttentionLayerSpec], plan: KVScalePlan | None, nu
             raise ValueError(f"KV cache {j} takes {size} scale(s), the plan gives {len(values)}")
         scales.append(torch.tensor(values, dtype=torch.float32, device=device))
     return scales
-
-
-def _decode_rows(common: AttentionMetadata, start: int, end: int, max_seq_len: int) -> AttentionMetadata:
-    """Rows start .. end - 1 of `common`, a batch of one-row decodes (views, no device work); its
-    query_start_loc is 0, 1, .. so any slice's is its first end - start + 1 entries."""
-    rows = end - start
-    return AttentionMetadata(
-        query_start_loc=common.query_start_loc[: rows + 1], seq_lens=common.seq_lens[start:end],
-        block_table=common.block_table[start:end], slot_mapping=common.slot_mapping[start:end],
-        query_start_loc_cpu=common.query_start_loc_cpu[: rows + 1],
-        seq_lens_cpu=common.seq_lens_cpu[start:end], max_query_len=1, max_seq_len=max_seq_len,
-        num_decodes=rows, num_decode_tokens=rows, causal=common.causal,
-    )
 
 
 def _output_rows(chunks: list[ScheduledChunk]) -> list[int]:
