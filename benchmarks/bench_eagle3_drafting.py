@@ -3,8 +3,10 @@
 engine step without drafts, of an eagle3 step, and of the eagle3 step's drafting phase alone (the
 model runner's `_draft`: the head over the verified rows and the chain of drafts, between device
 syncs), all greedy with `ignore_eos`. A random head's drafts are rarely accepted: the figures
-are per step, not tokens/s. On CUDA, a further run counts each drafting phase's host syncs (the
-chain's one read-back is one).
+are per step, not tokens/s. The ceiling, measured in the same run: the copy bandwidth, and with
+it the drafting phase's floor, k reads of the head's weights (each draft's forward reads them
+once). On CUDA, a further run counts each drafting phase's host syncs (the chain's one read-back
+is one).
 
   python benchmarks/bench_eagle3_drafting.py                      # CUDA when present (graphs on)
   python benchmarks/bench_eagle3_drafting.py --device cpu --profile 1   # cProfile of batch 1's drafting
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_e2e import ceilings
 from jackfield import LLM, SamplingParams
 from jackfield.testing.checkpoints import write_granite
 from jackfield_spec_decode.testing import write_eagle3
@@ -116,10 +119,16 @@ def main() -> None:
         plain, eagle = LLM(str(target), **base), LLM(str(target), **base, **spec)
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
+        head_module = eagle.engine.runner.drafter.head  # type: ignore[union-attr]
+        head_bytes = sum(p.numel() * p.element_size() for p in head_module.parameters())
+        _, bandwidth = ceilings(args.device, dtype)
+        floor_ms = 1e3 * args.k * head_bytes / bandwidth
         print(f"device {args.device}, target {args.layers} layers x {args.hidden}, vocab {args.vocab}, "
               f"draft vocab {args.draft_vocab}, k {args.k}, {args.new_tokens} new tokens")
-        print("| batch | plain step ms | eagle3 step ms | its drafting ms |")
-        print("|---:|---:|---:|---:|")
+        print(f"ceiling: copy {bandwidth / 1e9:.0f} GB/s; the head's weights {head_bytes / 2**20:.1f} MiB, "
+              f"so a drafting phase's floor (k reads) {floor_ms:.3f} ms")
+        print("| batch | plain step ms | eagle3 step ms | its drafting ms | drafting / floor |")
+        print("|---:|---:|---:|---:|---:|")
         for batch_size in args.batch_sizes:
             batch = [torch.randint(0, args.vocab, (32,), generator=g).tolist() for _ in range(batch_size)]
             median: Callable[[list[float]], float] = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
@@ -128,7 +137,7 @@ def main() -> None:
             plain_steps, _ = timed_phase(plain, batch, params, args.device)
             eagle_steps, drafting = timed_phase(eagle, batch, params, args.device)
             print(f"| {batch_size} | {median(plain_steps):.2f} | {median(eagle_steps):.2f} | "
-                  f"{median(drafting):.2f} |", flush=True)
+                  f"{median(drafting):.2f} | {median(drafting) / floor_ms:.0f}x |", flush=True)
             if args.device == "cuda":
                 syncs: list[int] = []
                 timed_phase(eagle, batch, params, args.device, syncs=syncs)
