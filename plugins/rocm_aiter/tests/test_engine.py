@@ -23,7 +23,7 @@ def test_generates_as_torch_ref_does(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """bf16 both ways: the same greedy tokens and logprobs, within bf16's own noise, measured in the
     same run as torch_ref bf16's distance from torch_ref float32 (a fixed bound fails on the seed
     whose logits round one bf16 step apart). The greedy paths may part only at a near-tie, two
-    tokens closer than that noise. Dense layers only: a random MoE router's near-ties would flip
+    tokens closer than twice that noise. Dense layers only: a random MoE router's near-ties would flip
     experts on any rounding difference."""
     write_deepseek("v3", tmp_path, seed=rng_seed % 1000, num_attention_heads=16, num_key_value_heads=16,
                    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
@@ -61,5 +61,8 @@ def test_generates_as_torch_ref_does(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert max(gaps) <= max(noise), f"AITER vs torch_ref {max(gaps):.4f} > bf16's own noise {max(noise):.4f}"
     for got_token, want_token, top in parted:
         assert got_token in top, f"AITER chose {got_token}, outside torch_ref's top-2 {top}"
-        assert top[want_token] - top[got_token] <= max(noise), f"AITER chose {got_token} over a clear {top}"
+        # AITER ranks them the other way round only if its errors on the two tokens, each within the
+        # noise, add up to torch_ref's gap: the gap is at most twice the noise
+        gap = top[want_token] - top[got_token]
+        assert gap <= 2 * max(noise), f"AITER chose {got_token} over a clear {top} (noise {max(noise):.4f})"
     assert len(parted) <= 1, f"greedy paths parted in {len(parted)} of {len(prompts)} prompts"
