@@ -109,6 +109,17 @@ def test_auto_measures_once_and_keeps_the_fastest(v3_dir, monkeypatch) -> None:
 
 
 @pytest.mark.usefixtures("pool_of_four")
+def test_auto_measures_under_async_scheduling(v3_dir) -> None:
+    """A pipelined warm-up request takes one step more (reading its last token back): every
+    candidate is still timed ROUNDS times, and the engine starts."""
+    llm = LLM(str(v3_dir), **{"engine.device": "cpu", "engine.async_scheduling": True})
+    threads = llm.engine.runner.cpu_threads
+    assert threads is not None and threads.candidates == (4, 2, 1)
+    assert {c: len(t) for c, t in threads.timings_s.items()} == {4: ROUNDS, 2: ROUNDS, 1: ROUNDS}
+    assert llm.engine._next_id == 0
+
+
+@pytest.mark.usefixtures("pool_of_four")
 def test_pipelined_steps_run_at_the_count_too(v3_dir) -> None:
     """Async scheduling on the CPU: the launched decode steps, not only the synchronous ones, run
     at the engine's count."""

@@ -203,7 +203,9 @@ class Engine:
             params = SamplingParams(temperature=1.0, seed=0, max_tokens=1 + steps, ignore_eos=True)
             seq = self.add_request([0] * (block - 1 - steps), params)
             while self.scheduler.has_work():
-                decode = bool(seq.output_ids)  # the prompt's steps come first
+                # the prompt's steps come first; with async scheduling one step more reads the
+                # last token back, untimed
+                decode = bool(seq.output_ids) and done < len(counts)
                 count = counts[done] if decode else None
                 if count is not None:
                     assert threads is not None
