@@ -66,6 +66,7 @@ class DraftGraphs:
         self.fence = CopyFence(device)  # the host buffers above are rewritten each step
         # the outputs: each draft's tokens, and the probabilities drawn drafts came from
         self.tokens = torch.zeros(self.num_drafts, largest, dtype=torch.int64, device=device)
+        # greedy graphs always; drawn ones where the sampler's plain draws can be recorded
         self.kinds = (False, True) if sampler.records_plain_draws else (False,)
         self.probs = (torch.zeros(largest, self.num_drafts, vocab_size, dtype=torch.float32, device=device)
                       if True in self.kinds else None)
