@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -274,6 +275,85 @@ def test_the_chain_metadata_in_one_pass_drafts_as_a_pass_per_draft(dirs: dict[st
             assert got_q is None or torch.equal(got_q, want_q)
         lengths.add(tuple(len(ids) for ids, _ in got))
     assert any(len(set(step)) > 1 for step in lengths), "no step whose requests drafted different counts"
+
+
+def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng_seed: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's drafting as its CUDA graphs replay it (record=False: the same drafting over
+    the static buffers, after decode graphs of record=False: q rows a request padded to the batch
+    size, rows that write no KV, requests that stop drafting early, all-greedy and drawn batches)
+    gives the eager chain's drafts and probabilities, step after step."""
+    import dataclasses
+
+    import jackfield.attention.torch_ref
+    from jackfield.engine.cuda_graphs import DecodeGraphs
+    from jackfield.engine.draft_graphs import DraftGraphs
+
+    # torch_ref reads each request's length on the host, where a replay's metadata holds upper
+    # bounds (a graph backend reads the device lengths): on the CPU the static length buffer is a
+    # host tensor, so torch_ref gets it as its host lengths, and skips its checks, which refuse
+    # the padding requests' rows of no length
+    static_metadata = DecodeGraphs.static_metadata
+
+    def with_static_lengths(graphs: DecodeGraphs, *args: Any, **kwargs: Any) -> list[object]:
+        metadata = static_metadata(graphs, *args, **kwargs)
+        return [dataclasses.replace(m, seq_lens_cpu=m.seq_lens) for m in metadata]
+
+    monkeypatch.setattr(DecodeGraphs, "static_metadata", with_static_lengths)
+    monkeypatch.setattr(jackfield.attention.torch_ref, "check_attend_inputs", lambda *args: None)
+    settings = {**BASE, **eagle3(dirs["head_d2t"]), "engine.block_size": 4, "engine.max_num_seqs": 4}
+    print(f"seed={rng_seed}")
+
+    def drafts(replayed: bool) -> tuple[list[object], list[list[int]], list[int]]:
+        llm = LLM(str(dirs["llama"]), **settings)
+        engine, runner = llm.engine, llm.engine.runner
+        replays: list[int] = []
+        if replayed:
+            decode = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                                  runner.block_tables, runner.kv.num_blocks, runner.block_size,
+                                  engine.max_model_len, 4, engine.device, query_lens=(1, 1 + K),
+                                  tap_layers=runner.tap_layers, record=False)
+            decode.capture()
+            graphs = DraftGraphs(decode, runner.drafter, runner.sampler, engine.capabilities.vocab_size,
+                                 record=False)
+            graphs.capture()
+            run = graphs.run
+
+            def counted(chunks, q, found):  # type: ignore[no-untyped-def]
+                replays.append(q)
+                return run(chunks, q, found)
+
+            graphs.run = counted  # type: ignore[method-assign]
+            runner.graphs, runner.draft_graphs = decode, graphs
+        inner, seen = runner._draft, []
+
+        def recorded(*args: object) -> object:
+            out = inner(*args)
+            seen.append(out)
+            return out
+
+        runner._draft = recorded
+        batch = prompts(engine.capabilities.vocab_size, rng_seed)
+        drawn = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=rng_seed % 1000 + n)
+                 for n in (9, 12)] + [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)]
+        greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 13, 7)]
+        tokens = [o.token_ids for params in (drawn, greedy) for o in llm.generate(batch, params)]
+        return seen, tokens, replays
+
+    (want, want_tokens, _), (got, got_tokens, replays) = drafts(False), drafts(True)
+    assert {1, 1 + K} <= set(replays), replays  # steps after all drafts rejected, and after accepted ones
+    drew = stopped_early = 0
+    for step, (got_step, want_step) in enumerate(zip(got, want, strict=False)):
+        for (got_ids, got_q), (want_ids, want_q) in zip(got_step, want_step, strict=True):  # type: ignore[call-overload]
+            assert got_ids == want_ids, (step, got_step, want_step)
+            assert (got_q is None) == (want_q is None)
+            if got_q is not None:
+                # a padded batch's GEMMs may take other float32 kernels than the eager rows'
+                torch.testing.assert_close(got_q, want_q, atol=2e-5, rtol=1e-4)
+                drew += 1
+        stopped_early += len({len(ids) for ids, _ in got_step}) > 1  # type: ignore[attr-defined]
+    assert len(got) == len(want) and got_tokens == want_tokens
+    assert drew and stopped_early, (drew, stopped_early)
 
 
 @pytest.mark.parametrize(("case", "reason"), [

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from jackfield import LLM
 from jackfield.testing.checks import greedy_runs_agree
 
 pytestmark = pytest.mark.gpu
@@ -30,9 +31,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     root = tmp_path_factory.mktemp("gpu_eagle3")
     write_granite("llama", root / "target", **GPU_LLAMA)
     # head_scale: logits of std ~1.6 (1.0 gives ~32: one bf16 rounding step of the hidden state
-    # then moves a draft probability by 0.2-0.6, far beyond what a distribution comparison can bound)
+    # then moves a draft probability by 0.2-0.6, far beyond what a distribution comparison can bound).
+    # attention_scale: attention scores of std ~2 (the default 0.3 gives ~180, each row attending
+    # one key: the taps of a 131-key decode, a few bf16 ulps apart with graphs (a recorded decode
+    # splits the keys for max_model_len, the eager one does not), then picked other keys and moved
+    # the head's output by 20-35% and a draft probability from 0.0086 to 0.0153 (s35's failure))
     write_eagle3(root / "head", root / "target", 11, taps=None, draft_vocab=1024, heads=16, kv_heads=4,
-                 head_dim=64, intermediate=2048, head_scale=0.05)
+                 head_dim=64, intermediate=2048, head_scale=0.05, attention_scale=0.03)
     speculative = {"speculative.method": "eagle3", "speculative.num_speculative_tokens": 3,
                    "speculative.model": str(root / "head")}
     return str(root / "target"), speculative
@@ -101,6 +106,7 @@ def test_eagle3_drafts_with_graphs_equal_the_eager_drafts(checkpoints: Checkpoin
 
     graphs = LLM(target, **SETTINGS, **speculative)
     assert graphs.engine.runner.pieces is not None and graphs.engine.runner.graphs is not None
+    replays = count_drafting_replays(graphs)
     eager = LLM(target, **SETTINGS, **speculative, **{"engine.cuda_graphs": False})
     compared = 0
     for prompt in _prompts():
@@ -115,3 +121,61 @@ def test_eagle3_drafts_with_graphs_equal_the_eager_drafts(checkpoints: Checkpoin
                 if got_id != want_id:  # drawn apart at a near-tie: later rows see another draft
                     break
     assert compared >= 18
+    assert replays[0] >= 18  # the decode steps' drafting was replayed
+
+
+def count_drafting_replays(llm: LLM) -> list[int]:
+    """How many steps' drafting the engine replayed from its drafting graphs (one counter)."""
+    graphs = llm.engine.runner.draft_graphs
+    assert graphs is not None
+    run, replays = graphs.run, [0]
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        drafts = run(*args)
+        replays[0] += drafts is not None
+        return drafts
+
+    graphs.run = counted  # type: ignore[method-assign]
+    return replays
+
+
+def test_eagle3_greedy_drafts_with_graphs_equal_the_eager_drafts(checkpoints: Checkpoints) -> None:
+    """Greedy drafts replayed from the drafting graphs are the eager chain's, step after step while
+    a request's tokens agree, in a batch of three whose requests finish at different steps. The
+    contexts stay under 128 keys: a longer one's decode with graphs splits its keys (recorded for
+    max_model_len) and the eager one does not, so the taps part by bf16 rounding (s36 on the H200:
+    the 130-token prompt's third draft flipped at a near tie), while shorter ones give the head
+    the eager taps bit for bit."""
+    from jackfield import LLM, SamplingParams
+
+    target, speculative = checkpoints
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 14, 17)]
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (7, 60, 33)]
+
+    Step = list[tuple[list[int], list[int]]]  # per request: its tokens so far and its drafts
+
+    def drafts(llm: LLM) -> list[Step]:
+        engine = llm.engine
+        seqs = engine.add_requests(list(zip(prompts, params, strict=True)))
+        steps = []
+        while engine.scheduler.has_work():
+            engine.step()
+            steps.append([(list(s.token_ids), list(s.draft_ids)) for s in seqs])
+        return steps
+
+    graphs = LLM(target, **SETTINGS, **speculative)
+    replays = count_drafting_replays(graphs)
+    got = drafts(graphs)
+    want = drafts(LLM(target, **SETTINGS, **speculative, **{"engine.cuda_graphs": False}))
+    parted: set[int] = set()
+    compared = 0
+    for step, (got_step, want_step) in enumerate(zip(got, want, strict=False)):
+        for r, ((got_tokens, got_ids), (want_tokens, want_ids)) in enumerate(zip(got_step, want_step,
+                                                                                 strict=True)):
+            if r in parted or got_tokens != want_tokens:
+                parted.add(r)
+                continue
+            assert got_ids == want_ids, f"step {step}, request {r}: {got_ids} with graphs, {want_ids} eager"
+            compared += bool(want_ids)
+    assert replays[0] >= 10 and compared >= 20, (replays, compared, parted)

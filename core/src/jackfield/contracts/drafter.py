@@ -174,6 +174,31 @@ class ModelDrafter(Drafter):
         caches hold every verified position), then draft for the `num_drafting` requests, in order."""
 
 
+class ChainDrafter(ModelDrafter):
+    """A model drafter whose drafts come from a chain of forwards of its own layers, in three
+    parts the engine can also call itself: the layers over the verified rows, each further
+    draft's rows, and the logits of their outputs. The engine records a pure decode step's whole
+    drafting (the verified rows padded as its verify step's rows, then every draft, sampled on
+    the device) in a CUDA graph at fixed batch sizes and replays it instead of `propose`, so
+    these parts must be recordable: device work only (no host sync, no Python branch on device
+    values), the same kernels for any input values."""
+
+    @abstractmethod
+    def verified_forward(self, model: ModelFamily, rows: DraftRows, taps: Sequence[torch.Tensor],
+                         ) -> torch.Tensor:
+        """The layers over `rows` (the verified rows, `DraftContext.verified`, with their `taps`),
+        writing their KV: the output [R, H] of each row; a request's newest row drafts token 0."""
+
+    @abstractmethod
+    def draft_forward(self, model: ModelFamily, draft: int, rows: DraftRows) -> torch.Tensor:
+        """The layers over the rows of draft `draft` >= 1 (`DraftContext.draft_rows`), writing
+        their KV: the output [R, H] of each row, which drafts token `draft`."""
+
+    @abstractmethod
+    def draft_logits(self, model: ModelFamily, draft: int, out: torch.Tensor) -> torch.Tensor:
+        """float32 logits [R, the target's vocabulary] of draft `draft` from outputs `out`."""
+
+
 def combined_lookahead(drafters: Iterable[Drafter]) -> int:
     """The KV slots a step may write past the verified tokens, over every active drafter."""
     return max((d.lookahead_tokens for d in drafters), default=0)

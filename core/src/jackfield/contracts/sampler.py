@@ -190,8 +190,10 @@ class Penalties:
 class SamplingMetadata:
     """Per-row tensors for one step, on the logits' device. Row i samples one token.
 
-    temperature float32 [R]; top_k int64 [R] (0 = off); top_p, min_p float32 [R];
-    seeds int64 [R]; positions int64 [R] (the position of the token being sampled);
+    temperature float32 [R]; top_k int64 [R] (0 = off); top_p, min_p float32 [R] (None: that
+    filter is off for every row; all three None: temperature-only draws, which need no device sync
+    to find the rows that filter); seeds int64 [R]; positions int64 [R] (the position of the token
+    being sampled);
     drafting bool: True when a drafter samples (uses a disjoint noise stream).
     max_num_logprobs: largest k asked by any row (None: no logprobs).
     logit_bias float32 [R, V]: added to the logits (None: no row has a bias).
@@ -200,9 +202,9 @@ class SamplingMetadata:
     """
 
     temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
     seeds: torch.Tensor
     positions: torch.Tensor
     drafting: bool = False
@@ -224,6 +226,10 @@ class Sampler(ABC):
     """Turns one step's logits into tokens. Must be deterministic given the metadata."""
 
     name: str
+    # sample() of metadata without filters, logprobs, bias, mask or penalties launches device work
+    # only (no host sync, no Python branch on device values), so the engine may record it in a
+    # CUDA graph (a drafter's chain of drafts)
+    records_plain_draws: bool = False
 
     @abstractmethod
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput: ...

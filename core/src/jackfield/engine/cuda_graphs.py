@@ -109,6 +109,9 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor,
                                                  list[torch.Tensor | None], StepContext]] = {}
         self.unrecorded: dict[tuple[int, int], StepContext] = {}  # record=False: the metadata instead
+        # the last run's final hidden states and tapped layer inputs, q rows a request padded to
+        # its batch size (a recorded graph's output buffers): a drafter's graphs read them
+        self.last_outputs: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
 
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
         pool = torch.cuda.graph_pool_handle() if self.record else None
@@ -173,6 +176,7 @@ class DecodeGraphs:
             graph.replay()
         else:
             hidden, states = self._forward(size, q, self.unrecorded[size, q])
+        self.last_outputs = hidden, states
 
         def real(rows: torch.Tensor) -> torch.Tensor:
             return rows[: len(chunks)] if q == 1 else rows.index_select(0, self.real_rows.gpu[:total])
@@ -240,14 +244,20 @@ class DecodeGraphs:
         self.fence.record()
         return total
 
-    def _context(self, size: int, q: int) -> StepContext:
-        """Metadata over the static buffers, with the Python values as upper bounds."""
-        per_group = [
+    def static_metadata(self, size: int, q: int, seq_lens: torch.Tensor | None = None,
+                        slot_mapping: list[torch.Tensor] | None = None) -> list[AttentionMetadata]:
+        """Per KV cache group, metadata of `size` requests of q rows over static buffers, with
+        the Python values as upper bounds: the block tables are this object's, `seq_lens` [size]
+        and `slot_mapping` (per group, [size * q]) this object's unless given (a drafter's rows
+        over the same requests)."""
+        seq_lens = self.seq_lens.gpu[:size] if seq_lens is None else seq_lens
+        slots = [b.gpu[: size * q] for b in self.slot_mapping] if slot_mapping is None else slot_mapping
+        return [
             AttentionMetadata(
                 query_start_loc=self.query_start_loc[q][: size + 1],
-                seq_lens=self.seq_lens.gpu[:size],
+                seq_lens=seq_lens,
                 block_table=block_table.gpu[:size],
-                slot_mapping=slot_mapping.gpu[: size * q],
+                slot_mapping=group_slots,
                 query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * q,
                 seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
                 max_query_len=q,
@@ -255,8 +265,12 @@ class DecodeGraphs:
                 num_decodes=size,
                 num_decode_tokens=size * q,
             )
-            for slot_mapping, block_table in zip(self.slot_mapping, self.block_table, strict=True)
+            for group_slots, block_table in zip(slots, self.block_table, strict=True)
         ]
+
+    def _context(self, size: int, q: int) -> StepContext:
+        """The model's step context over the static buffers."""
+        per_group = self.static_metadata(size, q)
         context = self.contexts.build(self.kv_caches, per_group, for_capture=True, kv_scales=self.kv_scales)
         if self.recurrent is None:
             return context

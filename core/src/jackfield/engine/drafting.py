@@ -176,35 +176,19 @@ class RunnerDraftContext(DraftContext):
     def sample(self, logits: torch.Tensor, requests: Sequence[int], draft: int,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         seqs = [self.drafting[r][0] for r in requests]
-        if all(s.params.temperature == 0 for s in seqs):  # argmax of the finite logits, no noise
-            # neginf too: nan_to_num's default turns -inf into the lowest finite float
-            finite = torch.nan_to_num(logits, nan=-torch.inf, posinf=-torch.inf, neginf=-torch.inf)
-            best, tokens = finite.max(dim=1)
-            return torch.where(best == -torch.inf, -1, tokens), None
-
+        if all(s.params.temperature == 0 for s in seqs):
+            return greedy_drafts(logits), None
         # The requests' sampling inputs go to the device once per step and set of requests (a
         # chain samples every draft of the same requests but for the last drafts of some).
         key = tuple(requests)
         inputs = self._sampling.get(key)
         if inputs is None:
-            rows = len(seqs)
             inputs = self._sampling[key] = _DraftSampling(
                 temperature=self._on_device([s.params.temperature for s in seqs], torch.float32),
-                top_k=self._on_device([0] * rows, torch.int64),
-                top_p=self._on_device([1.0] * rows, torch.float32),
-                min_p=self._on_device([0.0] * rows, torch.float32),
                 seeds=self._on_device([s.seed for s in seqs], torch.int64),
                 num_tokens=self._on_device([self.drafting[r][1] for r in requests], torch.int64),
             )
-        metadata = SamplingMetadata(
-            temperature=inputs.temperature, top_k=inputs.top_k, top_p=inputs.top_p, min_p=inputs.min_p,
-            seeds=inputs.seeds, positions=inputs.num_tokens + draft, drafting=True,
-        )
-        out = self.sampler.sample(logits, metadata)
-        tokens = out.token_ids
-        if out.invalid_rows is not None:
-            tokens = torch.where(out.invalid_rows, -1, tokens)
-        return tokens, target_probabilities(logits, inputs.temperature)
+        return drawn_drafts(self.sampler, logits, inputs.temperature, inputs.seeds, inputs.num_tokens + draft)
 
 
 @dataclass(frozen=True)
@@ -213,11 +197,30 @@ class _DraftSampling:
     num_tokens + j)."""
 
     temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
     seeds: torch.Tensor
     num_tokens: torch.Tensor
+
+
+def greedy_drafts(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy drafts: per row the argmax of the finite logits (no noise), -1 where none is finite."""
+    # neginf too: nan_to_num's default turns -inf into the lowest finite float
+    finite = torch.nan_to_num(logits, nan=-torch.inf, posinf=-torch.inf, neginf=-torch.inf)
+    best, tokens = finite.max(dim=1)
+    return torch.where(best == -torch.inf, -1, tokens)
+
+
+def drawn_drafts(sampler: Sampler, logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts drawn at each row's temperature from the drafting noise stream (argmax where it is
+    0), no filter: (int64 tokens [R], -1 where no logit is finite; float32 probabilities [R, V]
+    they were drawn from). Without filters the sampler needs no device sync (`SamplingMetadata`)."""
+    metadata = SamplingMetadata(temperature=temperature, top_k=None, top_p=None, min_p=None, seeds=seeds,
+                                positions=positions, drafting=True)
+    out = sampler.sample(logits, metadata)
+    tokens = out.token_ids
+    if out.invalid_rows is not None:
+        tokens = torch.where(out.invalid_rows, -1, tokens)
+    return tokens, target_probabilities(logits, temperature)
 
 
 def draft_in_step(drafter: ModelDrafter, model: ModelFamily, sampler: Sampler, attention: AttentionFor,
@@ -243,5 +246,7 @@ def draft_in_step(drafter: ModelDrafter, model: ModelFamily, sampler: Sampler, a
             continue
         tokens = proposal.token_ids[i][: found.max_drafts[i]]
         probs = proposal.probabilities[i] if proposal.probabilities is not None else None
-        drafts.append((tokens, None if probs is None else probs[: len(tokens)]))
+        # a greedy request's drafts are checked by argmax alone (a drawn batch gives it one-hot q)
+        greedy = chunk.seq.params.temperature == 0
+        drafts.append((tokens, None if probs is None or greedy else probs[: len(tokens)]))
     return drafts

@@ -33,7 +33,7 @@ from jackfield.contracts.attention import (
     AttentionMetadata,
     StepContext,
 )
-from jackfield.contracts.drafter import ModelDrafter
+from jackfield.contracts.drafter import ChainDrafter, ModelDrafter
 from jackfield.contracts.kv_connector import ConnectorMetadata, KVConnectorWorker, TransferResult
 from jackfield.contracts.model import LayerHooks, LayerTaps, ModelFamily
 from jackfield.contracts.recurrent import RecurrentStep
@@ -43,7 +43,8 @@ from jackfield.distributed.dcp import DCPLayout, dcp_metadata
 from jackfield.engine.block_table import BlockTableRows
 from jackfield.engine.cpu_threads import CpuThreads
 from jackfield.engine.cuda_graphs import DecodeGraphs
-from jackfield.engine.drafting import DraftLimits, Span, draft_in_step
+from jackfield.engine.draft_graphs import DraftGraphs
+from jackfield.engine.drafting import DraftLimits, Span, draft_in_step, verified_rows
 from jackfield.engine.kv_cache import KVCache
 from jackfield.engine.piecewise_graphs import PiecewiseGraphs
 from jackfield.engine.recurrent_state import RecurrentStates
@@ -186,6 +187,10 @@ class ModelRunner:
         self.graphs = (None if self.decode_graphs_off
                        else self._capture_decode(engine, max_model_len, verify_rows, say))
         self.pieces = None if self.prefill_graphs_off else self._capture_pieces(engine, say)
+        # a chain drafter's drafting after a replayed decode step (not per DCP rank's layout)
+        self.draft_graphs = None
+        if self.graphs is not None and isinstance(drafter, ChainDrafter) and self.dcp is None:
+            self.draft_graphs = self._capture_drafting(drafter, say)
         self.connector: KVConnectorWorker | None = None  # the KV connector's worker side (Engine sets it)
 
     def connector_finished(self) -> TransferResult:
@@ -255,6 +260,16 @@ class ModelRunner:
                                "to decode eagerly") from exc
         return graphs
 
+    def _capture_drafting(self, drafter: ChainDrafter, say: Callable[[str], None]) -> DraftGraphs:
+        assert self.graphs is not None
+        graphs = DraftGraphs(self.graphs, drafter, self.sampler, self.capabilities.vocab_size)
+        try:
+            graphs.capture(say)
+        except RuntimeError as exc:
+            raise RuntimeError(f"recording the {drafter.name} drafter's CUDA graphs failed ({exc}); set "
+                               "engine.cuda_graphs = false to decode eagerly") from exc
+        return graphs
+
     def _capture_pieces(self, engine: EngineConfig, say: Callable[[str], None]) -> PiecewiseGraphs:
         max_tokens = min(engine.max_num_batched_tokens, engine.prefill_graph_max_tokens)
         pieces = PiecewiseGraphs(self.model, max_tokens, self.device)
@@ -276,13 +291,15 @@ class ModelRunner:
         """(metadata per KV cache group, input ids, positions) for the step's flat batch."""
         input_ids = [token for chunk in chunks for token in chunk.input_ids]
         spans = [Span(c.seq, c.seq.num_computed, c.num_tokens) for c in chunks]
-        per_group, positions = self._span_metadata(spans, sum(c.is_decode for c in chunks))  # decodes first
+        # decodes first
+        per_group, positions, _ = self._span_metadata(spans, sum(c.is_decode for c in chunks))
         return per_group, input_ids, positions
 
-    def _span_metadata(self, spans: list[Span], num_decodes: int,
-                       causal: bool = True) -> tuple[list[AttentionMetadata], torch.Tensor]:
-        """(metadata per KV cache group, positions [T] on the host) of rows at each span's
-        positions, the first `num_decodes` spans being decodes; `causal` False: every row sees
+    def _span_metadata(self, spans: list[Span], num_decodes: int, causal: bool = True,
+                       ) -> tuple[list[AttentionMetadata], torch.Tensor, torch.Tensor | None]:
+        """(metadata per KV cache group, positions [T] on the host, the slots [groups, T] on the
+        host, None under DCP) of rows at each span's positions, the first `num_decodes` spans
+        being decodes; `causal` False: every row sees
         all its request's keys (a drafter's block; the model's own rows follow the model). The
         groups' metadata differ only in block tables and slots."""
         query_start = [0]
@@ -310,8 +327,9 @@ class ModelRunner:
         bs = self.block_size
         tables = self.block_tables.gather([s.seq.table_row for s in spans])  # type: ignore[misc]
         if self.dcp is not None:  # decode rows over this rank's keys, prefills over the gathered context
-            return [dcp_metadata(self.dcp, bs, table.long(), row_req, positions, qsl_cpu, num_decodes,
-                                 self._h2d, self.dcp_prefill_metadata.build) for table in tables], positions
+            per_rank = [dcp_metadata(self.dcp, bs, table.long(), row_req, positions, qsl_cpu, num_decodes,
+                                     self._h2d, self.dcp_prefill_metadata.build) for table in tables]
+            return per_rank, positions, None
         slots = tables[:, row_req, positions // bs].long() * bs + positions % bs  # [groups, rows]
         per_group = []
         for table, group_slots in zip(tables, slots, strict=True):
@@ -319,13 +337,13 @@ class ModelRunner:
             check_slots_on_host(slot_mapping, group_slots, self.kv.num_blocks * bs)  # no device read
             per_group.append(AttentionMetadata(block_table=self._h2d(table, torch.int32),  # type: ignore[arg-type]
                                                slot_mapping=slot_mapping, **shared))
-        return per_group, positions
+        return per_group, positions, slots
 
     def _draft_attention(self, spans: list[Span], num_decodes: int,
                          causal: bool = True) -> tuple[StepContext, torch.Tensor]:
         """A model drafter's rows: their step context and positions on the device."""
         with host_single_threaded():
-            per_group, positions = self._span_metadata(spans, num_decodes, causal)
+            per_group, positions, _ = self._span_metadata(spans, num_decodes, causal)
             return self.contexts.build(self.kv_caches, per_group), self._h2d(positions, torch.int64)
 
     def _draft_chain_attention(self, drafts: list[list[Span]],
@@ -337,10 +355,20 @@ class ModelRunner:
             return [functools.partial(self._draft_attention, spans, len(spans)) for spans in drafts]
         every = [span for spans in drafts for span in spans]
         with host_single_threaded():
-            per_group, positions = self._span_metadata(every, len(every))
+            per_group, positions, slots = self._span_metadata(every, len(every))
             positions = self._h2d(positions, torch.int64)
+        assert slots is not None  # not under DCP
+        capacity = self.kv.num_blocks * self.block_size
+        # the drafter's group last: the kernels' slot check remembers the last mapping checked
+        drafter_group = self.groups.layer_group[self.drafter_caches.start]
+        groups = sorted(range(len(per_group)), key=lambda g: g == drafter_group)
 
-        def built(parts: list[AttentionMetadata], rows: torch.Tensor) -> tuple[StepContext, torch.Tensor]:
+        def built(parts: list[AttentionMetadata], rows: torch.Tensor, start: int,
+                  ) -> tuple[StepContext, torch.Tensor]:
+            # Each draft's slot_mapping is a slice (a tensor of its own): checked on the host
+            # here, or the KV insert's check would read it from the device, a sync per draft.
+            for g in groups:
+                check_slots_on_host(parts[g].slot_mapping, slots[g, start : start + rows.shape[0]], capacity)
             # a chain's rows are one per request: too few for the thread pool's barriers to cost
             return self.contexts.build(self.kv_caches, parts), rows
 
@@ -349,7 +377,7 @@ class ModelRunner:
         for spans in drafts:
             end = start + len(spans)
             parts = [slice_requests(common, start, end, is_decode=True) for common in per_group]
-            chain.append(functools.partial(built, parts, positions[start:end]))
+            chain.append(functools.partial(built, parts, positions[start:end], start))
             start = end
         return chain
 
@@ -457,7 +485,7 @@ class ModelRunner:
         prompt_logprobs = [(c.seq, c.prompt_logprob_positions.start, self._prompt_logprobs(c, h))
                            for c, h in scored]
         if not sampling:
-            drafts = self._draft(chunks, every_row, [], taps, hooks)
+            drafts = self._draft(chunks, every_row, [], taps, hooks, None)
             self._end_saves(connector_metadata)
             return StepResult([], [], embeddings, prompt_logprobs, drafts)
         logits = self.model.compute_logits(hidden)  # one row per sampled position
@@ -491,7 +519,7 @@ class ModelRunner:
                 logprobs[i] = [{**dict(zip(ids[r][:k], values[r][:k], strict=True)), token: next(chosen)}
                                for r, token in zip(range(first_row[i], first_row[i] + len(emitted[i])),
                                                    emitted[i], strict=True)]
-        drafts = self._draft(chunks, every_row, emitted, taps, hooks)
+        drafts = self._draft(chunks, every_row, emitted, taps, hooks, recorded)
         self._end_saves(connector_metadata)
         return StepResult(emitted, logprobs, embeddings, prompt_logprobs, drafts)
 
@@ -561,13 +589,21 @@ class ModelRunner:
         self.connector.wait_for_save()
 
     def _draft(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, emitted: list[list[int]],
-               taps: LayerTaps | None, hooks: ConnectorLayers | None,
+               taps: LayerTaps | None, hooks: ConnectorLayers | None, recorded: int | None,
                ) -> list[tuple[list[int], torch.Tensor | None]] | None:
-        """The model drafter's part of the step (engine/drafting.py; `hidden` and `taps`: every row's)."""
+        """The model drafter's part of the step (engine/drafting.py; `hidden` and `taps`: every
+        row's), replayed from the drafting graphs after a replayed step (`recorded`: its rows a
+        request) where they serve it."""
         if self.drafter is None:
             return None
         if hooks is not None:
             hooks.before_drafter()
+        if recorded is not None and self.draft_graphs is not None:
+            found = verified_rows(chunks, emitted, self.draft_limits)
+            with host_single_threaded():
+                drafts = self.draft_graphs.run(chunks, recorded, found)
+            if drafts is not None:
+                return drafts
         states = [] if taps is None else [s for s in taps.states if s is not None]
         return draft_in_step(self.drafter, self.model, self.sampler, self._draft_attention,
                              self._draft_chain_attention, self.draft_limits, chunks, hidden, emitted, states)

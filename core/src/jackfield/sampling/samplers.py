@@ -21,6 +21,7 @@ class Murmur3Sampler(Sampler):
     request's tokens are the same on any device, batch composition and batch position."""
 
     name = "murmur3"
+    records_plain_draws = True  # the temperature-only Gumbel kernels never sync
 
     def __init__(self, impl: Impl = "auto") -> None:
         self.impl: Impl = impl

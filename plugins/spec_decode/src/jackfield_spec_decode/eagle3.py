@@ -22,14 +22,14 @@ is the target's unless the checkpoint stores its own `embed_tokens`.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from jackfield.contracts.attention import AttentionBackends, AttentionLayerSpec, KVCacheDType, StepContext
-from jackfield.contracts.drafter import DraftContext, DrafterOptions, DraftProposal, DraftRows, ModelDrafter
+from jackfield.contracts.drafter import ChainDrafter, DraftContext, DrafterOptions, DraftProposal, DraftRows
 from jackfield.contracts.model import ModelFamily, eagle3_tap_layers
 from jackfield.models.attention import RoleImpls
 from jackfield.models.hf_config import hf_config_from_dict, rope_inv_freq
@@ -230,7 +230,7 @@ class Eagle3Head(nn.Module):
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions, interleaved=False)
 
 
-class Eagle3Drafter(ModelDrafter):
+class Eagle3Drafter(ChainDrafter):
     name = "eagle3"
 
     def __init__(self, options: DrafterOptions) -> None:
@@ -276,7 +276,7 @@ class Eagle3Drafter(ModelDrafter):
         self.head, self.vocab_size, self._tap_layers = head.eval(), caps.vocab_size, c.tap_layers
         return [head.spec]
 
-    def forward(self, model: ModelFamily, rows: DraftRows) -> torch.Tensor:
+    def draft_forward(self, model: ModelFamily, draft: int, rows: DraftRows) -> torch.Tensor:
         """The head's layer over `rows` (writing their KV): `out` of each row, before `norm`."""
         head = self.head
         assert head is not None, "load() runs first"
@@ -286,7 +286,15 @@ class Eagle3Drafter(ModelDrafter):
             embedded = F.embedding(rows.input_ids, head.embed_tokens.weight)
         return head.layer(rows.step, embedded, rows.hidden, rows.positions, head.rope)
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
+    def verified_forward(self, model: ModelFamily, rows: DraftRows, taps: Sequence[torch.Tensor],
+                         ) -> torch.Tensor:
+        """The head's layer over the verified rows, each continuing from `fc` of its taps."""
+        head = self.head
+        assert head is not None, "load() runs first"
+        fused = head.fc(torch.cat(tuple(taps), dim=-1))
+        return self.draft_forward(model, 0, DraftRows(rows.input_ids, rows.positions, fused, rows.step))
+
+    def draft_logits(self, model: ModelFamily, draft: int, out: torch.Tensor) -> torch.Tensor:
         """float32 [R, target vocabulary] of outputs `out` (-inf for ids outside the draft's)."""
         head = self.head
         assert head is not None, "load() runs first"
@@ -297,14 +305,11 @@ class Eagle3Drafter(ModelDrafter):
         return full.index_copy_(1, self.draft_to_target, logits)
 
     def propose(self, context: DraftContext) -> DraftProposal:
-        head, verified = self.head, context.verified
-        assert head is not None, "load() runs first"
-        fused = head.fc(torch.cat(context.taps, dim=-1))
-        rows = DraftRows(verified.input_ids, verified.positions, fused, verified.step)
-        out = self.forward(context.model, rows)
+        model = context.model
+        out = self.verified_forward(model, context.verified, context.taps)
         return draft_chain(context, self.num_speculative_tokens, out[context.last_rows],
-                           lambda _draft, hidden: self.logits(hidden),
-                           lambda _draft, rows: self.forward(context.model, rows))
+                           lambda draft, hidden: self.draft_logits(model, draft, hidden),
+                           lambda draft, rows: self.draft_forward(model, draft, rows))
 
 
 def _names(file: Path) -> list[str]:

@@ -32,11 +32,14 @@ def reference_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | None,
                  draft_vocab: int | None = None, own_embedding: bool = False,
                  norm_before_residual: bool = False, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
-                 intermediate: int = 48, head_scale: float = 1.0, **config: object,
-                 ) -> dict[str, torch.Tensor]:
+                 intermediate: int = 48, head_scale: float = 1.0, attention_scale: float = 0.3,
+                 **config: object) -> dict[str, torch.Tensor]:
     """A random head for the target in `target` (its config.json), in the published layout; the
     draft vocabulary (if smaller) is a random subset of the target's. `head_scale`: the lm_head's
-    weight scale (1.0: logits of std ~sqrt(hidden), near one-hot drafts). Returns its tensors."""
+    weight scale (1.0: logits of std ~sqrt(hidden), near one-hot drafts). `attention_scale`: the
+    q and k projections' (attention scores of std ~2 hidden s^2: at 0.3 and a wide hidden size,
+    hundreds, so each row attends one key, and a rounding step of its inputs may pick another
+    one and move its output by far more than rounding). Returns its tensors."""
     target_config = json.loads((target / "config.json").read_text())
     hidden, vocab = target_config["hidden_size"], target_config["vocab_size"]
     draft_vocab = draft_vocab or vocab
@@ -53,8 +56,8 @@ def write_eagle3(directory: Path, target: Path, seed: int, taps: list[int] | Non
         "fc.weight": weight(hidden, 3 * hidden, scale=0.2),
         "midlayer.input_layernorm.weight": norm(),
         "midlayer.hidden_norm.weight": norm(),
-        "midlayer.self_attn.q_proj.weight": weight(q, 2 * hidden),
-        "midlayer.self_attn.k_proj.weight": weight(kv, 2 * hidden),
+        "midlayer.self_attn.q_proj.weight": weight(q, 2 * hidden, scale=attention_scale),
+        "midlayer.self_attn.k_proj.weight": weight(kv, 2 * hidden, scale=attention_scale),
         "midlayer.self_attn.v_proj.weight": weight(kv, 2 * hidden),
         "midlayer.self_attn.o_proj.weight": weight(hidden, q),
         "midlayer.post_attention_layernorm.weight": norm(),
