@@ -16,10 +16,10 @@ against the same engine without drafts, in one run (issue 18).
    cross-entropy (weighted 0.8 ** s) against the target's distribution of the token it drafts,
    over the draft vocabulary (the --draft-vocab most frequent answer ids; the target's distribution
    renormalized there; positions whose target argmax falls outside are left out; the held-out
-   answers' share of tokens inside is reported), at the anchors
-   the engine drafts from: the prompt's last position and the answer's (prompt tokens are
-   context, never drafted). The learning rate follows a cosine to zero over the planned steps or
-   --max-train-seconds, whichever ends first. The head's lm_head starts from the target's rows,
+   answers' share of tokens inside is reported), at the anchors the engine drafts from: the
+   prompt's last position and the answer's (prompt tokens are context, never drafted). The
+   learning rate follows a cosine to zero over the planned steps or --max-train-seconds,
+   whichever ends first. The head's lm_head starts from the target's rows,
    its norm from the target's. Every 500 steps and at the end, the head runs teacher-forced over
    held-out answers and as many training answers: per-step argmax agreement and the acceptance
    length the engine's greedy chain would have (a gap between the two sets is over-fitting; a
@@ -27,8 +27,8 @@ against the same engine without drafts, in one run (issue 18).
 3. The head is written in the published layout (config.json + model.safetensors: fc, midlayer.*,
    norm, lm_head, d2t, t2d), then Jackfield runs the held-out questions greedily with eagle3 at
    k = --k and without drafts: the acceptance per position and mean acceptance length of answers
-   that end at EOS (or --eval-tokens) and of answers of --eval-tokens past EOS (ignore_eos, the
-   figure of earlier runs), decode tokens/s, the median step times
+   that end at EOS (or at 128 tokens) and of 128-token answers past EOS (ignore_eos, the figure of
+   earlier runs), decode tokens/s, the median step times
    (an eagle3 step's drafting phase also timed alone, in a run of its own) and the speed-up
    per batch.
 
@@ -49,6 +49,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,14 +106,14 @@ def written_questions(llm: LLM, topics: tuple[str, ...], settings: Settings, see
 Example = tuple[list[int], int]  # a sequence (prompt + the target's answer), its prompt's length
 
 
-def answers_within(llm: LLM, prompts: list[list[int]], params: SamplingParams, seconds: float
-                   ) -> list[Example]:
-    """The answers to `prompts` that finish within `seconds` (queued at once, so the batch stays
-    full; the rest are aborted when the time is up)."""
+def answers_within(llm: LLM, prompts: list[list[int]], params: SamplingParams, seconds: float,
+                   clock: Callable[[], float] = time.perf_counter) -> list[Example]:
+    """The answers to `prompts` that finish within `seconds` of `clock` (queued at once, so the
+    batch stays full; the rest are aborted when the time is up)."""
     engine = llm.engine
     seqs = engine.add_requests([(prompt, params) for prompt in prompts])
-    deadline = time.perf_counter() + seconds
-    while engine.has_work() and time.perf_counter() < deadline:
+    deadline = clock() + seconds
+    while engine.has_work() and clock() < deadline:
         engine.step()
     for seq in seqs:
         engine.abort(seq)  # a no-op for those that finished
