@@ -21,9 +21,11 @@ against the same engine without drafts, in one run (issue 18).
    learning rate follows a cosine to zero over the planned steps or --max-train-seconds,
    whichever ends first. The head's lm_head starts from the target's rows,
    its norm from the target's. Every 500 steps and at the end, the head runs teacher-forced over
-   held-out answers and as many training answers: per-step argmax agreement and the acceptance
-   length the engine's greedy chain would have (a gap between the two sets is over-fitting; a
-   gap between the held-out figure and the engine's measured one would be a mismatch).
+   held-out answers and as many training answers and held-in ones (answers to training questions
+   set aside: never trained on): per-step argmax agreement and the acceptance length the engine's
+   greedy chain would have (training far above held-in is memorisation; held-in far above
+   held-out, the held-out families' distance; the held-out figure away from the engine's measured
+   one would be a mismatch).
 3. The head is written in the published layout (config.json + model.safetensors: fc, midlayer.*,
    norm, lm_head, d2t, t2d), then Jackfield runs the held-out questions greedily with eagle3 at
    k = --k and without drafts: the acceptance per position and mean acceptance length of answers
@@ -181,8 +183,8 @@ def teacher_forced(head: Eagle3TrainingHead, target: nn.Module, examples: list[E
     return agreement, 1 + accepted / max(drafts, 1)
 
 
-def train(model_dir: str, examples: list[Example], held_out: list[Example], args: argparse.Namespace,
-          settings: Settings, out_dir: Path) -> dict[str, object]:
+def train(model_dir: str, examples: list[Example], held_in: list[Example], held_out: list[Example],
+          args: argparse.Namespace, settings: Settings, out_dir: Path) -> dict[str, object]:
     from jackfield.contracts.model import eagle3_tap_layers
     from transformers import AutoModelForCausalLM
 
@@ -215,7 +217,7 @@ def train(model_dir: str, examples: list[Example], held_out: list[Example], args
 
     def report(label: str) -> dict[str, object]:
         figures: dict[str, object] = {}
-        for name, data in (("training", seen), ("held-out", held_out)):
+        for name, data in (("training", seen), ("held-in", held_in), ("held-out", held_out)):
             agreement, length = teacher_forced(head, target, data, taps, draft_ids, args.k, pad)
             figures[name] = (agreement, length)
             print(f"{label}: {name} answers, teacher-forced: argmax agreement per step "
@@ -332,11 +334,14 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=settings.answer_tokens)
     examples = answers_within(plain, [chat_ids(plain, q) for q in questions], greedy,
                               args.max_data_seconds - (time.perf_counter() - started))
-    if not examples:
-        raise SystemExit("no answer finished within --max-data-seconds")
+    if len(examples) <= settings.eval_prompts:
+        raise SystemExit(f"{len(examples)} answers finished within --max-data-seconds: too few")
     tokens = sum(len(seq) for seq, _ in examples)
     data_seconds = time.perf_counter() - started
     print(f"data: {len(examples)} greedy answers, {tokens} tokens, {data_seconds:.0f} s", flush=True)
+    # answers to questions of the training families that training never reads: training answers
+    # far above them is memorisation; they far above the held-out ones, the families' distance
+    held_in, examples = examples[: settings.eval_prompts], examples[settings.eval_prompts :]
     # the held-out answers the evaluation will see (to EOS), for the teacher-forced figures of training
     held_out = [chat_ids(plain, q) for q in HELD_OUT[: settings.eval_prompts]]
     to_eos = SamplingParams(temperature=0.0, max_tokens=settings.eval_tokens)
@@ -347,7 +352,7 @@ def main() -> None:
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    trained = train(model_dir, examples, held_out_examples, args, settings, Path(args.out))
+    trained = train(model_dir, examples, held_in, held_out_examples, args, settings, Path(args.out))
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -382,7 +387,8 @@ def main() -> None:
     lines = [f"### train_eagle3 ({datetime.date.today()}, {device}, "
              f"`python benchmarks/train_eagle3.py {' '.join(sys.argv[1:])}`)", "",
              f"SmolLM2-135M-Instruct; {len(written)} questions written by the target, {len(templated)} "
-             f"templated; {len(examples)} greedy answers ({tokens} tokens) in {data_seconds:.0f} s of data; "
+             f"templated; {len(examples) + len(held_in)} greedy answers ({tokens} tokens; {len(held_in)} "
+             f"set aside as held-in) in {data_seconds:.0f} s of data; "
              f"{trained['steps']} training steps in {trained['train_seconds']:.0f} s "
              f"(batch {settings.batch}, final loss {trained['final_loss']:.3f}, {args.ttt_steps} unrolled "
              f"steps, draft vocabulary {args.draft_vocab}: {trained['coverage']:.1%} of the held-out "
@@ -394,10 +400,13 @@ def main() -> None:
                          for label, (length, accepted, same) in zip(
                              (f"answers to EOS (at most {settings.eval_tokens} tokens)",
                               f"{settings.eval_tokens} tokens past EOS"), evaluated, strict=True))
-             + ". Teacher-forced over the answers to EOS after training (the head's argmax against the "
-             "answer, per step; the greedy chain's acceptance length): "
-             + "; ".join(f"{name} answers {', '.join(f'{a:.2f}' for a in agreement)}, {length:.2f}"
-                         for name, (agreement, length) in ((n, trained[n]) for n in ("training", "held-out")))
+             + ". Teacher-forced over answers to EOS after training (the head's argmax against the "
+             "answer, per step; the greedy chain's acceptance length), on training answers, held-in "
+             "answers (questions of the training families that training never read) and the held-out "
+             "answers: "
+             + "; ".join(f"{name} {', '.join(f'{a:.2f}' for a in agreement)}, {length:.2f}"
+                         for name, (agreement, length) in ((n, trained[n])
+                                                           for n in ("training", "held-in", "held-out")))
              + ".", "",
              "| batch | no-spec tok/s | eagle3 tok/s | speed-up | mean acceptance length | plain step ms "
              "| eagle3 step ms | its drafting ms |",
