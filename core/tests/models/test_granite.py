@@ -147,3 +147,21 @@ def test_missing_sinks_in_checkpoint_are_reported(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.sinks"):
         GraniteForCausalLM.from_pretrained(tmp_path / "granite", swa, TORCH_REF, torch.float32, "cpu")
+
+
+def test_a_16_bit_model_reads_its_sinks_written_since_the_last_step(tmp_path: Path) -> None:
+    """The float32 copy of a bf16 model's sinks (kept to save a cast kernel a layer and step)
+    follows every write of the parameter, in place (a CUDA graph reads it by address), and
+    the attention really reads it: new sinks give other logits."""
+    write_granite("granite_swa", tmp_path / "swa")
+    ours = GraniteForCausalLM.from_pretrained(tmp_path / "swa", read_hf_config(tmp_path / "swa"), TORCH_REF,
+                                              torch.bfloat16, "cpu")
+    attention = ours.model.layers[0].self_attn
+    copy = attention.float32_sinks()
+    assert copy.dtype == torch.float32 and torch.equal(copy, attention.sinks.float())
+    _, base = generate(ours, PROMPTS[:1], 1)
+    for layer in ours.model.layers:
+        layer.self_attn.sinks.fill_(-1e4)
+    assert attention.float32_sinks() is copy and torch.equal(copy, attention.sinks.float())  # bf16: -9984
+    _, no_sinks = generate(ours, PROMPTS[:1], 1)
+    assert (base[0] - no_sinks[0]).abs().max() > 1e-2

@@ -91,3 +91,31 @@ def test_silu_mul_matches_the_two_torch_ops(rng_seed: int, dtype: torch.dtype, i
     g64, u64 = gate.double().cpu(), up.double().cpu()
     exact = g64 * torch.sigmoid(g64) * u64
     assert (got.double().cpu() - exact).abs().max() <= 2 * torch.finfo(dtype).eps * exact.abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden, multiplier", [(2048, 1.0), (576, 0.22), (100, 1.0)])
+def test_add_rms_norm_matches_the_residual_add_then_the_norm(rng_seed: int, dtype: torch.dtype, hidden: int,
+                                                             multiplier: float) -> None:
+    from jackfield.models.layers import scaled
+    from jackfield.ops.fused_triton import add_rms_norm
+
+    rows = torch.randn(23, hidden + 8, device=DEVICE).to(dtype) * 4
+    x = rows[:, :hidden]  # strided rows
+    delta = (torch.randn(23, hidden, device=DEVICE) * 3).to(dtype)
+    weight = (torch.randn(hidden, device=DEVICE) * 0.5 + 1).to(dtype)
+    want_sum = x + scaled(delta, multiplier)  # Granite's residual (the multiplier's product rounded)
+    got_sum, got = add_rms_norm(x, delta, weight, 1e-5, multiplier)
+    assert got_sum.dtype == got.dtype == dtype and got_sum.is_contiguous() and got.is_contiguous()
+    if CUDA:  # roundings of exact products and sums (interpreted: numpy truncates to bf16 instead)
+        assert torch.equal(got_sum, want_sum)
+    want = weight * F.rms_norm(got_sum, (hidden,), eps=1e-5)  # the norm PyTorch takes of that sum
+    differ, worst = ulp_mismatches(got, want)
+    assert worst <= 2.0 and differ < mismatch_bound(dtype), (differ, worst)
+    # the norm reads the rounded sum: against float64 over that sum
+    s64 = got_sum.double().cpu()
+    exact = weight.double().cpu() * s64 / (s64.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    assert (got.double().cpu() - exact).abs().max() <= 3 * torch.finfo(dtype).eps * exact.abs().max()
+    x64, scaled64 = x.double().cpu(), delta.double().cpu() * multiplier
+    bound = 2 * torch.finfo(dtype).eps * (x64.abs() + scaled64.abs())  # a rounding of each operation
+    assert ((got_sum.double().cpu() - (x64 + scaled64)).abs() <= bound).all()

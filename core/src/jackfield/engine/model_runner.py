@@ -56,6 +56,7 @@ from jackfield.models.kv_scales import KVScalePlan
 from jackfield.ops.staging import async_tensor_h2d, host_empty, host_single_threaded
 from jackfield.sampling.filters import filter_cutoffs
 from jackfield.sampling.processors import apply_processors, bias_and_mask_from_params, penalties_from_rows
+from jackfield.sampling.sample import triton_importable
 from jackfield.sampling.speculative import NO_TOKEN, greedy_accept, rejection_verify, target_probabilities
 
 PROMPT_LOGPROB_ROWS = 1024  # prompt rows scored at once: bounds their float32 logits
@@ -88,25 +89,36 @@ class LaunchedStep:
 @dataclass(frozen=True)
 class InFlightIds:
     """Input rows of a step whose token a launched step sampled and the host has not read back:
-    `rows` of the step's input ids take `source[index]`, on the device (a gather by row)."""
+    `rows` of the step's input ids take `source[index]`, on the device (a gather by row). Both
+    None: rows 0 .. len(source) - 1 take `source` in order (the launched step's batch again, a
+    decode batch's steady state): one kernel, and no row lists copied to the device."""
 
-    rows: torch.Tensor  # int64 on the device
-    source: torch.Tensor  # the launched step's sampled tokens
-    index: torch.Tensor  # int64 on the device: each row's token in `source`
+    rows: torch.Tensor | None  # int64 on the device
+    source: torch.Tensor  # the launched step's sampled tokens (int64)
+    index: torch.Tensor | None  # int64 on the device: each row's token in `source`
 
     def write(self, input_ids: torch.Tensor) -> None:
         # -1 marks a row without a finite logit: its step fails at read-back, but this step was
         # launched first and must not index the embedding out of range
+        if self.rows is None or self.index is None:
+            torch.clamp(self.source, min=0, out=input_ids[: self.source.shape[0]])
+            return
         tokens = self.source.index_select(0, self.index).clamp(min=0)
         input_ids.index_copy_(0, self.rows, tokens.to(input_ids.dtype))
 
 
 def greedy(logits: torch.Tensor) -> SamplerOutput:
     """An all-greedy step needs no sampler (nor its noise over the vocabulary): per row the first
-    maximum of the finite logits, as every sampler's temperature-0 rows; invalid: none finite."""
+    maximum of the finite logits, as every sampler's temperature-0 rows, and -1 for a row with
+    no finite logit (the mark `_sample` gives a sampler's invalid rows). On CUDA two kernels
+    (sampling/greedy_triton.py) instead of PyTorch's four over a float32 copy of the logits."""
+    if logits.is_cuda and logits.dtype == torch.float32 and logits.stride(-1) == 1 and triton_importable():
+        from jackfield.sampling.greedy_triton import greedy_tokens_triton
+
+        return SamplerOutput(greedy_tokens_triton(logits))
     not_finite = -math.inf  # NaN and +-inf are never chosen
     best, tokens = torch.nan_to_num(logits, nan=not_finite, posinf=not_finite, neginf=not_finite).max(dim=1)
-    return SamplerOutput(tokens, invalid_rows=best == -math.inf)
+    return SamplerOutput(torch.where(best == -math.inf, -1, tokens))
 
 
 class ConnectorLayers(LayerHooks):
@@ -538,8 +550,12 @@ class ModelRunner:
         moved = [(row, c.seq.request_id) for row, c in enumerate(chunks) if c.seq.num_in_flight]
         if moved:
             assert previous is not None, "a token in flight comes from the launched step"
-            in_flight = InFlightIds(self._h2d([row for row, _ in moved], torch.int64), previous.tokens,
-                                    self._h2d([previous.rows[rid] for _, rid in moved], torch.int64))
+            rows, index = [row for row, _ in moved], [previous.rows[rid] for _, rid in moved]
+            if rows == index and len(rows) == previous.tokens.shape[0]:  # every row takes its own again
+                in_flight = InFlightIds(None, previous.tokens, None)
+            else:
+                in_flight = InFlightIds(self._h2d(rows, torch.int64), previous.tokens,
+                                        self._h2d(index, torch.int64))
         q = self.graphs.query_len(chunks) if self.graphs is not None else None
         if q is not None:
             assert self.graphs is not None

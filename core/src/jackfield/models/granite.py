@@ -125,6 +125,8 @@ class GQAAttention(nn.Module):
         self.o_proj = Linear(h * hd, arch.hidden_size, dtype)  # row-parallel: the layer all-reduces
         # Per-head logits that join the softmax denominator only (gpt-oss style sinks).
         self.sinks = nn.Parameter(torch.empty(h, dtype=dtype), False) if arch.sinks else None
+        self.register_buffer("sinks_float32", None, persistent=False)  # see float32_sinks
+        self._sinks_copied: tuple[int, int] | None = None  # (address, version) of the sinks copied
         self.attn = RoleImpls(backends, spec)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
@@ -140,8 +142,23 @@ class GQAAttention(nn.Module):
 
     def attend(self, step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention backend's part: writes every row's KV, returns [T, H, hd]."""
-        sinks = {} if self.sinks is None else {"sinks": self.sinks.float()}
+        sinks = {} if self.sinks is None else {"sinks": self.float32_sinks()}
         return self.attn.run(step, self.index, q, k, v, **sinks)
+
+    def float32_sinks(self) -> torch.Tensor:
+        """The sinks in float32, as the backends take them. A 16-bit model keeps a float32 copy,
+        made again (in place: a CUDA graph reads it by address) only once the parameter was
+        written, instead of a cast kernel per layer and step."""
+        assert self.sinks is not None
+        if self.sinks.dtype == torch.float32:
+            return self.sinks
+        written = (self.sinks.data_ptr(), self.sinks._version)
+        if self.sinks_float32 is None or self.sinks_float32.device != self.sinks.device:
+            self.sinks_float32 = self.sinks.float()
+        elif written != self._sinks_copied:
+            self.sinks_float32.copy_(self.sinks)
+        self._sinks_copied = written
+        return self.sinks_float32
 
     def output(self, out: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """o_proj of the attention output's `output_rows` (all rows when None): this rank's part
@@ -200,12 +217,14 @@ class DecoderLayer(nn.Module):
         out = self.block_sparse_moe(x)
         return out if self.shared_mlp is None else out + self.shared_mlp(x)
 
-    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor,
-                        output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's output for `output_rows` of x (all rows when None), from its attention output."""
+    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor, output_rows: torch.Tensor | None,
+                        next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's output for `output_rows` of x (all rows when None), from its attention
+        output; next_norm of it). Each residual add shares a kernel with the norm that reads it."""
         m = self.residual_multiplier
-        x = select_rows(x, output_rows) + scaled(all_reduce(self.self_attn.output(attn_out, output_rows)), m)
-        return x + scaled(all_reduce(self._mlp(self.post_attention_layernorm(x))), m)
+        attn = all_reduce(self.self_attn.output(attn_out, output_rows))
+        x, normed = self.post_attention_layernorm.add_and_norm(select_rows(x, output_rows), attn, m)
+        return next_norm.add_and_norm(x, all_reduce(self._mlp(normed)), m)
 
 
 class GraniteForCausalLM(DecoderStack):
@@ -255,6 +274,8 @@ class GraniteForCausalLM(DecoderStack):
         tied = self.model.embed_tokens.weight if arch.tie_word_embeddings else None
         self.lm_head = Linear(arch.hidden_size, stop - start, dtype, weight=tied,  # loaded once when tied
                               packed_min_rows=HEAD_PACKED_MIN_ROWS)
+        # (a layer's output, the norm that reads it next, that norm of it): see after_attention
+        self._handed: tuple[torch.Tensor, RMSNorm, torch.Tensor] | None = None
 
     @property
     def kv_cache_layers(self) -> list[AttentionLayerSpec]:
@@ -301,8 +322,30 @@ class GraniteForCausalLM(DecoderStack):
 
     def before_attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layer, rope = self.model.layers[i], self.rope_of_layer[i]
-        return layer.self_attn.project(layer.input_layernorm(x), positions,
+        return layer.self_attn.project(self._normed(x, layer.input_layernorm), positions,
                                        None if rope is None else self.ropes[rope])
+
+    def after_attention(self, i: int, x: torch.Tensor, attn_out: torch.Tensor,
+                        output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's output. The norm that reads it next (layer i + 1's input norm, the final norm
+        after the last layer) is taken in the kernel of the residual add (on CUDA) and handed to
+        that reader: `before_attention` / `final_norm` take it when given this very tensor."""
+        layers = self.model.layers
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+        x, normed = layers[i].after_attention(x, attn_out, output_rows, next_norm)
+        self._handed = (x, next_norm, normed)
+        return x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._normed(x, self.model.norm)
+
+    def _normed(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """norm(x): the one `after_attention` handed over when x is the tensor it returned (the
+        handed tensors stay referenced, so no other tensor can take x's identity), else computed."""
+        handed = self._handed
+        if handed is not None and handed[0] is x and handed[1] is norm:
+            return handed[2]
+        return norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = gather_logits(self.lm_head(hidden).float(), self.arch.vocab_size)

@@ -119,6 +119,16 @@ class RMSNorm(nn.Module):
         # x.float() -> normalize -> .to(dtype) does; the weight then scales the rounded value.
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor, multiplier: float = 1.0,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + scaled(delta, multiplier), its norm): a residual add and the norm that reads the sum,
+        one kernel for 16-bit CUDA activations."""
+        fused = _fused_for(x, 2) if _fused_for(delta, 2) is not None and delta.dtype == x.dtype else None
+        if fused is not None:
+            return fused.add_rms_norm(x, delta, self.weight, self.eps, multiplier)
+        total = x + scaled(delta, multiplier)
+        return total, self(total)
+
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate ‖ up fused into one [2I, D] weight."""

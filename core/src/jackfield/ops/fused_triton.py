@@ -1,4 +1,5 @@
-"""One-kernel versions of a dense decoder layer's small elementwise ops, for CUDA.
+"""One-kernel versions of a dense decoder layer's small elementwise ops, and of greedy sampling's
+argmax over the vocabulary, for CUDA.
 
 In a bf16 decode step of a 16-layer Llama-shaped model at batch 64, PyTorch's eager ops launch
 about 14 elementwise kernels a layer beside the 4 matmuls and the attention (RoPE alone is five:
@@ -50,6 +51,24 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, eps, D: tl.constexpr, BLOC
 
 
 @triton.jit
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_delta, multiplier, eps,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, SCALED: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
+    delta = tl.load(delta_ptr + t.to(tl.int64) * stride_delta + d, mask=d < D, other=0.0)
+    if SCALED:  # delta * multiplier, rounded to the activation dtype before the sum (as scaled())
+        delta = (delta.to(tl.float32) * multiplier).to(sum_ptr.dtype.element_ty)
+    total = (x + delta.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + t.to(tl.int64) * D + d, total, mask=d < D)
+    s = total.to(tl.float32)
+    normed = (s * tl.math.rsqrt(tl.sum(s * s, 0) / D + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * D + d, (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=d < D)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
     t, b = tl.program_id(0), tl.program_id(1)
     i = b * BLOCK + tl.arange(0, BLOCK)
@@ -63,6 +82,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
 _rope = DirectLauncher(_rope_kernel)
 _rms_norm = DirectLauncher(_rms_norm_kernel)
 _silu_mul = DirectLauncher(_silu_mul_kernel)
+_add_rms_norm = DirectLauncher(_add_rms_norm_kernel)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -90,6 +110,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if t:
         _rms_norm((t,), x, weight, out, x.stride(0), eps, D=d, BLOCK_D=triton.next_power_of_2(d))
     return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 multiplier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta * multiplier, weight * F.rms_norm(that sum)) for 16-bit x, delta [T, D] of one
+    dtype (rows may be strided): a residual add and the norm after it, each rounded as the PyTorch
+    ops round (the scaled delta, the sum, the normalized sum, its product with the weight)."""
+    t, d = x.shape
+    assert x.stride(-1) == 1 and delta.stride(-1) == 1 and delta.shape == x.shape and delta.dtype == x.dtype
+    total = torch.empty((t, d), dtype=x.dtype, device=x.device)
+    out = torch.empty((t, d), dtype=x.dtype, device=x.device)
+    if t:
+        _add_rms_norm((t,), x, delta, weight, total, out, x.stride(0), delta.stride(0), multiplier, eps, D=d,
+                      BLOCK_D=triton.next_power_of_2(d), SCALED=multiplier != 1)
+    return total, out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
