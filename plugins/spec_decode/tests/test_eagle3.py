@@ -58,6 +58,19 @@ def prompts(vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (17, 5, 2)]
 
 
+def record_drafts(runner: Any) -> list[object]:
+    """Wraps the runner's drafting so that every phase's output is appended to the list returned."""
+    inner, seen = runner._draft, []
+
+    def recorded(*args: object) -> object:
+        out = inner(*args)
+        seen.append(out)
+        return out
+
+    runner._draft = recorded
+    return seen
+
+
 # ---- the head's equations in float64 ---------------------------------------------------------
 
 class ReferenceHead:
@@ -251,14 +264,7 @@ def test_the_chain_metadata_in_one_pass_drafts_as_a_pass_per_draft(dirs: dict[st
         if per_draft:
             runner._draft_chain_attention = lambda chain: [functools.partial(runner._draft_attention, spans,
                                                                              len(spans)) for spans in chain]
-        inner, seen = runner._draft, []
-
-        def recorded(*args: object) -> object:
-            out = inner(*args)
-            seen.append(out)
-            return out
-
-        runner._draft = recorded
+        seen = record_drafts(runner)
         batch = prompts(llm.engine.capabilities.vocab_size, rng_seed)
         params = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=rng_seed % 1000 + n)
                   for n in (9, 12, 14)]
@@ -325,14 +331,7 @@ def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng
 
             graphs.run = counted  # type: ignore[method-assign]
             runner.graphs, runner.draft_graphs = decode, graphs
-        inner, seen = runner._draft, []
-
-        def recorded(*args: object) -> object:
-            out = inner(*args)
-            seen.append(out)
-            return out
-
-        runner._draft = recorded
+        seen = record_drafts(runner)
         batch = prompts(engine.capabilities.vocab_size, rng_seed)
         drawn = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=rng_seed % 1000 + n)
                  for n in (9, 12)] + [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)]
