@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from jackfield.models.layers import PACKED_MIN_ROWS, Linear, RMSNorm, RotaryEmbedding
+from jackfield.models.layers import HEAD_PACKED_MIN_ROWS, PACKED_MIN_ROWS, Linear, RMSNorm, RotaryEmbedding
 from jackfield.models.moe import Experts
 
 
@@ -44,10 +44,10 @@ def test_rope_matches_complex_rotation(interleaved: bool, dtype: torch.dtype) ->
 
 
 @pytest.mark.parametrize("rows", [1, 2, PACKED_MIN_ROWS, 9])
-@pytest.mark.parametrize("packed_min_rows", [1, PACKED_MIN_ROWS])
+@pytest.mark.parametrize("packed_min_rows", [HEAD_PACKED_MIN_ROWS, PACKED_MIN_ROWS])
 def test_cpu_linear_matches_float64(rows: int, packed_min_rows: int) -> None:
-    """A float32 CPU Linear with oneDNN's packed copy (an LM head packs from one row, the others
-    from PACKED_MIN_ROWS): x W^T on either side of the threshold, as x W^T in float64."""
+    """A float32 CPU Linear with oneDNN's packed copy (an LM head packs from HEAD_PACKED_MIN_ROWS,
+    the others from PACKED_MIN_ROWS): x W^T on either side of the threshold, as x W^T in float64."""
     seed = random.randrange(2**32)
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
@@ -57,6 +57,29 @@ def test_cpu_linear_matches_float64(rows: int, packed_min_rows: int) -> None:
     layer.pack_for_cpu()
     x = torch.randn(rows, 96, generator=gen)
     torch.testing.assert_close(layer(x).double(), x.double() @ layer.weight.double().T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_cpu_wide_linear_keeps_its_values_and_a_shared_weight_its_rows(shared: bool) -> None:
+    """A wide float32 CPU weight (more outputs than inputs) is read column-major for few rows:
+    its values stay those loaded, products at every row count are x W^T in float64, and a
+    weight shared with an embedding keeps its contiguous rows (the lookup reads them)."""
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    loaded = torch.randn(200, 96, generator=gen)
+    embedding = torch.nn.Parameter(loaded.clone(), requires_grad=False)
+    layer = Linear(96, 200, torch.float32, weight=embedding if shared else None)
+    if not shared:
+        with torch.no_grad():
+            layer.weight.copy_(loaded)
+    layer.pack_for_cpu()
+    assert torch.equal(layer.weight, loaded)
+    if shared:
+        assert embedding.is_contiguous() and layer.weight is embedding
+    for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 9):
+        x = torch.randn(rows, 96, generator=gen)
+        torch.testing.assert_close(layer(x).double(), x.double() @ loaded.double().T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,12 +19,12 @@ from jackfield.contracts.model import ModelFamily
 # From this many rows on, a float32 product on the CPU reads oneDNN's blocked copy of the weight:
 # on the 2-core Xeon VM (torch 2.13, one thread, each layer's weights read from memory) it took
 # 0.6-0.8x MKL's time at 4-64 rows (MKL's GEMM slows from 4 rows; SmolLM2's 49152 x 576 head 0.4x
-# at 8), the same at 512; below 4 rows MKL's product on the plain weight is the faster one.
+# at 8), the same at 512; below 4 rows MKL's product is the faster one.
 PACKED_MIN_ROWS = 4
-# ...except for an LM head's product (SmolLM2's tied 49152 x 576): at one row, on the 2-core
-# AVX2 EPYC VM, oneDNN took 10.9-11.3 ms against MKL's 12.7-13.0 at one thread and 6.5 against
-# 12.2 at two (MKL's one-row product ran no faster on two threads).
-HEAD_PACKED_MIN_ROWS = 1
+# ...and from 2 rows for an LM head (SmolLM2's tied 49152 x 576; 2-core AVX2 EPYC VM, one
+# thread): at 2 rows oneDNN 8.6 ms against MKL's 11.1 (column-major copy) and 18.7 (plain); at one
+# row MKL's product on the column-major copy 5.4 ms against oneDNN's 8.1 (2 threads: 5.5 / 4.9).
+HEAD_PACKED_MIN_ROWS = 2
 
 
 @functools.cache
@@ -54,6 +54,11 @@ def cpu_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] as a view of its transpose's contiguous copy (same values and shape)."""
+    return weight.detach().t().contiguous().t()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
            packed_min_rows: int = PACKED_MIN_ROWS) -> torch.Tensor:
     """x W^T; through `packed` (cpu_packed_weight(W)) for `packed_min_rows` rows or more."""
@@ -66,22 +71,37 @@ class Linear(nn.Module):
     """y = x W^T, with W [out, in] (the Hugging Face layout), no bias, no init. `weight`: a
     parameter to share instead (a head tied to the embedding). `pack_for_cpu` (after loading)
     adds oneDNN's copy of a CPU float32 weight, as many bytes again, for products of
-    `packed_min_rows` rows or more."""
+    `packed_min_rows` rows or more, and stores a wide one (more outputs than inputs) column-major
+    for the fewer rows: a shared one as a copy, so the embedding's rows stay contiguous."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
                  weight: nn.Parameter | None = None, packed_min_rows: int = PACKED_MIN_ROWS) -> None:
         super().__init__()
         self.packed_min_rows = packed_min_rows
+        self.shared = weight is not None
         if weight is None:
             weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.weight = weight
         self.packed: torch.Tensor | None = None
+        self.few_rows_weight: torch.Tensor | None = None  # None: the weight itself
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed, self.packed_min_rows)
+        few_rows = self.weight if self.few_rows_weight is None else self.few_rows_weight
+        return linear(x, few_rows, self.packed, self.packed_min_rows)
 
     def pack_for_cpu(self) -> None:
         self.packed = cpu_packed_weight(self.weight)
+        out_features, in_features = self.weight.shape
+        if self.packed is None or out_features <= in_features:
+            return
+        # MKL's product of a few rows streams a column-major weight faster when it is wide (2-core
+        # AVX2 EPYC VM, one thread, one row: SmolLM2's gate_up 3072 x 576 0.38 ms against 0.56
+        # row-major, qkv 960 x 576 0.16 against 0.19), not when it is narrow (down 576 x 1536:
+        # 0.27 against 0.22).
+        if self.shared:
+            self.few_rows_weight = column_major(self.weight)
+        else:
+            self.weight.data = column_major(self.weight)
 
 
 def pack_cpu_linears(model: nn.Module) -> None:
