@@ -19,11 +19,12 @@ against the same engine without drafts, in one run (issue 18).
    answers' share of tokens inside is reported), at the anchors the engine drafts from: the
    prompt's last position and the answer's (prompt tokens are context, never drafted). The
    learning rate follows a cosine to zero over the planned steps or --max-train-seconds,
-   whichever ends first. The head's lm_head starts from the target's rows,
-   its norm from the target's. Every 500 steps and at the end, the head runs teacher-forced over
-   held-out answers and as many training answers and held-in ones (answers to training questions
-   set aside: never trained on): per-step argmax agreement and the acceptance length the engine's
-   greedy chain would have (training far above held-in is memorisation; held-in far above
+   whichever ends first. The head starts as the target's last layer over the deepest tap, read
+   out through the target's final norm and output rows (eagle3_training.init_from_target).
+   Every 500 steps and at the end, the head runs teacher-forced over held-out answers and as
+   many training answers and held-in ones (answers to training questions set aside: never
+   trained on): per-step argmax agreement and the acceptance length the engine's greedy chain
+   would have (training far above held-in is memorisation; held-in far above
    held-out, the held-out families' distance; the held-out figure away from the engine's measured
    one would be a mismatch).
 3. The head is written in the published layout (config.json + model.safetensors: fc, midlayer.*,
@@ -61,7 +62,7 @@ from bench_e2e import sync
 from bench_spec import timed_steps
 from eagle3_prompts import HELD_OUT, TEMPLATES, TOPICS, question_seed, template_questions, written_question
 from jackfield import LLM, SamplingParams
-from jackfield_spec_decode.eagle3_training import Eagle3TrainingHead, save_head
+from jackfield_spec_decode.eagle3_training import Eagle3TrainingHead, init_from_target, save_head
 from smollm2 import gguf_path
 from torch import nn
 
@@ -206,9 +207,7 @@ def train(model_dir: str, examples: list[Example], held_in: list[Example], held_
     print(f"draft vocabulary: {len(draft_ids)} ids, {coverage:.1%} of the held-out answers' tokens",
           flush=True)
     head = Eagle3TrainingHead(cfg, len(draft_ids)).to(device)
-    with torch.no_grad():  # a head that starts from the target's own output layer
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids].float())
-        head.norm.weight.copy_(target.model.norm.weight.float())
+    init_from_target(head, target, draft_ids)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, settings.steps // 20)
     gen = torch.Generator().manual_seed(args.seed)

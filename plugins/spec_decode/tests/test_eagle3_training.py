@@ -15,7 +15,7 @@ import torch
 from jackfield import LLM, SamplingParams
 from jackfield.contracts.model import eagle3_tap_layers
 from jackfield.testing.checkpoints import write_granite
-from jackfield_spec_decode.eagle3_training import Eagle3TrainingHead, save_head
+from jackfield_spec_decode.eagle3_training import Eagle3TrainingHead, init_from_target, save_head
 from transformers import AutoModelForCausalLM
 
 K = 3
@@ -91,3 +91,27 @@ def test_the_training_head_drafts_what_the_engine_drafts(tmp_path: Path, target_
                                        msg=lambda m, where=where: f"{where}: {m}")
         checked += 1
     assert checked >= 8 and accepted > 0, (checked, accepted)  # verify steps, and some accepted drafts
+
+
+def test_a_head_initialised_from_the_target_is_its_last_layer(tmp_path: Path, rng_seed: int) -> None:
+    """`init_from_target`: fed the input of the target's last layer as its deepest tap (the other
+    taps and the drafted token's embedding random, which the start must ignore), the head's
+    step 0 read out through its norm and lm_head gives transformers' logits of the target at the
+    draft vocabulary's ids (a row copied for the wrong target id, a weight copied into the
+    embedding's half of the attention input or the wrong tap passed through fails it)."""
+    print(f"seed {rng_seed}")
+    write_granite("llama_tied", tmp_path, rng_seed, **TARGET)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    target = AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    g = torch.Generator().manual_seed(rng_seed)
+    draft_ids = torch.randperm(cfg["vocab_size"], generator=g)[:DRAFT_VOCAB].sort().values
+    head = random_head(cfg, rng_seed)
+    init_from_target(head, target, draft_ids)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 19), generator=g)
+    h = cfg["hidden_size"]
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        last_input = out.hidden_states[cfg["num_hidden_layers"] - 1]
+        tapped = torch.cat((torch.randn(2, 19, 2 * h, generator=g), last_input), -1)
+        step0 = head.unroll(tapped, torch.randn(2, 19, h, generator=g), 1)[0]
+        torch.testing.assert_close(head.logits(step0), out.logits[..., draft_ids], atol=1e-4, rtol=1e-4)

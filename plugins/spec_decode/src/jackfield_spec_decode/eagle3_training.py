@@ -114,6 +114,35 @@ class Eagle3TrainingHead(nn.Module):
         return self.lm_head(self.norm(out))
 
 
+@torch.no_grad()
+def init_from_target(head: Eagle3TrainingHead, target: nn.Module, draft_ids: torch.Tensor) -> None:
+    """Start `head` as the target's last decoder layer over the deepest tap, read out through the
+    target's final norm and its output rows of the draft vocabulary (`draft_ids`: the target id of
+    each draft id). `target`: a transformers Llama-like causal LM of the head's shapes.
+
+    fc passes the last of the three taps through (the others start at zero); the layer's hidden
+    half of q/k/v and hidden_norm are the target layer's attention input and its norm, the
+    embedding half starts at zero; o_proj, the MLP and its norm are the target layer's. Step 0 of
+    the head at the start is then exactly the target's last layer applied to that tap: its
+    attention already reads the context as the target's does, and what training adds is the
+    drafted token's embedding and the shift by one position."""
+    h = head.fc.in_features // 3
+    layer = target.model.layers[-1]
+    head.fc.weight.zero_()
+    head.fc.weight[:, 2 * h :] = torch.eye(h, device=head.fc.weight.device)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        weight = getattr(head, name).weight
+        weight.zero_()
+        weight[:, h:] = getattr(layer.self_attn, name).weight  # z = cat(embedding, hidden)
+    head.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(head, name).weight.copy_(getattr(layer.mlp, name).weight)
+    head.hidden_norm.weight.copy_(layer.input_layernorm.weight)
+    head.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
+    head.norm.weight.copy_(target.model.norm.weight)
+    head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids])
+
+
 def save_head(head: Eagle3TrainingHead, cfg: dict, draft_ids: torch.Tensor, vocab: int,
               taps: tuple[int, ...], directory: Path) -> None:
     """The published layout: fc, midlayer.*, norm, lm_head, d2t (target = i + d2t[i]), t2d; bf16
