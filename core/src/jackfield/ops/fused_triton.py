@@ -1,5 +1,4 @@
-"""One-kernel versions of a dense decoder layer's small elementwise ops, and of greedy sampling's
-argmax over the vocabulary, for CUDA.
+"""One-kernel versions of a dense decoder layer's small elementwise ops, for CUDA.
 
 In a bf16 decode step of a 16-layer Llama-shaped model at batch 64, PyTorch's eager ops launch
 about 14 elementwise kernels a layer beside the 4 matmuls and the attention (RoPE alone is five:
