@@ -10,7 +10,11 @@ preferred one, pages shuffled.
   (every key and value once), the bandwidth that makes, its ratio to the device-to-device copy
   bandwidth measured here (torch copy of 2 GiB, bytes read + written), the split count and the
   host time of one eager call (benchmarks/gpu_timing.host_us). Target (issue 19): >= 85% of copy
-  at B 64-128, S 4096-8192.
+  at B 64-128, S 4096-8192. Where vLLM is importable, its Triton decode kernel
+  (vllm.v1.attention.ops.triton_decode_attention: the lightllm kernel SGLang's triton backend runs
+  too) reads the same paged cache in the same process, timed the same way at its fastest split
+  count among 4-32 (vLLM/ours: its time over ours), with the largest difference of its output
+  from ours.
 - Prefill (causal, every request S new tokens): the paged kernel against unpaged
   scaled_dot_product_attention with the flash backend forced, on the same data (its K/V
   expanded to the 32 query heads beforehand, outside the timing). Two timings of each: GPU time
@@ -38,6 +42,11 @@ from gpu_timing import host_us  # noqa: E402
 from jackfield_cuda_attn.capabilities import CUDA_ATTN_CAPABILITIES  # noqa: E402
 from jackfield_cuda_attn.kernels import paged_attention  # noqa: E402
 from jackfield_cuda_attn.kernels.attention import decode_splits  # noqa: E402
+
+try:  # the baseline a vLLM / SGLang user on Triton runs; optional
+    from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd as vllm_decode
+except ImportError:
+    vllm_decode = None
 
 HEADS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -86,9 +95,37 @@ def gpu_ms(fn) -> float:
     return do_bench_cudagraph(fn, return_mode="median")
 
 
+def vllm_decode_best(c: dict, ours: torch.Tensor) -> tuple[str, float]:
+    """vLLM's Triton decode on case `c`'s cache and block table: (its GPU time at its fastest split
+    count among 4-32, that count and the largest |difference| from `ours`, as table columns; that
+    time in ms)."""
+    batch = c["seq_lens"].numel()
+    out = torch.full_like(c["query"], float("nan"))
+    lse = torch.empty(batch, HEADS, dtype=torch.float32, device="cuda")
+    unit_scale = torch.ones((), dtype=torch.float32, device="cuda")  # as vLLM's layer passes its bf16 scales
+    timed = []
+    for splits in (4, 8, 16, 32):
+        partial = torch.empty(batch, HEADS, splits, HEAD_SIZE + 1, dtype=torch.float32, device="cuda")
+
+        def call(partial=partial, splits=splits) -> None:
+            key_cache, value_cache = c["cache"]
+            vllm_decode(c["query"], key_cache, value_cache, out, lse, c["table"], c["seq_lens"], partial,
+                        splits, HEAD_SIZE**-0.5, PAGE, k_scale=unit_scale, v_scale=unit_scale)  # fmt: skip
+
+        timed.append((gpu_ms(call), splits, call))
+    ms, splits, call = min(timed)
+    call()
+    err = (out.float() - ours.float()).abs().max().item()
+    return f"{ms * 1e3:>9.1f} {splits:>6} {err:>8.1e}", ms
+
+
 def decode_table(copy: float) -> None:
     print(f"\nDecode, GQA {HEADS}/{KV_HEADS}, D {HEAD_SIZE}, bf16, block {PAGE}; copy {copy:.0f} GB/s")
-    print(f"{'B':>4} {'S':>6} {'splits':>6} {'us':>9} {'KV MB':>8} {'GB/s':>7} {'of copy':>8} {'host us':>8}")
+    vllm_head = f" {'vLLM us':>9} {'splits':>6} {'max err':>8} {'vLLM/ours':>9}" if vllm_decode else ""
+    print(
+        f"{'B':>4} {'S':>6} {'splits':>6} {'us':>9} {'KV MB':>8} {'GB/s':>7} {'of copy':>8} {'host us':>8}"
+        + vllm_head
+    )
     for batch, seq in DECODE:
         c = paged_case(batch, seq, 1)
         splits = decode_splits(batch, KV_HEADS, seq, c["query"].device)  # one program per KV head
@@ -96,8 +133,12 @@ def decode_table(copy: float) -> None:
         ms = gpu_ms(lambda c=c: run(c))
         host = host_us(lambda c=c: run(c))
         gbs = kv_bytes / ms / 1e6
+        baseline = ""
+        if vllm_decode is not None:
+            figures, vllm_ms = vllm_decode_best(c, run(c))
+            baseline = f" {figures} {vllm_ms / ms:>9.2f}"
         print(f"{batch:>4} {seq:>6} {splits:>6} {ms * 1e3:>9.1f} {kv_bytes / 1e6:>8.1f} {gbs:>7.0f} "
-              f"{gbs / copy:>7.0%} {host:>8.1f}", flush=True)  # fmt: skip
+              f"{gbs / copy:>7.0%} {host:>8.1f}{baseline}", flush=True)  # fmt: skip
         del c
 
 
