@@ -257,7 +257,9 @@ class PDLLM(LLM):
                         finished.append(seq)
         except (EOFError, OSError):  # a closed pipe: the exit check below names why it went
             pass
-        if self._at_producer and not self._child.is_alive():
+        # Checked with no request there too: its KV sender may die after the last handoff came,
+        # and a run's summary must still say the prefill engine stopped.
+        if not self._child.is_alive():
             self._lost(f"its process exited with code {self._child.exitcode}")
         return finished
 
