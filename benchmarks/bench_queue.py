@@ -60,8 +60,10 @@ def main() -> None:
     settings: dict[str, object] = {"engine.device": args.device, "engine.max_num_seqs": seqs,
                                    "engine.enable_prefix_caching": False,  # as train_eagle3's data engine
                                    "model.dtype": "bfloat16" if args.device == "cuda" else "float32"}
-    settings["engine.max_model_len" if args.device == "cpu" else "engine.gpu_memory_fraction"] = (
-        256 if args.device == "cpu" else 0.2)
+    if args.device == "cpu":
+        settings["engine.max_model_len"] = 256  # the tiny checkpoint's positions
+    else:  # the KV budget of train_eagle3's data engine
+        settings["engine.gpu_memory_fraction"] = 0.2
     llm = LLM(directory, **settings)
     engine = llm.engine
     if args.host_only:
