@@ -33,6 +33,7 @@ def assert_rows_mirror_lists(rows: BlockTableRows, seqs: list[Sequence]) -> None
         want = [[table + [0] * (width - len(table)) for table in (s.block_tables[g] for s in holding)]
                 for g in range(rows.array.shape[0])]
         assert rows.gather(taken).tolist() == want  # type: ignore[arg-type]
+        assert rows.gather_array(taken).tolist() == want  # type: ignore[arg-type]  # the graphs' fills
 
 
 def test_rows_follow_random_admits_decodes_windows_preemptions_and_finishes(rng_seed: int) -> None:

@@ -28,6 +28,17 @@ def test_cpu_gpu_buffer_on_cpu_aliases_and_copies_prefix() -> None:
     assert buf.copy_to_device().shape == (6, 2)
 
 
+def test_cpu_gpu_buffer_numpy_view_writes_the_host_tensor(rng_seed: int) -> None:
+    """What a CUDA graph's fill writes through `.np` is what `copy_to_device` copies."""
+    print(f"seed {rng_seed}")
+    values = torch.randint(-1000, 1000, (5, 3), generator=torch.Generator().manual_seed(rng_seed))
+    buf = CpuGpuBuffer(8, 3, dtype=torch.int32, device="cpu")
+    buf.cpu.fill_(7)
+    buf.np[:5] = values.numpy()
+    assert torch.equal(buf.copy_to_device(5), values.to(torch.int32))
+    assert (buf.cpu[5:] == 7).all()
+
+
 def test_cpu_gpu_buffer_rejects_bad_row_count() -> None:
     buf = CpuGpuBuffer(4, dtype=torch.int32, device="cpu")
     with pytest.raises(ValueError, match="cannot copy 5 rows"):

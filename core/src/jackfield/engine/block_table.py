@@ -15,6 +15,7 @@ the padding of the lists was. Rows and width double when they run out.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -56,6 +57,12 @@ class BlockTableRows:
     def clear(self, row: int, group: int, start: int, end: int) -> None:
         """Entries start..end - 1 of one group's table became the null block (0)."""
         self.array[group, row, start:end] = 0
+
+    def gather_array(self, rows: list[int]) -> np.ndarray:
+        """`gather` as a numpy array (a copy), for host index arithmetic without torch's per-op
+        dispatch (a CUDA graph's fill)."""
+        width = max(map(self.lengths.__getitem__, rows), default=0)
+        return self.array.numpy()[:, rows, :width]
 
     def gather(self, rows: list[int]) -> torch.Tensor:
         """[groups, len(rows), longest of those tables] int32: the rows' tables, 0-padded."""

@@ -36,6 +36,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from jackfield.contracts.attention import AttentionMetadata, StepContext
@@ -191,55 +192,55 @@ class DecodeGraphs:
         """Write the step's rows into the static buffers (q rows a request); rows past the batch
         see no KV and write none; returns the real rows. The pinned host buffers are rewritten
         once the previous fill's copies out of them ran (`CopyFence`: under async scheduling
-        they may still be queued)."""
+        they may still be queued). The index arithmetic runs in numpy over them: at batch 1
+        torch's per-op dispatch was most of the fill."""
         self.fence.wait()
         n, bs, rows, pad = len(chunks), self.block_size, size * q, size - len(chunks)
         ids: list[int] = []
         for c in chunks:
             real = c.input_ids
             ids += real + real[-1:] * (q - len(real))  # padding rows repeat the last token
-        starts = [c.seq.num_computed for c in chunks]
-        offsets = torch.arange(q)
-        positions = torch.tensor(starts + [0] * pad)[:, None] + offsets  # [size, q]
-        is_real = offsets < torch.tensor([c.num_tokens for c in chunks])[:, None]  # [n, q]
-        self.input_ids.cpu[:rows] = torch.tensor(ids + [0] * (pad * q))
-        self.positions.cpu[:rows] = positions.flatten()
-        self.seq_lens.cpu[:size] = torch.tensor([start + q for start in starts] + [0] * pad)
+        starts = np.array([c.seq.num_computed for c in chunks] + [0] * pad, dtype=np.int64)
+        offsets = np.arange(q)
+        positions = starts[:, None] + offsets  # [size, q]
+        is_real = offsets < np.array([c.num_tokens for c in chunks], dtype=np.int64)[:, None]  # [n, q]
+        self.input_ids.np[: n * q] = ids
+        self.input_ids.np[n * q : rows] = 0
+        self.positions.np[:rows] = positions.reshape(-1)
+        self.seq_lens.np[:size] = starts + q
+        self.seq_lens.np[n:size] = 0
         for buffer, count in ((self.input_ids, rows), (self.positions, rows), (self.seq_lens, size)):
             buffer.copy_to_device(count)
         total = sum(c.num_tokens for c in chunks)
         if q > 1:
-            self.real_rows.cpu[:total] = is_real.flatten().nonzero().squeeze(1)
+            self.real_rows.np[:total] = is_real.reshape(-1).nonzero()[0]
             self.real_rows.copy_to_device(total)
         if self.recurrent is not None:  # q = 1 (the constructor checked it)
             state_slots = [c.seq.state_slot for c in chunks]
             if None in state_slots:
                 raise RuntimeError("a decode of a hybrid model without a recurrent state slot")
-            self.state_slots.cpu[:size] = torch.tensor(state_slots + [self.recurrent.padding_slot] * pad)
+            self.state_slots.np[:size] = state_slots + [self.recurrent.padding_slot] * pad
             # a one-token prompt decodes from a zero state too
-            self.has_state.cpu[:size] = torch.tensor([start > 0 for start in starts] + [False] * pad)
+            self.has_state.np[:size] = starts > 0
             self.state_slots.copy_to_device(size)
             self.has_state.copy_to_device(size)
         # Capture fills no rows: every slot -1, so the warm-up and recorded forwards write no KV.
-        tables = self.block_tables.gather([c.seq.table_row for c in chunks])  # type: ignore[misc]
-        groups, width = tables.shape[0], tables.shape[2]
-        if n:
-            low, high = (int(v) for v in torch.aminmax(tables))
-            if not 0 <= low <= high < self.num_blocks:
-                raise ValueError(f"decode block ids {low}..{high} outside the cache's {self.num_blocks} "
-                                 "blocks")
+        tables = self.block_tables.gather_array([c.seq.table_row for c in chunks])  # type: ignore[misc]
+        width = tables.shape[2]
+        if n and not 0 <= tables.min() <= tables.max() < self.num_blocks:
+            raise ValueError(f"decode block ids {tables.min()}..{tables.max()} outside the cache's "
+                             f"{self.num_blocks} blocks")
         # a padding row may sit past its request's blocks: its slot is -1 anyway
-        index = (positions[:n] // bs).clamp(max=max(width - 1, 0)).expand(groups, n, q)
-        slots = tables.long().gather(2, index) * bs + positions[:n] % bs
-        slots = torch.where(is_real, slots, -1).flatten(1)  # [groups, n * q]
-        for group_slots, group_table, slot_mapping, block_table in zip(
-                slots, tables, self.slot_mapping, self.block_table, strict=True):
-            slot_mapping.cpu[: n * q] = group_slots
-            if pad:
-                slot_mapping.cpu[n * q : rows] = -1
+        index = np.minimum(positions[:n] // bs, width - 1)  # [n, q]
+        requests = np.arange(n)[:, None]
+        for group_table, slot_mapping, block_table in zip(tables, self.slot_mapping, self.block_table,
+                                                          strict=True):
+            slots = group_table.astype(np.int64)[requests, index] * bs + positions[:n] % bs
+            slot_mapping.np[: n * q] = np.where(is_real, slots, -1).reshape(-1)
+            slot_mapping.np[n * q : rows] = -1
             slot_mapping.copy_to_device(rows)
             # entries past a request's blocks are read only by padding rows (output dropped)
-            block_table.cpu[:n, :width] = group_table
+            block_table.np[:n, :width] = group_table
             block_table.copy_to_device(n)
         self.fence.record()
         return total

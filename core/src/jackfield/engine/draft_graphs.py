@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from jackfield.contracts.attention import StepContext
@@ -173,17 +174,21 @@ class DraftGraphs:
     def _fill(self, chunks: list[ScheduledChunk], found: VerifiedRows | None, size: int, q: int) -> None:
         """Write the step's drafting inputs into the static buffers (capture: no rows, `found`
         None). The decode graph's fill of the same chunks left the positions, lengths and block
-        tables of their verified rows (the first of each request's q rows)."""
+        tables of their verified rows (the first of each request's q rows). The index arithmetic
+        runs in numpy over the pinned host buffers: at batch 1 torch's per-op dispatch was most
+        of the drafting phase's host time."""
         self.fence.wait()
         decode, n, chain = self.decode, len(chunks), self.num_drafts - 1
         bs = decode.block_size
-        starts = torch.tensor([c.seq.num_computed for c in chunks] + [0] * (size - n))
-        verified = torch.zeros(size, dtype=torch.int64)  # rows a request
-        after = torch.zeros(size, dtype=torch.int64)  # tokens after the step, 0: not drafting
-        limit = torch.zeros(size, dtype=torch.int64)
-        ids = torch.zeros(size, q, dtype=torch.int64)
-        temperature = torch.zeros(size)
-        seeds = torch.zeros(size, dtype=torch.int64)
+        starts = np.zeros(size, dtype=np.int64)
+        starts[:n] = [c.seq.num_computed for c in chunks]
+        verified = np.zeros(size, dtype=np.int64)  # rows a request
+        after = self.num_tokens.np[:size]  # tokens after the step, 0: not drafting
+        limit = np.zeros(size, dtype=np.int64)
+        ids = self.input_ids.np[: size * q].reshape(size, q)
+        temperature, seeds = self.temperature.np[:size], self.seeds.np[:size]
+        for values in (after, ids, temperature, seeds):
+            values.fill(0)
         if found is not None:
             # every chunk is a decode, so each has one span of verified rows, in chunk order
             drafting = {seq: (tokens, limit) for (seq, tokens), limit in zip(found.drafting, found.max_drafts,
@@ -191,35 +196,33 @@ class DraftGraphs:
             at = 0
             for i, (chunk, span) in enumerate(zip(chunks, found.spans, strict=True)):
                 verified[i] = span.count
-                ids[i, : span.count] = torch.tensor(found.input_ids[at : at + span.count])
+                ids[i, : span.count] = found.input_ids[at : at + span.count]
                 at += span.count
                 if chunk.seq in drafting:
                     after[i], limit[i] = drafting[chunk.seq]
                     temperature[i], seeds[i] = chunk.seq.params.temperature, chunk.seq.seed
-        offsets = torch.arange(q)
+        offsets = np.arange(q)
         positions = starts[:, None] + offsets  # [size, q]
         writes = offsets < verified[:, None]
-        draft = torch.arange(1, chain + 1)
+        draft = np.arange(1, chain + 1)
         chain_positions = after[:, None] + draft - 2  # [size, chain]: draft j's row at N + j - 2
         chain_live = draft < limit[:, None]
-        self.input_ids.cpu[: size * q] = ids.flatten()
-        self.last_rows.cpu[:size] = torch.arange(size) * q + (verified - 1).clamp(min=0)
-        self.chain_positions.cpu[:, :size] = torch.where(chain_live, chain_positions, 0).T
-        self.chain_seq_lens.cpu[:, :size] = torch.where(chain_live, chain_positions + 1, 0).T
-        self.temperature.cpu[:size], self.seeds.cpu[:size] = temperature, seeds
-        self.num_tokens.cpu[:size] = after
-        tables = decode.block_tables.gather([c.seq.table_row for c in chunks])  # type: ignore[misc]
+        self.last_rows.np[:size] = np.arange(size) * q + np.maximum(verified - 1, 0)
+        self.chain_positions.np[:, :size] = np.where(chain_live, chain_positions, 0).T
+        self.chain_seq_lens.np[:, :size] = np.where(chain_live, chain_positions + 1, 0).T
+        tables = decode.block_tables.gather_array([c.seq.table_row for c in chunks])  # type: ignore[misc]
         width = tables.shape[2]
+        requests = np.arange(n)[:, None]
         for g, (slot_mapping, chain_slots) in enumerate(zip(self.slot_mapping, self.chain_slots,
                                                             strict=True)):
-            slot_mapping.cpu[: size * q] = -1
-            chain_slots.cpu[:, :size] = -1
+            slot_mapping.np[: size * q] = -1
+            chain_slots.np[:, :size] = -1
             if n:  # the decode graphs' fill checked the tables' block ids
-                table = tables[g].long()
-                for at, live, slots in ((positions[:n], writes[:n], slot_mapping.cpu[: n * q].view(n, q)),
-                                        (chain_positions[:n], chain_live[:n], chain_slots.cpu[:, :n].T)):
-                    index = (at // bs).clamp(0, max(width - 1, 0))
-                    slots.copy_(torch.where(live, table.gather(1, index) * bs + at % bs, -1))
+                table = tables[g].astype(np.int64)
+                for at, live, slots in ((positions[:n], writes[:n], slot_mapping.np[: n * q].reshape(n, q)),
+                                        (chain_positions[:n], chain_live[:n], chain_slots.np[:, :n].T)):
+                    index = np.minimum(at // bs, width - 1)  # positions are >= 0
+                    slots[...] = np.where(live, table[requests, index] * bs + at % bs, -1)
             slot_mapping.copy_to_device(size * q)
             chain_slots.copy_to_device()
         for buffer, count in ((self.input_ids, size * q), (self.last_rows, size), (self.temperature, size),
