@@ -29,14 +29,19 @@ def test_cpu_gpu_buffer_on_cpu_aliases_and_copies_prefix() -> None:
 
 
 def test_cpu_gpu_buffer_numpy_view_writes_the_host_tensor(rng_seed: int) -> None:
-    """What a CUDA graph's fill writes through `.np` is what `copy_to_device` copies."""
+    """What a CUDA graph's fill writes through `.np` is what `copy_to_device` copies, as a new
+    version of the device tensor (on the CPU the host tensor itself)."""
     print(f"seed {rng_seed}")
     values = torch.randint(-1000, 1000, (5, 3), generator=torch.Generator().manual_seed(rng_seed))
     buf = CpuGpuBuffer(8, 3, dtype=torch.int32, device="cpu")
     buf.cpu.fill_(7)
+    version = buf.cpu._version
     buf.np[:5] = values.numpy()
-    assert torch.equal(buf.copy_to_device(5), values.to(torch.int32))
+    copied = buf.copy_to_device(5)
+    assert torch.equal(copied, values.to(torch.int32))
     assert (buf.cpu[5:] == 7).all()
+    # the checks that read a tensor once per version (slot ranges) must see the new values
+    assert copied._version > version
 
 
 def test_cpu_gpu_buffer_rejects_bad_row_count() -> None:

@@ -221,7 +221,8 @@ class DraftGraphs:
                 table = tables[g].astype(np.int64)
                 for at, live, slots in ((positions[:n], writes[:n], slot_mapping.np[: n * q].reshape(n, q)),
                                         (chain_positions[:n], chain_live[:n], chain_slots.np[:, :n].T)):
-                    index = np.minimum(at // bs, width - 1)  # positions are >= 0
+                    # a chain row that drafts nothing sits at position -1: clipped, its slot is -1
+                    index = np.clip(at // bs, 0, width - 1)
                     slots[...] = np.where(live, table[requests, index] * bs + at % bs, -1)
             slot_mapping.copy_to_device(size * q)
             chain_slots.copy_to_device()

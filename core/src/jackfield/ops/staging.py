@@ -81,6 +81,8 @@ class CpuGpuBuffer:
             raise ValueError(f"cannot copy {rows} rows of a buffer with {self.cpu.shape[0]}")
         if self.gpu is not self.cpu:
             self.gpu[:rows].copy_(self.cpu[:rows], non_blocking=True)
+        else:  # `.np` writes bypass torch's version counter, which checks of a tensor key on
+            torch.autograd.graph.increment_version(self.cpu)
         return self.gpu[:rows]
 
 
