@@ -129,6 +129,25 @@ def test_pipelined_decode_gives_the_synchronous_tokens(family: Path, rng_seed: i
     assert engine.block_manager.num_free == engine.block_manager.num_usable
 
 
+def test_every_request_is_returned_finished_exactly_once(family: Path, rng_seed: int) -> None:
+    """More requests than max_num_seqs: a request finishing at a drained step (one that a newly
+    admitted prefill ends) is among the step's returned requests, as the synchronous engine
+    returns each request once, when it finishes (LLM.generate's progress counts them)."""
+    print(f"seed={rng_seed}")
+    for async_on in (False, True):
+        llm = make(family, async_on, max_num_seqs=2)
+        engine = llm.engine
+        prompts = prompts_of(llm, rng_seed, (3, 9, 5, 14, 7, 6, 11))
+        requests = list(zip(prompts, mixed_params((5, 2, 8, 3, 6, 4, 2), ignore_eos=True), strict=True))
+        seqs = engine.add_requests(requests, None)
+        returned: list[Sequence] = []
+        while engine.scheduler.has_work():
+            for seq in engine.step():
+                assert seq.status == Status.FINISHED
+                returned.append(seq)
+        assert sorted(s.request_id for s in returned) == sorted(s.request_id for s in seqs), async_on
+
+
 def test_launch_of_the_next_step_comes_before_the_read_back(family: Path, rng_seed: int) -> None:
     """Decode-only steps: launch 0, launch 1, finish 0, launch 2, finish 1, ... (the host
     schedules and fills step N+1 before it waits for step N's tokens)."""

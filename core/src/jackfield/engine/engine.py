@@ -307,7 +307,8 @@ class Engine:
             self._settle()
             return finished
         # Drain: this step is built from the host's tokens. Requests that stopped at the drained
-        # step were scheduled again (their blocks are freed now): their chunks go.
+        # step were scheduled again (their blocks are freed now): their chunks go. They are
+        # returned with those this step finishes.
         self._launched = None
         finished = self._finish_launched(launched) if launched is not None else []
         chunks = [c for c in chunks if c.seq.status == Status.RUNNING]
@@ -328,7 +329,6 @@ class Engine:
         for seq, first, entries in result.prompt_logprobs:  # by position: a recomputed prefill rewrites
             assert seq.prompt_logprobs is not None
             seq.prompt_logprobs[first + 1 : first + 1 + len(entries)] = entries
-        finished = []
         sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
         drafted = iter(result.drafts) if result.drafts is not None else None
         pooled = iter(result.embeddings)
