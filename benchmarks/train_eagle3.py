@@ -4,8 +4,8 @@ against the same engine without drafts, in one run (issue 18).
 1. Data (eagle3_prompts: training topic families, held-out ones apart): the target writes
    questions itself (Jackfield, sampled at temperature 1: it continues a list that starts with a
    templated question about a training topic), mixed with templated questions; then its greedy
-   answers (the chat template), as many as finish within --max-data-seconds. Held-out prompts are
-   from other topic families, in phrasings no template has.
+   answers (the chat template), as many as finish within --max-data-seconds, the prompts drawn as
+   the batch has room. Held-out prompts are from other topic families, in phrasings no template has.
 2. Training (the usual recipe, "training-time test"; the head and its unrolled forward are
    jackfield_spec_decode.eagle3_training's, which a test checks against the engine's drafts): one
    transformers forward of the target per batch gives the inputs of three layers (2, L // 2,
@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import math
 import random
@@ -52,7 +53,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,14 +110,25 @@ def written_questions(llm: LLM, topics: tuple[str, ...], settings: Settings, see
 Example = tuple[list[int], int]  # a sequence (prompt + the target's answer), its prompt's length
 
 
-def answers_within(llm: LLM, prompts: list[list[int]], params: SamplingParams, seconds: float,
-                   clock: Callable[[], float] = time.perf_counter) -> list[Example]:
-    """The answers to `prompts` that finish within `seconds` of `clock` (queued at once, so the
-    batch stays full; the rest are aborted when the time is up)."""
+def answers_within(llm: LLM, prompts: Iterable[list[int]], params: SamplingParams, seconds: float,
+                   queued: int, clock: Callable[[], float] = time.perf_counter) -> list[Example]:
+    """The answers to `prompts` that finish within `seconds` of `clock`, in their order. The
+    prompts are drawn as the engine has room, at most `queued` unfinished requests at a time
+    (more than a batch, to keep it full): a prompt is made and checked only when it is about to
+    run, and none is left waiting in a long queue. At the deadline the unfinished ones are
+    aborted and the rest never drawn."""
     engine = llm.engine
-    seqs = engine.add_requests([(prompt, params) for prompt in prompts])
+    pending, seqs, unfinished = iter(prompts), [], []
     deadline = clock() + seconds
-    while engine.has_work() and clock() < deadline:
+    while clock() < deadline:
+        # the requests' own state, not step()'s return value, says which finished
+        unfinished = [seq for seq in unfinished if seq.finish_reason is None]
+        room = queued - len(unfinished)
+        drawn = engine.add_requests([(prompt, params) for prompt in itertools.islice(pending, room)])
+        seqs += drawn
+        unfinished += drawn
+        if not engine.has_work():
+            break
         engine.step()
     for seq in seqs:
         engine.abort(seq)  # a no-op for those that finished
@@ -331,8 +343,9 @@ def main() -> None:
     print(f"questions: {len(written)} written by the target, {len(templated)} templated, "
           f"{time.perf_counter() - started:.0f} s", flush=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=settings.answer_tokens)
-    examples = answers_within(plain, [chat_ids(plain, q) for q in questions], greedy,
-                              args.max_data_seconds - (time.perf_counter() - started))
+    examples = answers_within(plain, (chat_ids(plain, q) for q in questions), greedy,
+                              args.max_data_seconds - (time.perf_counter() - started),
+                              queued=2 * plain.engine.config.engine.max_num_seqs)
     if len(examples) <= settings.eval_prompts:
         raise SystemExit(f"{len(examples)} answers finished within --max-data-seconds: too few")
     tokens = sum(len(seq) for seq, _ in examples)
