@@ -1,15 +1,19 @@
 """The prompts of train_eagle3 (issue 18): training questions over some topic families, held-out
 prompts over others, so that a head which memorised the training topics or phrasings cannot pass.
 
-Training questions come from two sources: templates filled with a topic, and questions the target
-writes itself (`question_seed`: a list it continues, sampled at temperature 1, one line a question).
-Held-out prompts belong to topic families no training topic comes from, and use phrasings no
-template has; a question the target writes that mentions a held-out family's words is dropped
-(`mentions_held_out`), since sampling may wander from the seed's topic.
+Training questions come from two sources: templates filled with a topic, and requests the target
+writes itself. For the latter it first proposes topics (`topic_seed`: a list of topics it
+continues), then continues lists of requests of one kind each (`request_seed`: explanations,
+lists, comparisons, advice, creative writing, code, math, editing text, as chat users ask), both
+sampled at temperature 1, one item a line (`listed_items`). Held-out prompts belong to topic
+families no training topic comes from, and use phrasings no template has; a topic or request the
+target writes that mentions a held-out family's words is dropped (`mentions_held_out`), since
+sampling wanders.
 """
 
 from __future__ import annotations
 
+import random
 import re
 
 # Training topics, by family (none of them is in a held-out family).
@@ -63,22 +67,39 @@ TOPIC_FAMILIES: dict[str, tuple[str, ...]] = {
                               "compasses", "clocks", "calendars", "time zones", "airports", "highways",
                               "the metric system"),
 }
-# Held-out topic families: the held-out prompts' own, and the word stems a training question
-# must not contain (matched at word starts, with plural and verb endings).
+# Held-out topic families: the held-out prompts' own, and the word stems a training topic or
+# question must not contain (matched at word starts, with plural and verb endings). The lists go
+# beyond the held-out prompts' words, so that what the target writes stays out of those families.
 HELD_OUT_FAMILIES: dict[str, tuple[str, ...]] = {
-    "music": ("music", "musician", "song", "singer", "singing", "piano", "guitar", "violin", "drum",
-              "drummer", "orchestra", "concert", "jazz", "opera", "ballet", "melody", "melodies", "rhythm",
-              "band"),
-    "food and cooking": ("food", "cook", "cooking", "recipe", "meal", "dinner", "lunch", "breakfast",
-                         "kitchen", "soup", "bread", "cheese", "chocolate", "coffee", "tea", "fruit",
-                         "vegetable", "vegetarian", "mango", "tomato", "baking", "pizza", "sushi", "rice",
-                         "spice", "eat", "eating", "taste", "dessert", "snack"),
-    "pets and home": ("pet", "cat", "kitten", "dog", "puppy", "puppies", "goldfish", "hamster", "parrot",
-                      "refrigerator", "fridge", "garden", "gardening", "furniture", "living room", "cozy",
-                      "laundry", "houseplant"),
-    "work and careers": ("job", "career", "interview", "manager", "boss", "coworker", "colleague",
-                         "employee", "office", "salary", "resume", "team leader", "lighthouse keeper",
-                         "day off", "workplace", "promotion"),
+    "music": ("music", "musician", "musical", "song", "songwriter", "singer", "singing", "sing", "piano",
+              "pianist", "guitar", "guitarist", "violin", "violinist", "cello", "flute", "trumpet",
+              "saxophone", "harp", "drum", "drummer", "orchestra", "symphony", "symphonies", "choir",
+              "composer", "concert", "jazz", "opera", "ballet", "melody", "melodies", "rhythm", "band",
+              "album", "lyric", "chord", "tune", "instrument", "karaoke", "rapper", "hip hop", "playlist"),
+    "food and cooking": ("food", "cook", "cooking", "cooker", "recipe", "meal", "dinner", "lunch",
+                         "breakfast", "kitchen", "soup", "bread", "cheese", "chocolate", "coffee", "tea",
+                         "fruit", "vegetable", "vegetarian", "vegan", "mango", "tomato", "tomatoes", "baking",
+                         "bake", "baked", "baker", "bakery", "cake", "cookie", "pizza", "sushi", "rice",
+                         "pasta", "noodle", "salad", "sandwich", "burger", "meat", "chicken", "beef", "pork",
+                         "egg", "milk", "butter", "sugar", "flour", "apple", "banana", "potato", "potatoes",
+                         "spice", "sauce", "ingredient", "flavor", "flavour", "delicious", "tasty", "tasted",
+                         "eat", "eating", "eaten", "taste", "dessert", "snack", "chef", "restaurant",
+                         "cuisine", "dish", "menu", "grocery", "groceries", "juice", "wine", "beer",
+                         "smoothie", "candy", "oven", "microwave", "barbecue", "picnic", "diet", "nutrition",
+                         "calorie", "hungry"),
+    "pets and home": ("pet", "cat", "kitten", "kitty", "dog", "puppy", "puppies", "goldfish", "hamster",
+                      "parrot", "aquarium", "leash", "vet", "veterinarian", "refrigerator", "fridge",
+                      "garden", "gardening", "furniture", "living room", "bedroom", "bathroom", "sofa",
+                      "couch", "cozy", "fireplace", "blanket", "laundry", "houseplant", "home", "house",
+                      "household", "housework", "apartment", "chore", "dishwasher", "lawn", "backyard",
+                      "decorating"),
+    "work and careers": ("job", "career", "interview", "manager", "boss", "coworker", "colleague", "employee",
+                         "employer", "employment", "unemployment", "worker", "workday", "workplace", "office",
+                         "salary", "wage", "resume", "hire", "hired", "hiring", "intern", "internship",
+                         "profession", "professional", "occupation", "business", "company", "companies",
+                         "startup", "entrepreneur", "meeting", "deadline", "leader", "leadership",
+                         "team leader", "lighthouse keeper", "day off", "promotion", "retirement",
+                         "firefighter", "lawyer", "nurse", "farmer", "plumber", "electrician", "accountant"),
 }
 # Held-out prompts: each from a held-out family, in phrasings no template has.
 HELD_OUT = (
@@ -124,17 +145,92 @@ def template_questions(count: int) -> list[str]:
     return questions[:count]
 
 
-def question_seed(topic: str, example: int) -> str:
-    """A plain-text list the target continues with one more question about `topic` (its first
-    item: template `example` on the topic): the next line, sampled, is the target's question."""
-    first = TEMPLATES[example % len(TEMPLATES)].format(topic)
-    return f"Here are some questions about {topic}:\n1. {first}\n2."
+# Kinds of request chat users make, each a list the target continues: its heading, and the
+# examples its first two items are drawn from ("{}": a topic; none: a request of its own).
+REQUEST_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "explain": ("questions people ask an assistant to explain something",
+                ("How does {} work?", "What causes {}?", "Can you explain {} in simple words?",
+                 "What is the science behind {}?", "Why do people study {}?")),
+    "list": ("requests for lists",
+             ("List five interesting facts about {}.", "What are the main types of {}?",
+              "Name some famous examples of {}.", "Give me a checklist for learning about {}.")),
+    "compare": ("requests to compare things",
+                ("Compare {} and {}.", "What is the difference between {} and {}?",
+                 "Which is more useful, {} or {}?")),
+    "advice": ("questions people ask for advice",
+               ("How can I get better at public speaking?", "How can I learn more about {}?",
+                "What is the best way to start with {}?", "How can I stay focused while studying?",
+                "What mistakes should I avoid with {}?")),
+    "creative": ("creative writing requests",
+                 ("Write a short story about {}.", "Write a poem about {}.",
+                  "Write a funny dialogue about {}.",
+                  "Write a story for children about a robot who learns to paint.",
+                  "Write the opening paragraph of a mystery novel.")),
+    "code": ("programming tasks people give an assistant",
+             ("Write a Python function that checks whether a number is prime.",
+              "Show me how to read a file line by line in Python.",
+              "Explain what a for loop does in JavaScript.",
+              "Write a SQL query that counts the rows of a table.",
+              "What is the difference between a list and a tuple in Python?",
+              "Write a function that reverses a string.")),
+    "math": ("math questions and word problems",
+             ("A train travels 120 miles in 2 hours. What is its average speed?", "What is 15% of 240?",
+              "Solve for x: 3x + 7 = 22.", "A rectangle is 8 cm long and 5 cm wide. What is its area?",
+              "How many seconds are there in a day?")),
+    "edit": ("requests to rewrite, summarize or translate a text",
+             ("Rewrite this sentence in a formal tone: the test was super hard and everyone was mad.",
+              "Summarize the main idea of {} in two sentences.",
+              "Correct the grammar: she don't like going to the park on sundays.",
+              "Translate 'where is the train station?' into French.",
+              "Make this sentence shorter: due to the fact that it was raining, we stayed inside.")),
+}
+
+
+def topic_seed(examples: list[str]) -> str:
+    """A plain-text list of topics the target continues (its next lines, sampled, are topics)."""
+    items = "".join(f"{i}. {topic}\n" for i, topic in enumerate(examples, 1))
+    return f"Here is a list of topics people ask an assistant about:\n{items}{len(examples) + 1}."
+
+
+def request_seed(kind: str, rng: random.Random, topics: list[str]) -> str:
+    """A plain-text list of requests of `kind` the target continues: two of its examples, their
+    topic slots filled from `topics`; the next lines, sampled, are the target's requests."""
+    heading, examples = REQUEST_KINDS[kind]
+    first, second = (example.format(*rng.sample(topics, example.count("{}")))
+                     for example in rng.sample(examples, 2))
+    return f"Here are some {heading}:\n1. {first}\n2. {second}\n3."
+
+
+_NUMBERED = re.compile(r"\s*(\d+)[.)]\s*(.*)")
+
+
+def listed_items(continuation: str, complete: bool) -> list[str]:
+    """The items the target wrote after a seed that ends with the next item's number: the rest of
+    that line, then each following line numbered as the list goes on, up to the first that is
+    not. The last line counts only if `complete` (the sample ended there, not at its token limit)."""
+    lines = continuation.split("\n")
+    if not complete:
+        lines.pop()  # cut off mid-item
+    items = lines[:1]
+    for line in lines[1:]:
+        numbered = _NUMBERED.fullmatch(line)
+        if numbered is None:
+            break
+        items.append(numbered.group(2))
+    return [item.strip() for item in items]
+
+
+def proposed_topic(item: str) -> str | None:
+    """A topic the target proposed, or None: not one to several plain words, or of a held-out family."""
+    topic = item.strip().rstrip(".")
+    if not re.fullmatch(r"[A-Za-z][A-Za-z' -]{2,40}", topic) or len(topic.split()) > 5:
+        return None
+    return None if mentions_held_out(topic) else topic
 
 
 def written_question(line: str) -> str | None:
-    """The question in a line the target wrote after a seed, or None: too short, or about a
-    held-out family."""
+    """A request the target wrote, or None: too short or too long, or about a held-out family."""
     question = line.strip()
-    if len(question.split()) < 3 or mentions_held_out(question):
+    if not 3 <= len(question.split()) <= 60 or mentions_held_out(question):
         return None
     return question

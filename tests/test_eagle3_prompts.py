@@ -66,9 +66,68 @@ def test_the_filter_tells_held_out_families_from_training_topics(prompts: Module
         assert prompts.written_question(question) == question
 
 
-def test_question_seeds_open_a_list_about_training_topics(prompts: ModuleType) -> None:
-    for topic in prompts.TOPICS:
-        seed = prompts.question_seed(topic, 3)
-        assert seed.startswith(f"Here are some questions about {topic}:\n1. ") and seed.endswith("\n2.")
+def test_held_out_prompts_fit_no_request_example(prompts: ModuleType) -> None:
+    """The examples the target's request lists start from are templates too: none fits a
+    held-out prompt or opens like one, and none names a held-out family."""
+    for _, examples in prompts.REQUEST_KINDS.values():
+        for example in examples:
+            assert not prompts.mentions_held_out(example), example
+            fits = re.compile(re.escape(example).replace(re.escape("{}"), ".+") + ".*", re.IGNORECASE)
+            opening = " ".join(example.lower().split()[:3])
+            for prompt in prompts.HELD_OUT:
+                assert not fits.fullmatch(prompt), (example, prompt)
+                assert " ".join(prompt.lower().split()[:3]) != opening, (example, prompt)
+
+
+def test_seeds_are_lists_over_training_topics(prompts: ModuleType, rng_seed: int) -> None:
+    """A request seed is a numbered list of two of its kind's examples, their slots filled with
+    the given topics, ending where the target writes item 3; a topic seed lists its topics."""
+    print(f"seed {rng_seed}")
+    rng = random.Random(rng_seed)
+    topics = rng.sample(prompts.TOPICS, 12)
+    for kind, (heading, examples) in prompts.REQUEST_KINDS.items():
+        seed = prompts.request_seed(kind, rng, topics)
         assert not prompts.mentions_held_out(seed)
+        first_line, one, two, three = seed.split("\n")
+        assert first_line == f"Here are some {heading}:" and three == "3."
+        for line, number in ((one, "1. "), (two, "2. ")):
+            assert line.startswith(number)
+            filled = [re.compile(re.escape(e).replace(re.escape("{}"), "(.+)")).fullmatch(line[3:])
+                      for e in examples]
+            match = next(m for m in filled if m is not None)
+            assert all(topic in topics for topic in match.groups()), line
+    listed = rng.sample(prompts.TOPICS, 3)
+    seed = prompts.topic_seed(listed)
+    assert seed.endswith(f"1. {listed[0]}\n2. {listed[1]}\n3. {listed[2]}\n4.")
+
+
+def test_listed_items_reads_the_lines_that_continue_the_list(prompts: ModuleType) -> None:
+    continuation = " How do clouds form?\n4. What is a volcano?\n5) Why is the sky blue?\n\nThese questions"
+    assert prompts.listed_items(continuation, complete=True) == [
+        "How do clouds form?", "What is a volcano?", "Why is the sky blue?"]
+    # cut at the token limit: the last line is dropped, however it looks
+    cut = " How do clouds form?\n4. What is a vol"
+    assert prompts.listed_items(cut, complete=False) == ["How do clouds form?"]
+    assert prompts.listed_items(" How do clouds form?\n4. What is a volcano?", complete=True) == [
+        "How do clouds form?", "What is a volcano?"]
+    assert prompts.listed_items(" How do clouds", complete=False) == []
+
+
+def test_target_written_topics_and_requests_stay_out_of_held_out_families(prompts: ModuleType) -> None:
+    """Topics and requests a sampled list may hold: those of a held-out family (beyond the
+    held-out prompts' own words) are dropped, others kept."""
+    for topic in ("baking bread", "Cats", "guitar lessons", "job interviews", "home decorating", "hip hop",
+                  "Breakfast ideas", "team leadership"):
+        assert prompts.proposed_topic(topic) is None, topic
+    for topic in ("the solar system", "Ancient Rome", "quantum computing", "first aid"):
+        assert prompts.proposed_topic(topic + ".") == topic
+    for item in ("A very long topic with far too many words in it", "42", "C++ & Rust", ""):
+        assert prompts.proposed_topic(item) is None, item
+    for request in ("How do I bake a birthday cake?", "What should I feed my new puppy?",
+                    "Write a song about the sea.", "How do I ask my boss for a raise?",
+                    "Tips for cleaning the house quickly?", "Which restaurant serves the best pasta?"):
+        assert prompts.written_question(request) is None, request
+    for request in ("Write a Python function that sorts a list.", "What is 12% of 250?",
+                    "Explain how rainbows form."):
+        assert prompts.written_question(request) == request
     assert prompts.written_question("  Why?") is None  # too short to be a question
