@@ -147,7 +147,7 @@ def answers_within(llm: LLM, prompts: Iterable[list[int]], params: SamplingParam
     pending, seqs, unfinished = iter(prompts), [], []
     deadline = clock() + seconds
     while clock() < deadline:
-        # the requests' own state, not step()'s return value, says which finished
+        # which requests finished, read from their own state
         unfinished = [seq for seq in unfinished if seq.finish_reason is None]
         room = queued - len(unfinished)
         drawn = engine.add_requests([(prompt, params) for prompt in itertools.islice(pending, room)])
