@@ -42,8 +42,12 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from jackfield.engine.engine import Engine
 
 # head size 64 as the 1B shape's (and one cuda_attn serves, so the CUDA run replays graphs)
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -66,6 +70,17 @@ def tiny_model(family: str, max_len: int) -> str:
     directory = tempfile.mkdtemp(prefix="bench_host.")
     hf.save_pretrained(directory)
     return directory
+
+
+def forward_of_zeros(engine: Engine) -> None:
+    """Replace the model's forward by zeros of its hidden size: what remains of a step is host work."""
+    hidden_size = engine.model.capabilities.hidden_size
+
+    def zeros(ids: torch.Tensor, positions: torch.Tensor, context: object,
+              rows: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+        return torch.zeros(ids.shape[0] if rows is None else rows.shape[0], hidden_size)
+
+    engine.model.forward = zeros  # type: ignore[method-assign]
 
 
 class PhaseClock:
@@ -132,13 +147,7 @@ def probe(family: str, batch: int, args: argparse.Namespace) -> dict[str, float]
     while any(s.num_computed < s.prompt_len for s in seqs):  # prefill, chunked by the budget
         engine.step()
     if args.host_only:
-        hidden_size = engine.model.capabilities.hidden_size
-
-        def zeros(ids: torch.Tensor, positions: torch.Tensor, context: object,
-                  rows: torch.Tensor | None = None, **_: object) -> torch.Tensor:
-            return torch.zeros(ids.shape[0] if rows is None else rows.shape[0], hidden_size)
-
-        engine.model.forward = zeros  # type: ignore[method-assign]
+        forward_of_zeros(engine)
     clock = PhaseClock()
     clock.wrap(engine, "step", "step")
     clock.wrap(engine.scheduler, "schedule", "schedule")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_host import TINY, tiny_model
+from bench_host import TINY, forward_of_zeros, tiny_model
 from jackfield import LLM, SamplingParams
 from jackfield.testing.checkpoints import write_granite
 
@@ -67,13 +67,7 @@ def main() -> None:
     llm = LLM(directory, **settings)
     engine = llm.engine
     if args.host_only:
-        hidden_size = engine.model.capabilities.hidden_size
-
-        def zeros(ids: torch.Tensor, positions: torch.Tensor, context: object,
-                  rows: torch.Tensor | None = None, **_: object) -> torch.Tensor:
-            return torch.zeros(ids.shape[0] if rows is None else rows.shape[0], hidden_size)
-
-        engine.model.forward = zeros  # type: ignore[method-assign]
+        forward_of_zeros(engine)
     steps: list[tuple[int, float]] = []  # (requests waiting before the step, its seconds)
     step = engine.step
 
