@@ -30,15 +30,24 @@ def train_eagle3(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
+def tiny_llm_and_prompts(directory: Path, seed: int, max_num_seqs: int,
+                         count: int) -> tuple[LLM, list[list[int]], torch.Generator]:
+    """A tiny random Llama on the CPU, `count` random prompts of 3-8 tokens, and the generator
+    that drew them (seeded with `seed`), for the test's further draws."""
+    write_granite("llama_tied", directory, seed, num_hidden_layers=2, max_position_embeddings=128)
+    llm = LLM(str(directory), **{"engine.device": "cpu", "attention.backend": "torch_ref",
+                                 "model.dtype": "float32", "engine.max_num_seqs": max_num_seqs})
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.engine.capabilities.vocab_size
+    lengths = torch.randint(3, 9, (count,))
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    return llm, prompts, g
+
+
 def test_answers_within_keeps_the_answers_finished_in_time(tmp_path: Path, train_eagle3: ModuleType,
                                                            rng_seed: int) -> None:
     print(f"seed {rng_seed}")
-    write_granite("llama_tied", tmp_path, rng_seed, num_hidden_layers=2, max_position_embeddings=128)
-    llm = LLM(str(tmp_path), **{"engine.device": "cpu", "attention.backend": "torch_ref",
-                                "model.dtype": "float32", "engine.max_num_seqs": 4})
-    g = torch.Generator().manual_seed(rng_seed)
-    vocab = llm.engine.capabilities.vocab_size
-    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (6,))]
+    llm, prompts, _ = tiny_llm_and_prompts(tmp_path, rng_seed, max_num_seqs=4, count=6)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     def generated() -> list[tuple[list[int], int]]:
@@ -66,12 +75,7 @@ def test_answers_within_draws_prompts_as_the_engine_has_room(
     """With room for 3 unfinished requests (a batch of 2), no more are ever queued, the answers
     are those of one `generate` call over all prompts, and prompts past the deadline are never drawn."""
     print(f"seed {rng_seed}")
-    write_granite("llama_tied", tmp_path, rng_seed, num_hidden_layers=2, max_position_embeddings=128)
-    llm = LLM(str(tmp_path), **{"engine.device": "cpu", "attention.backend": "torch_ref",
-                                "model.dtype": "float32", "engine.max_num_seqs": 2})
-    g = torch.Generator().manual_seed(rng_seed)
-    vocab = llm.engine.capabilities.vocab_size
-    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (7,))]
+    llm, prompts, g = tiny_llm_and_prompts(tmp_path, rng_seed, max_num_seqs=2, count=7)
     # lengths that differ, so that requests finish at different steps
     params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True)
               for n in torch.randint(2, 10, (len(prompts),), generator=g)]

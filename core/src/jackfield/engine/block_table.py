@@ -59,12 +59,11 @@ class BlockTableRows:
         self.array[group, row, start:end] = 0
 
     def gather_array(self, rows: list[int]) -> np.ndarray:
-        """`gather` as a numpy array (a copy), for host index arithmetic without torch's per-op
-        dispatch (a CUDA graph's fill)."""
+        """[groups, len(rows), longest of those tables] int32: the rows' tables, 0-padded, as a
+        numpy array (a copy; host index arithmetic without torch's per-op dispatch)."""
         width = max(map(self.lengths.__getitem__, rows), default=0)
         return self.array.numpy()[:, rows, :width]
 
     def gather(self, rows: list[int]) -> torch.Tensor:
-        """[groups, len(rows), longest of those tables] int32: the rows' tables, 0-padded."""
-        width = max(map(self.lengths.__getitem__, rows), default=0)
-        return self.array[:, torch.tensor(rows, dtype=torch.int64), :width]
+        """`gather_array` as a tensor (sharing its memory)."""
+        return torch.from_numpy(self.gather_array(rows))
