@@ -16,9 +16,10 @@ against the same engine without drafts, in one run (issue 18).
    output with the token at p + 1 + s at position p + s, attending the step-0 keys of positions
    <= p and its own chain's keys of steps 1..s, as drafting does. Each step's loss is the
    cross-entropy (weighted 0.8 ** s) against the target's distribution of the token it drafts,
-   over the draft vocabulary (the --draft-vocab most frequent answer ids; the target's distribution
-   renormalized there; positions whose target argmax falls outside are left out; the held-out
-   answers' share of tokens inside is reported), at the anchors the engine drafts from: the
+   over the draft vocabulary (by default the target's whole vocabulary, no remap; with
+   --draft-vocab N the N most frequent answer ids, the target's distribution renormalized there,
+   positions whose target argmax falls outside left out; the held-out answers' share of tokens
+   inside is reported either way), at the anchors the engine drafts from: the
    prompt's last position and the answer's (prompt tokens are context, never drafted). The
    learning rate follows a cosine to zero over the planned steps or --max-train-seconds,
    whichever ends first. The head starts as the target's last layer over the deepest tap, read
@@ -94,7 +95,7 @@ class Settings:
     batch_sizes: tuple[int, ...]
 
 
-FULL = Settings(topic_lists=512, request_lists=4096, list_tokens=(48, 96), template_prompts=4000,
+FULL = Settings(topic_lists=512, request_lists=6144, list_tokens=(48, 96), template_prompts=4000,
                 answer_tokens=256, steps=3000, batch=64, eval_prompts=len(HELD_OUT), eval_tokens=128,
                 batch_sizes=(1, 4, 16))
 QUICK = Settings(topic_lists=2, request_lists=4, list_tokens=(16, 32), template_prompts=4, answer_tokens=24,
@@ -186,7 +187,9 @@ def target_pass(target: nn.Module, ids: torch.Tensor, taps: tuple[int, ...], dra
         out = target(ids, output_hidden_states=True)
         tapped = torch.cat([out.hidden_states[i] for i in taps], -1).float()
         embedded = F.embedding(ids, target.get_input_embeddings().weight).float()
-        return tapped, embedded, out.logits[..., draft_ids].float(), out.logits.argmax(-1)
+        whole = len(draft_ids) == out.logits.shape[-1]  # the whole vocabulary, in order: no gather
+        logits = out.logits if whole else out.logits[..., draft_ids]
+        return tapped, embedded, logits.float(), out.logits.argmax(-1)
 
 
 def shifted(x: torch.Tensor, shift: int, value: float | bool = 0) -> torch.Tensor:
@@ -233,10 +236,11 @@ def train(model_dir: str, examples: list[Example], held_in: list[Example], held_
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     vocab, taps = cfg["vocab_size"], eagle3_tap_layers(cfg["num_hidden_layers"])
     counts = Counter(t for seq, prompt_len in examples for t in seq[prompt_len:])
-    draft_ids = torch.tensor(sorted(t for t, _ in counts.most_common(args.draft_vocab)), device=device)
-    if len(draft_ids) < args.draft_vocab:  # a small data set: fill with the lowest other ids
+    size = args.draft_vocab or vocab
+    draft_ids = torch.tensor(sorted(t for t, _ in counts.most_common(size)), device=device)
+    if len(draft_ids) < size:  # a small data set (or the whole vocabulary): fill with the lowest other ids
         rest = torch.ones(vocab, dtype=torch.bool, device=device).index_fill(0, draft_ids, False)
-        extra = rest.nonzero().flatten()[: args.draft_vocab - len(draft_ids)]
+        extra = rest.nonzero().flatten()[: size - len(draft_ids)]
         draft_ids = torch.cat((draft_ids, extra)).sort().values
     target_to_draft = torch.full((vocab,), -1, dtype=torch.int64, device=device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=device)
@@ -344,8 +348,9 @@ def main() -> None:
     parser.add_argument("--out", default="eagle3-smollm2", help="where the head is written")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens at evaluation")
     parser.add_argument("--ttt-steps", type=int, default=4, help="unrolled steps in training")
-    parser.add_argument("--draft-vocab", type=int, default=16384)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--draft-vocab", type=int,
+                        help="the N most frequent answer ids (default: the target's whole vocabulary)")
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--steps", type=int, help="training steps (default: 3000, --quick: 4)")
     parser.add_argument("--max-train-seconds", type=float, default=170.0)
     parser.add_argument("--max-data-seconds", type=float, default=110.0,
@@ -435,8 +440,8 @@ def main() -> None:
              f"set aside as held-in) in {data_seconds:.0f} s of data; "
              f"{trained['steps']} training steps in {trained['train_seconds']:.0f} s "
              f"(batch {settings.batch}, final loss {trained['final_loss']:.3f}, {args.ttt_steps} unrolled "
-             f"steps, draft vocabulary {args.draft_vocab}: {trained['coverage']:.1%} of the held-out "
-             "answers' tokens).", "",
+             f"steps, draft vocabulary {args.draft_vocab or 'all ids'}: {trained['coverage']:.1%} of the "
+             "held-out answers' tokens).", "",
              f"Held-out ({len(held_out)} questions, greedy, k = {args.k}): "
              + "; ".join(f"{label}: mean acceptance length **{length:.2f}**, accepted per position "
                          f"{', '.join(f'{a:.2f}' for a in accepted)}, {same}/{len(held_out)} answers "
