@@ -287,16 +287,18 @@ def train(model_dir: str, examples: list[Example], held_in: list[Example], held_
             for s, out in enumerate(head.unroll(tapped, embedded, args.ttt_steps)):
                 # anchor p's step s drafts token p + 2 + s: the target's distribution at p + 1 + s
                 n = t - 1 - s  # the anchors with a position p + 1 + s
-                logits = head.logits(out[:, :n]).float().log_softmax(-1)
-                # the target's distribution, renormalized on the draft vocabulary
-                p = target_logits[:, 1 + s :].softmax(-1)
                 wanted = target_to_draft[target_argmax[:, 1 + s :]]  # -1: outside the draft vocabulary
-                # only anchors the engine drafts from (answers, not prompts), inside the sequence
+                # only anchors the engine drafts from (answers, not prompts), inside the sequence; the
+                # output layer and the loss run over those rows alone (a batch's prompts and padding
+                # are ~40% of its positions, each a row of the draft vocabulary's width)
                 mask = anchors[:, :n] & anchors[:, s : s + n] & (wanted >= 0)
+                logits = head.logits(out[:, :n][mask]).float().log_softmax(-1)
+                # the target's distribution, renormalized on the draft vocabulary
+                p = target_logits[:, 1 + s :][mask].softmax(-1)
                 count = mask.sum().clamp(min=1)
                 # later steps weigh less (0.8 ** s, as SpecForge): a draft counts only after the ones before
-                loss = loss + 0.8**s * (-(p * logits).sum(-1) * mask).sum() / count
-                hits.append(((logits.argmax(-1) == wanted) & mask).sum() / count)
+                loss = loss - 0.8**s * (p * logits).sum() / count
+                hits.append((logits.argmax(-1) == wanted[mask]).sum() / count)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
