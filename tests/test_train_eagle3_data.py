@@ -108,5 +108,8 @@ def test_answers_within_draws_prompts_as_the_engine_has_room(
     ticks = itertools.count()
     drawn.clear()
     cut = train_eagle3.answers_within(llm, drawing(), greedy, 4.0, 3, clock=lambda: float(next(ticks)))
-    assert cut == expected[: len(cut)] and len(drawn) < len(prompts), (len(cut), len(drawn))
+    # the kept answers, in the order drawn: a later prompt's short answer may finish before an
+    # earlier prompt's long one, which the deadline then cuts off
+    kept = iter(expected[: len(drawn)])
+    assert all(example in kept for example in cut) and len(drawn) < len(prompts), (len(cut), len(drawn))
     assert not llm.engine.has_work()
