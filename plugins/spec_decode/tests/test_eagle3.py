@@ -321,15 +321,19 @@ def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng
                                   tap_layers=runner.tap_layers, record=False)
             decode.capture()
             graphs = DraftGraphs(decode, runner.drafter, runner.sampler, engine.capabilities.vocab_size,
-                                 record=False)
+                                 runner.draft_limits, record=False)
             graphs.capture()
-            run = graphs.run
+            run, run_greedy = graphs.run, graphs.run_greedy
 
-            def counted(chunks, q, found):  # type: ignore[no-untyped-def]
+            def counted(chunks, q, emitted):  # type: ignore[no-untyped-def]
                 replays.append(q)
-                return run(chunks, q, found)
+                return run(chunks, q, emitted)
 
-            graphs.run = counted  # type: ignore[method-assign]
+            def counted_greedy(chunks, q, tokens):  # type: ignore[no-untyped-def]
+                replays.append(q)
+                return run_greedy(chunks, q, tokens)
+
+            graphs.run, graphs.run_greedy = counted, counted_greedy  # type: ignore[method-assign]
             runner.graphs, runner.draft_graphs = decode, graphs
         seen = record_drafts(runner)
         batch = prompts(engine.capabilities.vocab_size, rng_seed)

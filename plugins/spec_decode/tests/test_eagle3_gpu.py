@@ -125,17 +125,22 @@ def test_eagle3_drafts_with_graphs_equal_the_eager_drafts(checkpoints: Checkpoin
 
 
 def count_drafting_replays(llm: LLM) -> list[int]:
-    """How many steps' drafting the engine replayed from its drafting graphs (one counter)."""
+    """How many steps' drafting the engine replayed from its drafting graphs (one counter): after
+    the host's verify (`run`) or behind the device's (`run_greedy`)."""
     graphs = llm.engine.runner.draft_graphs
     assert graphs is not None
-    run, replays = graphs.run, [0]
+    run, run_greedy, replays = graphs.run, graphs.run_greedy, [0]
 
     def counted(*args):  # type: ignore[no-untyped-def]
         drafts = run(*args)
         replays[0] += drafts is not None
         return drafts
 
-    graphs.run = counted  # type: ignore[method-assign]
+    def counted_greedy(*args):  # type: ignore[no-untyped-def]
+        replays[0] += 1
+        return run_greedy(*args)
+
+    graphs.run, graphs.run_greedy = counted, counted_greedy  # type: ignore[method-assign]
     return replays
 
 
