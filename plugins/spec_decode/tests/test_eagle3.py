@@ -283,12 +283,10 @@ def test_the_chain_metadata_in_one_pass_drafts_as_a_pass_per_draft(dirs: dict[st
     assert any(len(set(step)) > 1 for step in lengths), "no step whose requests drafted different counts"
 
 
-def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng_seed: int,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step's drafting as its CUDA graphs replay it (record=False: the same drafting over
-    the static buffers, after decode graphs of record=False: q rows a request padded to the batch
-    size, rows that write no KV, requests that stop drafting early, all-greedy and drawn batches)
-    gives the eager chain's drafts and probabilities, step after step."""
+def unrecorded_graphs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Decode and drafting graphs of record=False in place of the runner's (the CPU has none): the
+    replays' data flow over their static buffers (q rows a request padded to the batch size, rows
+    that write no KV). Returns the list of each drafting replay's q."""
     import dataclasses
 
     import jackfield.attention.torch_ref
@@ -307,36 +305,45 @@ def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng
 
     monkeypatch.setattr(DecodeGraphs, "static_metadata", with_static_lengths)
     monkeypatch.setattr(jackfield.attention.torch_ref, "check_attend_inputs", lambda *args: None)
+    engine, runner = llm.engine, llm.engine.runner
+    decode = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          runner.block_tables, runner.kv.num_blocks, runner.block_size,
+                          engine.max_model_len, engine.config.engine.max_num_seqs, engine.device,
+                          query_lens=(1, 1 + K), tap_layers=runner.tap_layers, record=False)
+    decode.capture()
+    graphs = DraftGraphs(decode, runner.drafter, runner.sampler, engine.capabilities.vocab_size,
+                         runner.draft_limits, record=False)
+    graphs.capture()
+    replays: list[int] = []
+    run, run_greedy = graphs.run, graphs.run_greedy
+
+    def counted(chunks, q, emitted):  # type: ignore[no-untyped-def]
+        replays.append(q)
+        return run(chunks, q, emitted)
+
+    def counted_greedy(chunks, q, tokens):  # type: ignore[no-untyped-def]
+        replays.append(q)
+        return run_greedy(chunks, q, tokens)
+
+    graphs.run, graphs.run_greedy = counted, counted_greedy  # type: ignore[method-assign]
+    runner.graphs, runner.draft_graphs = decode, graphs
+    return replays
+
+
+def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng_seed: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's drafting as its CUDA graphs replay it (record=False: the same drafting over
+    the static buffers, after decode graphs of record=False: q rows a request padded to the batch
+    size, rows that write no KV, requests that stop drafting early, all-greedy and drawn batches)
+    gives the eager chain's drafts and probabilities, step after step."""
     settings = {**BASE, **eagle3(dirs["head_d2t"]), "engine.block_size": 4, "engine.max_num_seqs": 4}
     print(f"seed={rng_seed}")
 
     def drafts(replayed: bool) -> tuple[list[object], list[list[int]], list[int]]:
         llm = LLM(str(dirs["llama"]), **settings)
-        engine, runner = llm.engine, llm.engine.runner
-        replays: list[int] = []
-        if replayed:
-            decode = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
-                                  runner.block_tables, runner.kv.num_blocks, runner.block_size,
-                                  engine.max_model_len, 4, engine.device, query_lens=(1, 1 + K),
-                                  tap_layers=runner.tap_layers, record=False)
-            decode.capture()
-            graphs = DraftGraphs(decode, runner.drafter, runner.sampler, engine.capabilities.vocab_size,
-                                 runner.draft_limits, record=False)
-            graphs.capture()
-            run, run_greedy = graphs.run, graphs.run_greedy
-
-            def counted(chunks, q, emitted):  # type: ignore[no-untyped-def]
-                replays.append(q)
-                return run(chunks, q, emitted)
-
-            def counted_greedy(chunks, q, tokens):  # type: ignore[no-untyped-def]
-                replays.append(q)
-                return run_greedy(chunks, q, tokens)
-
-            graphs.run, graphs.run_greedy = counted, counted_greedy  # type: ignore[method-assign]
-            runner.graphs, runner.draft_graphs = decode, graphs
-        seen = record_drafts(runner)
-        batch = prompts(engine.capabilities.vocab_size, rng_seed)
+        replays = unrecorded_graphs(llm, monkeypatch) if replayed else []
+        seen = record_drafts(llm.engine.runner)
+        batch = prompts(llm.engine.capabilities.vocab_size, rng_seed)
         drawn = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=rng_seed % 1000 + n)
                  for n in (9, 12)] + [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)]
         greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 13, 7)]
@@ -359,6 +366,68 @@ def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng
     assert drew and stopped_early, (drew, stopped_early)
 
 
+def test_greedy_acceptance_on_the_device_drafts_as_the_eager_chain(dirs: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain greedy step replayed with drafting graphs counts each request's accepted drafts on
+    the device and reads its tokens and drafts back together (`DraftGraphs.run_greedy`): the same
+    new tokens and drafts as the eager chain, step after step, over batches whose requests accept
+    every count. The drafts the target verifies are an oracle's (the target's own greedy tokens),
+    per step and request all right, right then wrong, all wrong, wrong then right (matches after
+    a mismatch count for nothing), or one right draft only (fewer
+    rows than the batch's q - 1), in turn; requests near their max_tokens may draft fewer. The
+    prompts are fixed: most fall into a loop of one token (this tiny target's), where a request
+    with fewer drafts has padding rows equal to its next token, which only its own draft count
+    keeps from counting as accepted."""
+    settings = {**BASE, **eagle3(dirs["head_d2t"]), "engine.block_size": 4, "engine.max_num_seqs": 4}
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 14, 17, 11)]
+    vocab = 97
+    gen = torch.Generator().manual_seed(1)
+    batch = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (17, 5, 2, 9)]
+    reference = [o.token_ids for o in LLM(str(dirs["llama"]), **BASE).generate(batch, params)]
+    # per request of a step: its drafts verified, the step's q, its new tokens, its drafter's drafts
+    Step = list[tuple[int, int, list[int], list[int]]]
+
+    def steps(fused: bool) -> tuple[list[Step], list[list[int]], list[int]]:
+        llm = LLM(str(dirs["llama"]), **settings)
+        assert llm.engine.capabilities.vocab_size == vocab
+        runner = llm.engine.runner
+        replays = unrecorded_graphs(llm, monkeypatch) if fused else []
+        inner, seen = runner._draft, []
+
+        def oracle(chunks, hidden, emitted, taps, hooks, recorded, greedy_drafting=None):  # type: ignore[no-untyped-def]
+            assert (greedy_drafting is not None) == (fused and recorded is not None)
+            drafts = inner(chunks, hidden, emitted, taps, hooks, recorded, greedy_drafting)
+            sampling = [c for c in chunks if c.samples]
+            q = 1 + max(c.num_drafts for c in sampling) if sampling else 0
+            step: Step = []
+            verified = []
+            for chunk, new, (ids, probs) in zip(sampling, emitted, drafts, strict=True):
+                r = chunk.seq.request_id
+                assert chunk.seq.token_ids[: len(batch[r])] == batch[r] and probs is None
+                step.append((chunk.num_drafts, q, new, ids))
+                done = chunk.seq.num_output_tokens + len(new)
+                right = reference[r][done : done + len(ids)]
+                wrong = [(t + 1) % vocab for t in right]
+                turns = [right, right[:1] + wrong[1:], wrong, wrong[:1] + right[1:], right[:1]]
+                verified.append((turns[(r + len(seen)) % len(turns)], None))
+            seen.append(step)
+            return verified
+
+        runner._draft = oracle
+        outputs = [o.token_ids for o in llm.generate(batch, params)]
+        return seen, outputs, replays
+
+    (want, want_tokens, _), (got, got_tokens, replays) = steps(False), steps(True)
+    assert got == want and got_tokens == want_tokens == reference
+    assert replays.count(1 + K) >= 5, replays
+    verify_steps = [(d, q, len(new) - 1, new, ids) for step in got for d, q, new, ids in step if q > 1]
+    assert any(d and a == 0 for d, _, a, _, _ in verify_steps)  # every draft rejected
+    assert any(0 < a < d for d, _, a, _, _ in verify_steps)  # some accepted
+    assert any(a == d == K for d, _, a, _, _ in verify_steps)  # every one of k accepted
+    # fewer drafts than the batch's q - 1, every one accepted, its bonus equal to its padding rows'
+    # token (its last draft): counted past its draft count, the device would accept a padding row
+    assert any(d == a < q - 1 and d and new[-1] == new[-2] for d, q, a, new, _ in verify_steps)
+    assert any(0 < len(ids) < K for _, _, _, _, ids in verify_steps)  # a limit short of k
 @pytest.mark.parametrize(("case", "reason"), [
     ("missing", "speculative.model {dir}: no such directory"),
     ("hidden", "{dir}/config.json: hidden_size 48 differs from the target model's 32"),
