@@ -19,9 +19,9 @@ from jackfield.cli import main
 from jackfield.config import ConfigError
 from jackfield.engine.block_manager import max_request_blocks
 from jackfield.testing.checkpoints import write_deepseek, write_granite
+from jackfield_spec_decode.testing import OracleStep, check_oracle_steps, oracle_drafts, write_eagle3
 from jackfield_spec_decode.testing import reference_rms_norm as rms_norm
 from jackfield_spec_decode.testing import reference_rope as rope
-from jackfield_spec_decode.testing import write_eagle3
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -371,63 +371,33 @@ def test_greedy_acceptance_on_the_device_drafts_as_the_eager_chain(dirs: dict[st
     """A plain greedy step replayed with drafting graphs counts each request's accepted drafts on
     the device and reads its tokens and drafts back together (`DraftGraphs.run_greedy`): the same
     new tokens and drafts as the eager chain, step after step, over batches whose requests accept
-    every count. The drafts the target verifies are an oracle's (the target's own greedy tokens),
-    per step and request all right, right then wrong, all wrong, wrong then right (matches after
-    a mismatch count for nothing), or one right draft only (fewer
-    rows than the batch's q - 1), in turn; requests near their max_tokens may draft fewer. The
-    prompts are fixed: most fall into a loop of one token (this tiny target's), where a request
-    with fewer drafts has padding rows equal to its next token, which only its own draft count
-    keeps from counting as accepted."""
+    every count (`oracle_drafts`); requests near their max_tokens may draft fewer. The prompts
+    are fixed: most fall into a loop of one token (this tiny target's), where a request with
+    fewer drafts has padding rows equal to its next token, which only its own draft count keeps
+    from counting as accepted."""
     settings = {**BASE, **eagle3(dirs["head_d2t"]), "engine.block_size": 4, "engine.max_num_seqs": 4}
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 14, 17, 11)]
     vocab = 97
     gen = torch.Generator().manual_seed(1)
     batch = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (17, 5, 2, 9)]
     reference = [o.token_ids for o in LLM(str(dirs["llama"]), **BASE).generate(batch, params)]
-    # per request of a step: its drafts verified, the step's q, its new tokens, its drafter's drafts
-    Step = list[tuple[int, int, list[int], list[int]]]
 
-    def steps(fused: bool) -> tuple[list[Step], list[list[int]], list[int]]:
+    def steps(fused: bool) -> tuple[list[OracleStep], list[list[int]], list[int]]:
         llm = LLM(str(dirs["llama"]), **settings)
         assert llm.engine.capabilities.vocab_size == vocab
-        runner = llm.engine.runner
         replays = unrecorded_graphs(llm, monkeypatch) if fused else []
-        inner, seen = runner._draft, []
-
-        def oracle(chunks, hidden, emitted, taps, hooks, recorded, greedy_drafting=None):  # type: ignore[no-untyped-def]
-            assert (greedy_drafting is not None) == (fused and recorded is not None)
-            drafts = inner(chunks, hidden, emitted, taps, hooks, recorded, greedy_drafting)
-            sampling = [c for c in chunks if c.samples]
-            q = 1 + max(c.num_drafts for c in sampling) if sampling else 0
-            step: Step = []
-            verified = []
-            for chunk, new, (ids, probs) in zip(sampling, emitted, drafts, strict=True):
-                r = chunk.seq.request_id
-                assert chunk.seq.token_ids[: len(batch[r])] == batch[r] and probs is None
-                step.append((chunk.num_drafts, q, new, ids))
-                done = chunk.seq.num_output_tokens + len(new)
-                right = reference[r][done : done + len(ids)]
-                wrong = [(t + 1) % vocab for t in right]
-                turns = [right, right[:1] + wrong[1:], wrong, wrong[:1] + right[1:], right[:1]]
-                verified.append((turns[(r + len(seen)) % len(turns)], None))
-            seen.append(step)
-            return verified
-
-        runner._draft = oracle
-        outputs = [o.token_ids for o in llm.generate(batch, params)]
-        return seen, outputs, replays
+        seen = oracle_drafts(llm.engine.runner, batch, reference, vocab)
+        return seen, [o.token_ids for o in llm.generate(batch, params)], replays
 
     (want, want_tokens, _), (got, got_tokens, replays) = steps(False), steps(True)
     assert got == want and got_tokens == want_tokens == reference
     assert replays.count(1 + K) >= 5, replays
-    verify_steps = [(d, q, len(new) - 1, new, ids) for step in got for d, q, new, ids in step if q > 1]
-    assert any(d and a == 0 for d, _, a, _, _ in verify_steps)  # every draft rejected
-    assert any(0 < a < d for d, _, a, _, _ in verify_steps)  # some accepted
-    assert any(a == d == K for d, _, a, _, _ in verify_steps)  # every one of k accepted
-    # fewer drafts than the batch's q - 1, every one accepted, its bonus equal to its padding rows'
-    # token (its last draft): counted past its draft count, the device would accept a padding row
-    assert any(d == a < q - 1 and d and new[-1] == new[-2] for d, q, a, new, _ in verify_steps)
-    assert any(0 < len(ids) < K for _, _, _, _, ids in verify_steps)  # a limit short of k
+    check_oracle_steps(got, K)
+    # a request of fewer drafts than q - 1, every one accepted, its bonus its last draft's token
+    # (that of its padding rows): counted past its own drafts, its padding rows would be accepted
+    assert any(0 < d == len(new) - 1 < q - 1 and new[-1] == new[-2] for step in got for d, q, new, _ in step)
+
+
 @pytest.mark.parametrize(("case", "reason"), [
     ("missing", "speculative.model {dir}: no such directory"),
     ("hidden", "{dir}/config.json: hidden_size 48 differs from the target model's 32"),
