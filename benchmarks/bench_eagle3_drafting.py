@@ -5,8 +5,10 @@ model runner's `_draft`: the head over the verified rows and the chain of drafts
 syncs), all greedy with `ignore_eos`. A random head's drafts are rarely accepted: the figures
 are per step, not tokens/s. The ceiling, measured in the same run: the copy bandwidth, and with
 it the drafting phase's floor, k reads of the head's weights (each draft's forward reads them
-once). On CUDA, a further run counts each drafting phase's host syncs (the chain's one read-back
-is one).
+once). With CUDA graphs a plain greedy step's drafting replays right behind its verify and comes
+back with its tokens (`DraftGraphs.run_greedy`), so `_draft` is left only the drafts' sorting on
+the host: there the drafting column is that remainder, and the eagle3 step is the figure. On
+CUDA, a further run counts each eagle3 decode step's host syncs (with graphs: its one read-back).
 
   python benchmarks/bench_eagle3_drafting.py                      # CUDA when present (graphs on)
   python benchmarks/bench_eagle3_drafting.py --device cpu --profile 1   # cProfile of batch 1's drafting
@@ -36,12 +38,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def counting_syncs(syncs: list[int], run: Callable[[], None]) -> None:
+    """Runs `run` and appends its host syncs, as CUDA's sync debug mode counts them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+
+
 def timed_phase(llm: LLM, batch: list[list[int]], params: SamplingParams, device: str,
                 profile: cProfile.Profile | None = None, syncs: list[int] | None = None,
                 ) -> tuple[list[float], list[float]]:
     """(seconds of each decode step, seconds of each step's drafting phase), each between syncs.
-    `syncs` (CUDA): gets the host syncs of each drafting phase, as CUDA's sync debug mode counts
-    them (each timed phase then runs with the warnings on)."""
+    `syncs` (CUDA): gets the host syncs of each decode step (each step then runs with the
+    warnings on)."""
     runner, engine = llm.engine.runner, llm.engine
     inner = runner._draft
     drafting: list[float] = []
@@ -51,24 +65,14 @@ def timed_phase(llm: LLM, batch: list[list[int]], params: SamplingParams, device
         start = time.perf_counter()
         if profile is not None:
             profile.enable()
-        if syncs is not None:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    out = inner(*args)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
-        else:
-            out = inner(*args)
+        out = inner(*args)
         sync(device)
         if profile is not None:
             profile.disable()
         drafting.append(time.perf_counter() - start)
         return out
 
-    if runner.drafter is not None:
+    if runner.drafter is not None and syncs is None:  # counted steps keep the timer's syncs out
         runner._draft = timed
     steps: list[float] = []
     try:
@@ -77,12 +81,15 @@ def timed_phase(llm: LLM, batch: list[list[int]], params: SamplingParams, device
             prefilling = any(s.num_computed < s.prompt_len for s in seqs)
             sync(device)
             start = time.perf_counter()
-            engine.step()
+            if syncs is not None and not prefilling:
+                counting_syncs(syncs, engine.step)
+            else:
+                engine.step()
             sync(device)
             if not prefilling:
                 steps.append(time.perf_counter() - start)
     finally:
-        if runner.drafter is not None:
+        if runner.drafter is not None and syncs is None:
             del runner._draft  # the method again
     return steps, drafting
 
@@ -141,8 +148,8 @@ def main() -> None:
             if args.device == "cuda":
                 syncs: list[int] = []
                 timed_phase(eagle, batch, params, args.device, syncs=syncs)
-                print(f"host syncs per drafting phase at batch {batch_size} (CUDA sync debug mode): "
-                      f"min {min(syncs)}, max {max(syncs)}, over {len(syncs)} phases", flush=True)
+                print(f"host syncs per eagle3 decode step at batch {batch_size} (CUDA sync debug mode): "
+                      f"min {min(syncs)}, max {max(syncs)}, over {len(syncs)} steps", flush=True)
             if batch_size == args.profile:  # a run of its own: the profiler slows what it sees
                 profile = cProfile.Profile()
                 _, phases = timed_phase(eagle, batch, params, args.device, profile)

@@ -5,6 +5,7 @@ P/D backoff (`exportable_tokens`) and the scheduler's reservation use that one n
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from jackfield.contracts.drafter import (
     DraftContext,
@@ -77,7 +78,7 @@ def test_drafts_are_bounded_by_the_slots_their_rows_write(extra_block_rows: int 
                          extra_block_rows=extra_block_rows)
     seq = Sequence(0, 6, list(range(6)), SamplingParams(max_tokens=100), seed=0)
     seq.block_tables = [blocks]
-    d = limits.max_drafts(seq, new_tokens=1)
+    d = int(limits.max_drafts([seq], np.array([1]))[0, 0])
     n = seq.num_tokens + 1
     last_row = n + d - 3 if extra_block_rows is None else n - 2 + d + extra_block_rows
     assert last_row == len(blocks) * block_size - 1  # the last slot the request holds, no further

@@ -19,9 +19,9 @@ from jackfield.cli import main
 from jackfield.config import ConfigError
 from jackfield.engine.block_manager import max_request_blocks
 from jackfield.testing.checkpoints import write_deepseek, write_granite
+from jackfield_spec_decode.testing import OracleStep, check_oracle_steps, oracle_drafts, write_eagle3
 from jackfield_spec_decode.testing import reference_rms_norm as rms_norm
 from jackfield_spec_decode.testing import reference_rope as rope
-from jackfield_spec_decode.testing import write_eagle3
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -283,12 +283,10 @@ def test_the_chain_metadata_in_one_pass_drafts_as_a_pass_per_draft(dirs: dict[st
     assert any(len(set(step)) > 1 for step in lengths), "no step whose requests drafted different counts"
 
 
-def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng_seed: int,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step's drafting as its CUDA graphs replay it (record=False: the same drafting over
-    the static buffers, after decode graphs of record=False: q rows a request padded to the batch
-    size, rows that write no KV, requests that stop drafting early, all-greedy and drawn batches)
-    gives the eager chain's drafts and probabilities, step after step."""
+def unrecorded_graphs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Decode and drafting graphs of record=False in place of the runner's (the CPU has none): the
+    replays' data flow over their static buffers (q rows a request padded to the batch size, rows
+    that write no KV). Returns the list of each drafting replay's q."""
     import dataclasses
 
     import jackfield.attention.torch_ref
@@ -307,32 +305,45 @@ def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng
 
     monkeypatch.setattr(DecodeGraphs, "static_metadata", with_static_lengths)
     monkeypatch.setattr(jackfield.attention.torch_ref, "check_attend_inputs", lambda *args: None)
+    engine, runner = llm.engine, llm.engine.runner
+    decode = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
+                          runner.block_tables, runner.kv.num_blocks, runner.block_size,
+                          engine.max_model_len, engine.config.engine.max_num_seqs, engine.device,
+                          query_lens=(1, 1 + K), tap_layers=runner.tap_layers, record=False)
+    decode.capture()
+    graphs = DraftGraphs(decode, runner.drafter, runner.sampler, engine.capabilities.vocab_size,
+                         runner.draft_limits, record=False)
+    graphs.capture()
+    replays: list[int] = []
+    run, run_greedy = graphs.run, graphs.run_greedy
+
+    def counted(chunks, q, emitted):  # type: ignore[no-untyped-def]
+        replays.append(q)
+        return run(chunks, q, emitted)
+
+    def counted_greedy(chunks, q, tokens):  # type: ignore[no-untyped-def]
+        replays.append(q)
+        return run_greedy(chunks, q, tokens)
+
+    graphs.run, graphs.run_greedy = counted, counted_greedy  # type: ignore[method-assign]
+    runner.graphs, runner.draft_graphs = decode, graphs
+    return replays
+
+
+def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng_seed: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's drafting as its CUDA graphs replay it (record=False: the same drafting over
+    the static buffers, after decode graphs of record=False: q rows a request padded to the batch
+    size, rows that write no KV, requests that stop drafting early, all-greedy and drawn batches)
+    gives the eager chain's drafts and probabilities, step after step."""
     settings = {**BASE, **eagle3(dirs["head_d2t"]), "engine.block_size": 4, "engine.max_num_seqs": 4}
     print(f"seed={rng_seed}")
 
     def drafts(replayed: bool) -> tuple[list[object], list[list[int]], list[int]]:
         llm = LLM(str(dirs["llama"]), **settings)
-        engine, runner = llm.engine, llm.engine.runner
-        replays: list[int] = []
-        if replayed:
-            decode = DecodeGraphs(engine.model, runner.kv_caches, runner.kv_scales, runner.contexts,
-                                  runner.block_tables, runner.kv.num_blocks, runner.block_size,
-                                  engine.max_model_len, 4, engine.device, query_lens=(1, 1 + K),
-                                  tap_layers=runner.tap_layers, record=False)
-            decode.capture()
-            graphs = DraftGraphs(decode, runner.drafter, runner.sampler, engine.capabilities.vocab_size,
-                                 record=False)
-            graphs.capture()
-            run = graphs.run
-
-            def counted(chunks, q, found):  # type: ignore[no-untyped-def]
-                replays.append(q)
-                return run(chunks, q, found)
-
-            graphs.run = counted  # type: ignore[method-assign]
-            runner.graphs, runner.draft_graphs = decode, graphs
-        seen = record_drafts(runner)
-        batch = prompts(engine.capabilities.vocab_size, rng_seed)
+        replays = unrecorded_graphs(llm, monkeypatch) if replayed else []
+        seen = record_drafts(llm.engine.runner)
+        batch = prompts(llm.engine.capabilities.vocab_size, rng_seed)
         drawn = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=rng_seed % 1000 + n)
                  for n in (9, 12)] + [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)]
         greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 13, 7)]
@@ -353,6 +364,38 @@ def test_the_drafting_graphs_draft_as_the_eager_chain(dirs: dict[str, Path], rng
         stopped_early += len({len(ids) for ids, _ in got_step}) > 1  # type: ignore[attr-defined]
     assert len(got) == len(want) and got_tokens == want_tokens
     assert drew and stopped_early, (drew, stopped_early)
+
+
+def test_greedy_acceptance_on_the_device_drafts_as_the_eager_chain(dirs: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain greedy step replayed with drafting graphs counts each request's accepted drafts on
+    the device and reads its tokens and drafts back together (`DraftGraphs.run_greedy`): the same
+    new tokens and drafts as the eager chain, step after step, over batches whose requests accept
+    every count (`oracle_drafts`); requests near their max_tokens may draft fewer. The prompts
+    are fixed: most fall into a loop of one token (this tiny target's), where a request with
+    fewer drafts has padding rows equal to its next token, which only its own draft count keeps
+    from counting as accepted."""
+    settings = {**BASE, **eagle3(dirs["head_d2t"]), "engine.block_size": 4, "engine.max_num_seqs": 4}
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 14, 17, 11)]
+    vocab = 97
+    gen = torch.Generator().manual_seed(1)
+    batch = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (17, 5, 2, 9)]
+    reference = [o.token_ids for o in LLM(str(dirs["llama"]), **BASE).generate(batch, params)]
+
+    def steps(fused: bool) -> tuple[list[OracleStep], list[list[int]], list[int]]:
+        llm = LLM(str(dirs["llama"]), **settings)
+        assert llm.engine.capabilities.vocab_size == vocab
+        replays = unrecorded_graphs(llm, monkeypatch) if fused else []
+        seen = oracle_drafts(llm.engine.runner, batch, reference, vocab)
+        return seen, [o.token_ids for o in llm.generate(batch, params)], replays
+
+    (want, want_tokens, _), (got, got_tokens, replays) = steps(False), steps(True)
+    assert got == want and got_tokens == want_tokens == reference
+    assert replays.count(1 + K) >= 5, replays
+    check_oracle_steps(got, K)
+    # a request of fewer drafts than q - 1, every one accepted, its bonus its last draft's token
+    # (that of its padding rows): counted past its own drafts, its padding rows would be accepted
+    assert any(0 < d == len(new) - 1 < q - 1 and new[-1] == new[-2] for step in got for d, q, new, _ in step)
 
 
 @pytest.mark.parametrize(("case", "reason"), [

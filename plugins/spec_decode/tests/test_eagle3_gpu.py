@@ -125,17 +125,22 @@ def test_eagle3_drafts_with_graphs_equal_the_eager_drafts(checkpoints: Checkpoin
 
 
 def count_drafting_replays(llm: LLM) -> list[int]:
-    """How many steps' drafting the engine replayed from its drafting graphs (one counter)."""
+    """How many steps' drafting the engine replayed from its drafting graphs (one counter): after
+    the host's verify (`run`) or behind the device's (`run_greedy`)."""
     graphs = llm.engine.runner.draft_graphs
     assert graphs is not None
-    run, replays = graphs.run, [0]
+    run, run_greedy, replays = graphs.run, graphs.run_greedy, [0]
 
     def counted(*args):  # type: ignore[no-untyped-def]
         drafts = run(*args)
         replays[0] += drafts is not None
         return drafts
 
-    graphs.run = counted  # type: ignore[method-assign]
+    def counted_greedy(*args):  # type: ignore[no-untyped-def]
+        replays[0] += 1
+        return run_greedy(*args)
+
+    graphs.run, graphs.run_greedy = counted, counted_greedy  # type: ignore[method-assign]
     return replays
 
 
@@ -179,3 +184,38 @@ def test_eagle3_greedy_drafts_with_graphs_equal_the_eager_drafts(checkpoints: Ch
             assert got_ids == want_ids, f"step {step}, request {r}: {got_ids} with graphs, {want_ids} eager"
             compared += bool(want_ids)
     assert replays[0] >= 10 and compared >= 20, (replays, compared, parted)
+
+
+def test_greedy_acceptance_on_the_device_equals_the_hosts(checkpoints: Checkpoints) -> None:
+    """With CUDA graphs a plain greedy step counts its requests' accepted drafts on the device and
+    replays the drafting right behind the verify (`DraftGraphs.run_greedy`: the selection's kernels
+    recorded in the drafting graphs, the staged inputs' copy then the verify tokens' copy on one
+    stream, one read-back into pinned memory): its new tokens and drafts are, bit for bit, those of
+    the same graphs after the host's verify (`run`: requests that ask for logprobs are not plain
+    greedy), over every accepted count (`oracle_drafts`)."""
+    from jackfield import LLM, SamplingParams
+    from jackfield_spec_decode.testing import OracleStep, check_oracle_steps, oracle_drafts
+
+    target, speculative = checkpoints
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (7, 60, 33, 12)]
+    lengths = (24, 17, 20, 13)
+
+    def params(logprobs: int | None) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+                for n in lengths]
+
+    # the oracle's right drafts: the run without drafts (a verify may part from it by rounding:
+    # then both runs below verify the same other drafts)
+    reference = [o.token_ids for o in LLM(target, **SETTINGS).generate(prompts, params(None))]
+
+    def steps(logprobs: int | None) -> tuple[list[OracleStep], list[list[int]], int]:
+        llm = LLM(target, **SETTINGS, **speculative)
+        replays = count_drafting_replays(llm)
+        seen = oracle_drafts(llm.engine.runner, prompts, reference, 4096)
+        return seen, [o.token_ids for o in llm.generate(prompts, params(logprobs))], replays[0]
+
+    (got, got_tokens, fused), (want, want_tokens, verified) = steps(None), steps(1)
+    assert got == want and got_tokens == want_tokens
+    assert fused >= 8 and verified >= 8, (fused, verified)
+    check_oracle_steps(got, 3)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from jackfield.contracts.attention import StepContext
@@ -58,16 +59,20 @@ class DraftLimits:
     block_size: int
     extra_block_rows: int | None = None  # `ModelDrafter.extra_block_rows`
 
-    def max_drafts(self, seq: Request, new_tokens: int) -> int:
-        """Drafts `seq` may make after `new_tokens` more tokens: the verify step emits up to
-        drafts + 1 tokens, and the row of draft j >= 1 writes KV at position N + j - 2 (a
-        block of d + e rows writes up to N - 2 + d + e)."""
-        num_tokens = seq.num_tokens + new_tokens
-        left = seq.params.max_tokens - seq.num_output_tokens - new_tokens
-        room = min(left, self.max_model_len - num_tokens) - 1
+    def max_drafts(self, seqs: Sequence[Request], new_tokens: np.ndarray) -> np.ndarray:
+        """int64 [len(seqs), columns]: the drafts each request may make after `new_tokens` more
+        tokens ([len(seqs), 1]: one count a request; [columns]: every request after each): the
+        verify step emits up to drafts + 1 tokens, and the row of draft j >= 1 writes KV at
+        position N + j - 2 (a block of d + e rows writes up to N - 2 + d + e). Vectorized: the
+        drafting graphs bound every request at every accepted count of the step at once."""
+        own = np.array([(s.num_tokens, s.params.max_tokens - s.num_output_tokens, len(s.block_tables[0]))
+                        for s in seqs], dtype=np.int64).reshape(-1, 3)
+        num_tokens = own[:, :1] + new_tokens
+        left = own[:, 1:2] - new_tokens
+        room = np.minimum(left, self.max_model_len - num_tokens) - 1
         past = 2 if self.extra_block_rows is None else 1 - self.extra_block_rows
-        slots = len(seq.block_tables[0]) * self.block_size - num_tokens + past
-        return max(0, min(self.num_speculative_tokens, room, slots))
+        slots = own[:, 2:] * self.block_size - num_tokens + past
+        return np.clip(np.minimum(room, slots), 0, self.num_speculative_tokens)
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,10 @@ def verified_rows(chunks: list[ScheduledChunk], emitted: list[list[int]],
     drafting: list[tuple[Request, int]] = []
     last_rows: list[int] = []
     max_drafts: list[int] = []
+    sampling = [c.seq for c in chunks if c.samples and c.seq.pooling is None]
     new_tokens = iter(emitted)
+    counts = np.array([len(new) for new in emitted], dtype=np.int64).reshape(-1, 1)
+    bounds = iter(limits.max_drafts(sampling, counts)[:, 0].tolist())
     start = 0
     for chunk in chunks:
         seq = chunk.seq
@@ -104,7 +112,7 @@ def verified_rows(chunks: list[ScheduledChunk], emitted: list[list[int]],
             new = next(new_tokens)
             tokens = tokens + new  # the accepted drafts, then the target's token
             verified = known + len(new) - 1
-            limit = limits.max_drafts(seq, len(new))
+            limit = next(bounds)
             if limit:
                 drafting.append((seq, len(tokens)))
                 last_rows.append(len(rows) + verified - 1)

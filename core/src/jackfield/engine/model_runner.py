@@ -43,8 +43,8 @@ from jackfield.distributed.dcp import DCPLayout, dcp_metadata
 from jackfield.engine.block_table import BlockTableRows
 from jackfield.engine.cpu_threads import CpuThreads
 from jackfield.engine.cuda_graphs import DecodeGraphs
-from jackfield.engine.draft_graphs import DraftGraphs
-from jackfield.engine.drafting import DraftLimits, Span, draft_in_step, verified_rows
+from jackfield.engine.draft_graphs import DraftGraphs, GreedyDrafting
+from jackfield.engine.drafting import DraftLimits, Span, draft_in_step
 from jackfield.engine.kv_cache import KVCache
 from jackfield.engine.piecewise_graphs import PiecewiseGraphs
 from jackfield.engine.recurrent_state import RecurrentStates
@@ -274,7 +274,8 @@ class ModelRunner:
 
     def _capture_drafting(self, drafter: ChainDrafter, say: Callable[[str], None]) -> DraftGraphs:
         assert self.graphs is not None
-        graphs = DraftGraphs(self.graphs, drafter, self.sampler, self.capabilities.vocab_size)
+        graphs = DraftGraphs(self.graphs, drafter, self.sampler, self.capabilities.vocab_size,
+                             self.draft_limits)
         try:
             graphs.capture(say)
         except RuntimeError as exc:
@@ -502,7 +503,19 @@ class ModelRunner:
             return StepResult([], [], embeddings, prompt_logprobs, drafts)
         logits = self.model.compute_logits(hidden)  # one row per sampled position
         tokens, out, metadata = self._sample(logits, sampling)
-        token_ids = _checked(tokens.tolist())  # the step's one host sync (a random verify adds one)
+        greedy_drafting = None
+        if (metadata is None and recorded is not None and self.draft_graphs is not None
+                and self.recurrent is None):
+            # plain greedy (a hybrid model's steps keep the path that rolls its states back): the
+            # drafting graph counts each request's accepted drafts on the device and replays
+            # behind the verify, so one read-back brings the tokens and the drafts
+            if hooks is not None:
+                hooks.before_drafter()
+            with host_single_threaded():
+                greedy_drafting = self.draft_graphs.run_greedy(chunks, recorded, tokens)
+            token_ids = _checked(greedy_drafting.token_ids)
+        else:
+            token_ids = _checked(tokens.tolist())  # the step's one host sync (a random verify adds one)
         first_row = list(itertools.accumulate((1 + c.num_drafts for c in sampling), initial=0))
         emitted = [greedy_accept(c.seq.draft_ids[: c.num_drafts], token_ids[first_row[i] : first_row[i + 1]])
                    for i, c in enumerate(sampling)]
@@ -531,7 +544,7 @@ class ModelRunner:
                 logprobs[i] = [{**dict(zip(ids[r][:k], values[r][:k], strict=True)), token: next(chosen)}
                                for r, token in zip(range(first_row[i], first_row[i] + len(emitted[i])),
                                                    emitted[i], strict=True)]
-        drafts = self._draft(chunks, every_row, emitted, taps, hooks, recorded)
+        drafts = self._draft(chunks, every_row, emitted, taps, hooks, recorded, greedy_drafting)
         self._end_saves(connector_metadata)
         return StepResult(emitted, logprobs, embeddings, prompt_logprobs, drafts)
 
@@ -606,18 +619,21 @@ class ModelRunner:
 
     def _draft(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, emitted: list[list[int]],
                taps: LayerTaps | None, hooks: ConnectorLayers | None, recorded: int | None,
+               greedy_drafting: GreedyDrafting | None = None,
                ) -> list[tuple[list[int], torch.Tensor | None]] | None:
         """The model drafter's part of the step (engine/drafting.py; `hidden` and `taps`: every
         row's), replayed from the drafting graphs after a replayed step (`recorded`: its rows a
-        request) where they serve it."""
+        request) where they serve it; a plain greedy step's drafts were read back with its
+        tokens (`greedy_drafting`): each request's at its accepted count."""
         if self.drafter is None:
             return None
+        if greedy_drafting is not None:
+            return greedy_drafting.drafts(emitted)
         if hooks is not None:
             hooks.before_drafter()
         if recorded is not None and self.draft_graphs is not None:
-            found = verified_rows(chunks, emitted, self.draft_limits)
             with host_single_threaded():
-                drafts = self.draft_graphs.run(chunks, recorded, found)
+                drafts = self.draft_graphs.run(chunks, recorded, emitted)
             if drafts is not None:
                 return drafts
         states = [] if taps is None else [s for s in taps.states if s is not None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -145,3 +146,51 @@ def write_dflash(directory: Path, target: Path, seed: int, target_layer_ids: lis
     }
     (directory / "config.json").write_text(json.dumps({**data, **config}))
     return tensors
+
+
+# per request of a step: the drafts it verified, the step's q, its new tokens, its drafter's drafts
+OracleStep = list[tuple[int, int, list[int], list[int]]]
+
+
+def oracle_drafts(runner: Any, prompts: list[list[int]], reference: list[list[int]],
+                  vocab: int) -> list[OracleStep]:
+    """Replaces the drafts a model runner hands the engine by an oracle's, so greedy verify steps
+    meet every accepted count: from `reference` (request r's greedy tokens without drafts, its
+    request id r, its prompt prompts[r]), in turn per step and request, its drafter's count of
+    drafts all right, right then wrong, all wrong, wrong then right (matches after a mismatch
+    count for nothing), or one right draft only (fewer rows than the batch's q - 1). Returns the
+    list that gets each step's requests: what they verified and what the drafter drafted."""
+    inner, seen = runner._draft, []
+
+    def oracle(chunks, hidden, emitted, *rest):  # type: ignore[no-untyped-def]
+        drafts = inner(chunks, hidden, emitted, *rest)
+        sampling = [c for c in chunks if c.samples]
+        q = 1 + max(c.num_drafts for c in sampling) if sampling else 0
+        step: OracleStep = []
+        verified = []
+        for chunk, new, (ids, probs) in zip(sampling, emitted, drafts, strict=True):
+            r = chunk.seq.request_id
+            assert chunk.seq.token_ids[: len(prompts[r])] == prompts[r] and probs is None
+            step.append((chunk.num_drafts, q, new, ids))
+            done = chunk.seq.num_output_tokens + len(new)
+            right = reference[r][done : done + len(ids)]
+            wrong = [(t + 1) % vocab for t in right]
+            turns = [right, right[:1] + wrong[1:], wrong, wrong[:1] + right[1:], right[:1]]
+            verified.append((turns[(r + len(seen)) % len(turns)], None))
+        seen.append(step)
+        return verified
+
+    runner._draft = oracle
+    return seen
+
+
+def check_oracle_steps(steps: list[OracleStep], k: int) -> None:
+    """The oracle's verify steps (q > 1) met every accepted count a of d drafts: none, some, all
+    k, and fewer drafts than the batch's q - 1, every one accepted; and some request's limit was
+    short of k."""
+    verify = [(d, q, len(new) - 1, ids) for step in steps for d, q, new, ids in step if q > 1]
+    assert any(d and a == 0 for d, _, a, _ in verify), "no step rejected every draft"
+    assert any(0 < a < d for d, _, a, _ in verify), "no step accepted some drafts"
+    assert any(a == d == k for d, _, a, _ in verify), "no step accepted all k drafts"
+    assert any(0 < d == a < q - 1 for d, q, a, _ in verify), "no step of fewer drafts, all accepted"
+    assert any(0 < len(ids) < k for _, _, _, ids in verify), "no limit short of k"
