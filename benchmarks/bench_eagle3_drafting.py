@@ -7,8 +7,9 @@ are per step, not tokens/s. The ceiling, measured in the same run: the copy band
 it the drafting phase's floor, k reads of the head's weights (each draft's forward reads them
 once). With CUDA graphs a plain greedy step's drafting replays right behind its verify and comes
 back with its tokens (`DraftGraphs.run_greedy`), so `_draft` is left only the drafts' sorting on
-the host: there the drafting column is that remainder, and the eagle3 step is the figure. On
-CUDA, a further run counts each eagle3 decode step's host syncs (with graphs: its one read-back).
+the host: there the `_draft` column is that remainder, and the eagle3 step's extra time over a
+plain one, against the floor, is the drafting's cost. On CUDA, a further run counts each eagle3
+decode step's host syncs (with graphs: its one read-back).
 
   python benchmarks/bench_eagle3_drafting.py                      # CUDA when present (graphs on)
   python benchmarks/bench_eagle3_drafting.py --device cpu --profile 1   # cProfile of batch 1's drafting
@@ -104,10 +105,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="the target's layers (SmolLM2-135M: 30)")
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--draft-vocab", type=int, default=16384)
+    parser.add_argument("--draft-vocab", type=int,
+                        help="the head's vocabulary (default: the target's, as train_eagle3 writes it)")
     parser.add_argument("--profile", type=int, metavar="BATCH",
                         help="cProfile the drafting at this batch size")
     args = parser.parse_args()
+    args.draft_vocab = args.draft_vocab or args.vocab
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         target, head = Path(tmp) / "target", Path(tmp) / "head"
@@ -134,8 +137,9 @@ def main() -> None:
               f"draft vocab {args.draft_vocab}, k {args.k}, {args.new_tokens} new tokens")
         print(f"ceiling: copy {bandwidth / 1e9:.0f} GB/s; the head's weights {head_bytes / 2**20:.1f} MiB, "
               f"so a drafting phase's floor (k reads) {floor_ms:.3f} ms")
-        print("| batch | plain step ms | eagle3 step ms | its drafting ms | drafting / floor |")
-        print("|---:|---:|---:|---:|---:|")
+        print("| batch | plain step ms | eagle3 step ms | eagle3 / plain | (eagle3 - plain) / floor "
+              "| `_draft` ms |")
+        print("|---:|---:|---:|---:|---:|---:|")
         for batch_size in args.batch_sizes:
             batch = [torch.randint(0, args.vocab, (32,), generator=g).tolist() for _ in range(batch_size)]
             median: Callable[[list[float]], float] = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
@@ -143,8 +147,9 @@ def main() -> None:
             timed_phase(eagle, batch, params, args.device)
             plain_steps, _ = timed_phase(plain, batch, params, args.device)
             eagle_steps, drafting = timed_phase(eagle, batch, params, args.device)
-            print(f"| {batch_size} | {median(plain_steps):.2f} | {median(eagle_steps):.2f} | "
-                  f"{median(drafting):.2f} | {median(drafting) / floor_ms:.0f}x |", flush=True)
+            plain_ms, eagle_ms = median(plain_steps), median(eagle_steps)
+            print(f"| {batch_size} | {plain_ms:.2f} | {eagle_ms:.2f} | {eagle_ms / plain_ms:.2f}x | "
+                  f"{(eagle_ms - plain_ms) / floor_ms:.0f}x | {median(drafting):.2f} |", flush=True)
             if args.device == "cuda":
                 syncs: list[int] = []
                 timed_phase(eagle, batch, params, args.device, syncs=syncs)
