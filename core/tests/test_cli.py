@@ -218,3 +218,29 @@ def test_bench_reports_one_row_per_batch_size(capsys: pytest.CaptureFixture[str]
         assert 0 < row["time_to_first_token_s"] <= row["latency_s_mean"]
     assert main([*args[:-1], "--output-len", "0"]) == 2
     assert "--output-len must be >= 1" in capsys.readouterr().err
+
+
+def test_run_chat_renders_each_prompt_as_a_user_message(model: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """--chat: each --prompt goes through the model's chat template (as `LLM.chat` renders a
+    one-turn conversation), the text prompt is what is printed; a model without a template, or
+    --chat without text prompts, is a user error."""
+    from jackfield import LLM, SamplingParams
+
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    args = ["run", "--model", str(model), "--device", "cpu", "--chat", "--prompt", "Hello there",
+            "--max-tokens", "5", "--temperature", "0", "--json"]
+    assert main(args) == 2
+    assert "has no chat template" in capsys.readouterr().err
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    want = LLM(str(model), device="cpu").chat([{"role": "user", "content": "Hello there"}],
+                                              SamplingParams(temperature=0.0, max_tokens=5))[0]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["outputs"][0]["prompt"] == "Hello there"
+    assert out["outputs"][0]["token_ids"] == want.token_ids
+    assert out["summary"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert main(["run", "--chat", "--prompt-token-ids", "1,2"]) == 2
+    assert "--chat renders --prompt texts" in capsys.readouterr().err

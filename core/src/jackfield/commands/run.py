@@ -48,6 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--task", choices=("generate", "embed"), default="generate",
                         help="embed: print one pooled vector per prompt (bidirectional embedding models)")
     parser.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
+    parser.add_argument("--chat", action="store_true",
+                        help="each --prompt is a user's message, rendered by the model's chat template "
+                             "(an instruct model answers; as LLM.chat)")
     parser.add_argument("--prompt-token-ids", action="append", metavar="IDS",
                         help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)")
     defaults = SamplingParams()
@@ -122,6 +125,9 @@ def main(args: argparse.Namespace) -> int:
                                for flag, _ in SAMPLING_FLAGS}, stop=tuple(args.stop))
     overrides = config_overrides(args)
     token_prompts = _token_id_prompts(args.prompt_token_ids)
+    if args.chat and (token_prompts or not args.prompt or args.task == "embed"):
+        raise ValueError("--chat renders --prompt texts as chat messages: give --prompt, "
+                         "without --prompt-token-ids or --task embed")
     say, close = _stage_bar()
     try:  # --pd: the prefill process is stopped at exit
         llm = (PDLLM if args.pd else LLM)(args.model, args.config, progress=say, **overrides)
@@ -130,9 +136,15 @@ def main(args: argparse.Namespace) -> int:
     prompts: list[str | list[int]] = [*(args.prompt or []), *token_prompts] or list(DEFAULT_PROMPTS)
     if args.task == "embed":
         return _embed(llm, prompts, args.json)
+    inputs = prompts
+    if args.chat:  # each text a one-turn conversation; the texts themselves are printed
+        from jackfield.engine.tokenizer import chat_prompt_ids
+
+        inputs = [chat_prompt_ids(llm.tokenizer, llm.engine.model_dir, [{"role": "user", "content": p}])
+                  for p in prompts]
     bar = tqdm(total=len(prompts), desc="generating", unit="req", file=sys.stderr, delay=1.0, leave=False)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False,
+    outputs = llm.generate(inputs, params, use_tqdm=False,
                            progress=lambda done, _: done > bar.n and bar.update(done - bar.n))
     elapsed = time.perf_counter() - start
     bar.close()
