@@ -8,6 +8,8 @@ import sys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from jackfield.commands.run import add_config_flags
+
     parser = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)"
     )
@@ -19,6 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pd", action="store_true",
                         help="prefill/decode disaggregation: a second engine in a child process computes "
                              "the prompts and hands their KV to this one (jackfield-kv-offload; docs/pd.md)")
+    add_config_flags(parser)  # run's: --speculative-method, --kv-cache-dtype, ..., --set
     parser.set_defaults(handler=main)
 
 
@@ -26,6 +29,7 @@ def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from jackfield.commands.pd import PDLLM
+    from jackfield.commands.run import config_overrides
     from jackfield.config import resolve_config
     from jackfield.engine.async_engine import AsyncEngine
     from jackfield.engine.engine import Engine
@@ -38,7 +42,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             f"jackfield serve needs the server packages: pip install 'jackfield[serve]' ({exc})"
         ) from None
-    config = resolve_config(args.config, args.model, {})
+    overrides = config_overrides(args)
+    config = resolve_config(args.config, args.model, overrides)
     if config.parallel.tensor_parallel_size > 1:
         # Every rank must run the same requests in the same order; a server's requests arrive at
         # one process only, and nothing hands them to the other ranks yet.
@@ -48,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(message, file=sys.stderr)
 
-    pair = PDLLM(args.model, args.config, progress=say) if args.pd else None
+    pair = PDLLM(args.model, args.config, progress=say, **overrides) if args.pd else None
     engine = pair.engine if pair is not None else Engine(config, say)
     name = args.served_model_name or (Path(args.model).name if args.model else Path(engine.model_dir).name)
     async_engine = AsyncEngine(engine, pair)
