@@ -106,6 +106,12 @@ def test_doctor_accepts_every_example(example: Path, tmp_path: Path) -> None:
     assert main(["doctor", "--config", str(example), "--model", str(model_dir(tmp_path))]) == 0
 
 
+def test_doctor_names_the_drafter(capsys: pytest.CaptureFixture[str]) -> None:
+    """The speculative example resolves to its drafter, k and the distribution that provides it."""
+    assert main(["doctor", "--config", str(REPO / "examples" / "speculative_ngram.toml")]) == 0
+    assert "  speculative: ngram, k = 3 (jackfield-spec-decode)\n" in capsys.readouterr().out
+
+
 def test_console_script_runs_without_traceback(tmp_path: Path) -> None:
     config = write_config(tmp_path, "[engine]\nmax_num_seqs = -1\n")
     result = subprocess.run(

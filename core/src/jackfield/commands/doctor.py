@@ -42,6 +42,12 @@ def diagnose(config: JackfieldConfig, registry: Registry) -> tuple[list[str], li
         plan = checked.kv_scales
         resolved.append(f"kv cache: fp8_e4m3, scales ({plan.source}): {plan.detail}")
     resolved.append(f"sampler: {config.sampler.name}")
+    speculative = config.speculative
+    if speculative.method is not None:  # preflight found it registered
+        drafter = registry.entries["drafter"][speculative.method]
+        draft = f", draft {speculative.model}" if speculative.model else ""
+        resolved.append(f"speculative: {speculative.method}, k = {speculative.num_speculative_tokens}{draft} "
+                        f"({drafter.distribution})")
     for note in (tokenizer_note(config), prefix_cache_note(config, hf_config)):
         if note is not None:
             resolved.append(f"note: {note}")
