@@ -8,7 +8,7 @@ import random
 import torch
 from jackfield import LLM, SamplingParams
 from jackfield.engine.block_manager import BlockManager
-from jackfield.engine.block_table import BlockTableRows
+from jackfield.engine.block_table import BlockTableRows, slots_at
 from jackfield.engine.scheduler import Scheduler
 from jackfield.engine.sequence import Sequence, Status
 
@@ -118,3 +118,18 @@ def test_a_step_reads_slots_and_tables_as_the_lists_give_them(tmp_path, rng_seed
     while engine.scheduler.has_work():
         engine.step()
     assert checked["eager"] > 10 and checked["graph"] > 10
+
+
+def test_slots_at_are_the_lists_slots(rng_seed: int) -> None:
+    """Each position's slot is block table[position // block size] * block size + position %
+    block size, per request, for positions [n, ...] of any rank (a decode's rows, a chain's rows
+    at every accepted count)."""
+    print(f"seed {rng_seed}")
+    rng = random.Random(rng_seed)
+    bs, n, width = 4, 3, 5
+    lists = [[rng.randrange(1, 100) for _ in range(width)] for _ in range(n)]
+    positions = torch.randint(0, bs * width, (n, 2, 3)).numpy()
+    got = slots_at(torch.tensor(lists, dtype=torch.int32).numpy(), positions, bs)
+    want = [[[lists[r][p // bs] * bs + p % bs for p in row] for row in request]
+            for r, request in enumerate(positions.tolist())]
+    assert got.tolist() == want

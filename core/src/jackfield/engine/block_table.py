@@ -19,6 +19,16 @@ import numpy as np
 import torch
 
 
+def slots_at(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The KV slot of each of `positions` [n, ...] in its request's block table (`table` [n,
+    width], one group's). A position past the request's blocks (a padding or dead row, whose slot
+    the caller masks to -1) or below 0 reads a clipped block: its value is meaningless, not an
+    index error."""
+    index = np.clip(positions // block_size, 0, table.shape[1] - 1)
+    requests = np.arange(table.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
+    return table.astype(np.int64)[requests, index] * block_size + positions % block_size
+
+
 class BlockTableRows:
     def __init__(self, num_groups: int, rows: int = 16, width: int = 16) -> None:
         self.array = torch.zeros(num_groups, max(rows, 1), max(width, 1), dtype=torch.int32)

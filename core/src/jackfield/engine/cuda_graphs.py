@@ -41,7 +41,7 @@ import torch
 
 from jackfield.contracts.attention import AttentionMetadata, StepContext
 from jackfield.contracts.model import LayerTaps, ModelFamily
-from jackfield.engine.block_table import BlockTableRows
+from jackfield.engine.block_table import BlockTableRows, slots_at
 from jackfield.engine.recurrent_state import RecurrentStates
 from jackfield.engine.scheduler import ScheduledChunk
 from jackfield.models.attention import StepContextBuilder
@@ -230,12 +230,10 @@ class DecodeGraphs:
         if n and not 0 <= tables.min() <= tables.max() < self.num_blocks:
             raise ValueError(f"decode block ids {tables.min()}..{tables.max()} outside the cache's "
                              f"{self.num_blocks} blocks")
-        # a padding row may sit past its request's blocks: its slot is -1 anyway
-        index = np.minimum(positions[:n] // bs, width - 1)  # [n, q]
-        requests = np.arange(n)[:, None]
         for group_table, slot_mapping, block_table in zip(tables, self.slot_mapping, self.block_table,
                                                           strict=True):
-            slots = group_table.astype(np.int64)[requests, index] * bs + positions[:n] % bs
+            # a padding row may sit past its request's blocks: its slot is -1 anyway
+            slots = slots_at(group_table, positions[:n], bs)
             slot_mapping.np[: n * q] = np.where(is_real, slots, -1).reshape(-1)
             slot_mapping.np[n * q : rows] = -1
             slot_mapping.copy_to_device(rows)

@@ -43,6 +43,7 @@ import torch
 from jackfield.contracts.attention import StepContext
 from jackfield.contracts.drafter import ChainDrafter, DraftRows
 from jackfield.contracts.sampler import Sampler
+from jackfield.engine.block_table import slots_at
 from jackfield.engine.cuda_graphs import DecodeGraphs
 from jackfield.engine.drafting import DraftLimits, drawn_drafts, greedy_drafts
 from jackfield.engine.scheduler import ScheduledChunk
@@ -342,16 +343,11 @@ class DraftGraphs:
             rows = np.array([s.num_computed for s in seqs], dtype=np.int64)[:, None] + offsets  # [chunks, q]
             real = offsets <= drafts[:, None]
             tables = self.decode.block_tables.gather_array([s.table_row for s in seqs])  # type: ignore[misc]
-            width = tables.shape[2]
-            requests = np.arange(n)
-            for g, table in enumerate(tables.astype(np.int64)):
+            for g, table in enumerate(tables):
                 # a padding row, or a chain row that drafts nothing, may sit past its request's
-                # blocks: clipped, its slot is -1
-                slots = table[requests[:, None], np.minimum(rows // bs, width - 1)] * bs + rows % bs
-                host["slots"][g, :n] = np.where(real, slots, -1)
-                index = np.clip(positions // bs, 0, width - 1)
-                slots = table[requests[:, None, None], index] * bs + positions % bs
-                chain[:, 2 + g] = np.where(live, slots, -1).transpose(1, 2, 0)
+                # blocks: its slot is -1
+                host["slots"][g, :n] = np.where(real, slots_at(table, rows, bs), -1)
+                chain[:, 2 + g] = np.where(live, slots_at(table, positions, bs), -1).transpose(1, 2, 0)
         self.staged.copy_to_device(staged.length)
         self.fence.record()
         return staged
