@@ -39,15 +39,20 @@ def test_no_held_out_prompt_names_a_training_topic(prompts: ModuleType) -> None:
     assert not shared
 
 
+def assert_no_held_out_prompt_fits(prompts: ModuleType, template: str) -> None:
+    """No held-out prompt fits `template` (any text in its slots) or opens with its first three words."""
+    fits = re.compile(re.escape(template).replace(re.escape("{}"), ".+") + ".*", re.IGNORECASE)
+    opening = " ".join(template.lower().split()[:3])
+    for prompt in prompts.HELD_OUT:
+        assert not fits.fullmatch(prompt), (template, prompt)
+        assert " ".join(prompt.lower().split()[:3]) != opening, (template, prompt)
+
+
 def test_held_out_prompts_use_no_template_phrasing(prompts: ModuleType) -> None:
     """No held-out prompt fits a template (any topic in its slot) or opens with a template's
     first three words."""
     for template in prompts.TEMPLATES:
-        fits = re.compile(re.escape(template).replace(re.escape("{}"), ".+") + ".*", re.IGNORECASE)
-        opening = " ".join(template.lower().split()[:3])
-        for prompt in prompts.HELD_OUT:
-            assert not fits.fullmatch(prompt), (template, prompt)
-            assert " ".join(prompt.lower().split()[:3]) != opening, (template, prompt)
+        assert_no_held_out_prompt_fits(prompts, template)
 
 
 def test_the_filter_tells_held_out_families_from_training_topics(prompts: ModuleType, rng_seed: int) -> None:
@@ -73,11 +78,7 @@ def test_held_out_prompts_fit_no_request_example(prompts: ModuleType) -> None:
     for _, examples in prompts.REQUEST_KINDS.values():
         for example in examples:
             assert not prompts.mentions_held_out(example), example
-            fits = re.compile(re.escape(example).replace(re.escape("{}"), ".+") + ".*", re.IGNORECASE)
-            opening = " ".join(example.lower().split()[:3])
-            for prompt in prompts.HELD_OUT:
-                assert not fits.fullmatch(prompt), (example, prompt)
-                assert " ".join(prompt.lower().split()[:3]) != opening, (example, prompt)
+            assert_no_held_out_prompt_fits(prompts, example)
 
 
 def test_seeds_are_lists_over_training_topics(prompts: ModuleType, rng_seed: int) -> None:
